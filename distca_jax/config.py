@@ -1,0 +1,265 @@
+"""One typed configuration schema, YAML files that override it, and `key.sub=value` overrides.
+
+Every experiment is a `Config`. YAML files under `configs/` only override its defaults; command
+line overrides (`model.preset=llama_1b train.steps=10`) are applied last. Values on the command line
+are parsed as YAML scalars (`true`, `3`, `1e-4`, `[1, 2]`). Unknown keys and bad values raise
+`ConfigError` naming the dotted field and, where there is a closed set, the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A configuration value is unknown, of the wrong type, or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Llama-style decoder. `preset` fills shapes; explicitly set fields override the preset."""
+
+  preset: Literal["tiny", "llama_1b", "llama3_8b", "llama_34b", "custom"] = "tiny"
+  vocab_size: int | None = None
+  hidden: int | None = None
+  layers: int | None = None
+  heads: int | None = None
+  kv_heads: int | None = None
+  head_dim: int | None = None
+  ffn: int | None = None
+  rope_theta: float | None = None
+  norm_eps: float = 1e-5
+  # Rematerialisation of each decoder block in the backward pass.
+  remat: Literal["none", "full", "save_dots"] = "full"
+  dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh. `data=-1` takes every device not used by the other axes."""
+
+  data: int = -1
+  tensor: int = 1
+  pipe: int = 1
+  # Shard parameters and optimizer state over `data` (FSDP); replicate them when off.
+  fsdp: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where documents come from and how they are packed into per-device buffers."""
+
+  source: Literal["synthetic", "corpus"] = "synthetic"
+  # `pretrain`, `prolong`, or a path to a JSON list of document lengths.
+  distribution: str = "pretrain"
+  tokens_per_device: int = 1024
+  long_threshold: int = 10_000
+  upsample_long_factor: int = 2
+  elongate_factor: int = 1
+  # ProLong's full-context replacement; `None` turns it on for `prolong` only.
+  full_context_replacement: bool | None = None
+  # Divides every sampled length (after elongation) so small test runs keep the distribution's
+  # shape at a fraction of its size. 1 = the paper's lengths.
+  length_scale: float = 1.0
+  seed: int = 0
+  # For `source: corpus`: token file and document-offsets file built by `launch/build_corpus.py`.
+  corpus_tokens: str | None = None
+  corpus_offsets: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """How core attention runs: where the tokens are (`colocated`) or on attention servers."""
+
+  impl: Literal["colocated", "distca"] = "colocated"
+  kernel: Literal["auto", "reference", "pallas", "triton", "cudnn"] = "auto"
+  # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
+  epsilon: float = 0.1
+  pingpong: bool = True
+  memory_mode: Literal["keep", "resend"] = "keep"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warm-up and cosine decay, global-norm clipping."""
+
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup_steps: int = 5
+  decay_steps: int | None = None  # None: the run's length
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 30
+  seed: int = 0
+  log_every: int = 1
+  out_dir: str = "runs/default"
+  tensorboard: bool = True
+  progress: bool = True
+  # Simulated host devices when no accelerator is present (0: leave XLA's default).
+  cpu_devices: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  data: DataConfig = DataConfig()
+  attention: AttentionConfig = AttentionConfig()
+  optim: OptimConfig = OptimConfig()
+  train: TrainConfig = TrainConfig()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _check_value(path: str, annotation: Any, value: Any) -> Any:
+  """Coerces `value` to `annotation` or raises ConfigError naming `path`."""
+  origin = typing.get_origin(annotation)
+  args = typing.get_args(annotation)
+  if origin is Literal:
+    if value not in args:
+      raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {list(args)}")
+    return value
+  if origin in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    errors = []
+    for arg in args:
+      if arg is type(None):
+        continue
+      try:
+        return _check_value(path, arg, value)
+      except ConfigError as e:
+        errors.append(str(e))
+    raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+  if annotation is bool:
+    if isinstance(value, bool):
+      return value
+    raise ConfigError(f"{path}: expected true or false, got {value!r}")
+  if annotation is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    raise ConfigError(f"{path}: expected an integer, got {value!r}")
+  if annotation is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise ConfigError(f"{path}: expected a number, got {value!r}")
+  if annotation is str:
+    if isinstance(value, str):
+      return value
+    raise ConfigError(f"{path}: expected a string, got {value!r}")
+  raise ConfigError(f"{path}: unsupported field type {annotation}")
+
+
+def _merge(obj: Any, updates: dict[str, Any], prefix: str) -> Any:
+  hints = typing.get_type_hints(type(obj))
+  names = {f.name for f in dataclasses.fields(obj)}
+  changes = {}
+  for key, value in updates.items():
+    path = f"{prefix}{key}"
+    if key not in names:
+      raise ConfigError(f"{path}: unknown field; known fields are {sorted(names)}")
+    current = getattr(obj, key)
+    if dataclasses.is_dataclass(current):
+      if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping of {sorted(f.name for f in dataclasses.fields(current))}")
+      changes[key] = _merge(current, value, f"{path}.")
+    else:
+      changes[key] = _check_value(path, hints[key], value)
+  return dataclasses.replace(obj, **changes)
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+  keys = dotted.split(".")
+  out: dict[str, Any] = {keys[-1]: value}
+  for key in reversed(keys[:-1]):
+    out = {key: out}
+  return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+  """`"a.b=3"` -> `{"a": {"b": 3}}`, the value parsed as a YAML scalar."""
+  if "=" not in text:
+    raise ConfigError(f"override {text!r}: expected key.sub=value")
+  key, raw = text.split("=", 1)
+  if not key or any(not part for part in key.split(".")):
+    raise ConfigError(f"override {text!r}: empty key")
+  return _nest(key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+  """Defaults, then the YAML file at `path`, then each `key=value` override; then validation."""
+  config = Config()
+  if path is not None:
+    path = Path(path)
+    if not path.exists():
+      raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+      raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    config = _merge(config, data, "")
+  for text in overrides:
+    config = _merge(config, parse_override(text), "")
+  validate(config)
+  return config
+
+
+def validate(config: Config) -> None:
+  """Checks that do not need devices. Mesh-vs-device checks live in `mesh.py`."""
+  from distca_jax.models.presets import resolve  # lazy: keeps config importable alone
+
+  shape = resolve(config.model)  # raises ConfigError on bad shapes
+  d = config.data
+  if d.tokens_per_device <= 0:
+    raise ConfigError(f"data.tokens_per_device: must be positive, got {d.tokens_per_device}")
+  if d.tokens_per_device % 128:
+    raise ConfigError(
+        f"data.tokens_per_device: must be a multiple of 128 (the attention tile), got {d.tokens_per_device}")
+  for name in ("upsample_long_factor", "elongate_factor", "long_threshold"):
+    if getattr(d, name) < 1:
+      raise ConfigError(f"data.{name}: must be >= 1, got {getattr(d, name)}")
+  if d.length_scale <= 0:
+    raise ConfigError(f"data.length_scale: must be positive, got {d.length_scale}")
+  if d.source == "corpus" and (d.corpus_tokens is None or d.corpus_offsets is None):
+    raise ConfigError("data.corpus_tokens and data.corpus_offsets: both are required when data.source=corpus")
+  m = config.mesh
+  for name in ("tensor", "pipe"):
+    if getattr(m, name) < 1:
+      raise ConfigError(f"mesh.{name}: must be >= 1, got {getattr(m, name)}")
+  if m.data == 0 or m.data < -1:
+    raise ConfigError(f"mesh.data: must be -1 (all remaining devices) or >= 1, got {m.data}")
+  if m.pipe != 1:
+    raise ConfigError("mesh.pipe: pipeline parallelism is not implemented yet; use 1")
+  if shape.heads % m.tensor or shape.kv_heads % m.tensor:
+    raise ConfigError(
+        f"mesh.tensor: {m.tensor} must divide model.heads ({shape.heads}) and model.kv_heads ({shape.kv_heads})")
+  if shape.ffn % m.tensor:
+    raise ConfigError(f"mesh.tensor: {m.tensor} must divide model.ffn ({shape.ffn})")
+  a = config.attention
+  if not 0 <= a.epsilon < 1:
+    raise ConfigError(f"attention.epsilon: must be in [0, 1), got {a.epsilon}")
+  o = config.optim
+  if o.lr <= 0:
+    raise ConfigError(f"optim.lr: must be positive, got {o.lr}")
+  if not 0 <= o.min_lr_ratio <= 1:
+    raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
+  if o.warmup_steps < 0:
+    raise ConfigError(f"optim.warmup_steps: must be >= 0, got {o.warmup_steps}")
+  if config.train.steps < 1:
+    raise ConfigError(f"train.steps: must be >= 1, got {config.train.steps}")
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+  return dataclasses.asdict(config)

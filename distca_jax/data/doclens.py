@@ -1,0 +1,83 @@
+"""The shipped document-length distributions and the paper's batch sampling scheme.
+
+`doclens/` holds copies of the two distributions (see its README for provenance, Apache-2.0).
+Sampling follows DESIGN.md / the README there: split at `long_threshold`, repeat long documents
+`upsample_long_factor` times, optionally replace long documents by full-context ones (ProLong),
+draw without replacement, multiply by `elongate_factor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+BUILTIN = ("pretrain", "prolong")
+# ProLong's full-context documents are 64K tokens before elongation.
+FULL_CONTEXT_TOKENS = 65_536
+
+
+def load_lengths(name_or_path: str) -> np.ndarray:
+  """Document lengths (int64, all >= 1) of a built-in distribution or a JSON list file."""
+  if name_or_path in BUILTIN:
+    text = resources.files("distca_jax.data").joinpath(f"doclens/{name_or_path}.json").read_text()
+    source = f"built-in distribution {name_or_path!r}"
+  else:
+    path = Path(name_or_path)
+    if not path.exists():
+      raise ValueError(
+          f"data.distribution: {name_or_path!r} is neither one of {list(BUILTIN)} nor an existing file")
+    text = path.read_text()
+    source = str(path)
+  try:
+    values = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{source}: not valid JSON ({e})") from e
+  if not isinstance(values, list) or not values:
+    raise ValueError(f"{source}: expected a non-empty JSON list of document lengths")
+  if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    raise ValueError(f"{source}: every document length must be an integer")
+  lengths = np.asarray(values, dtype=np.int64)
+  if (lengths < 1).any():
+    raise ValueError(f"{source}: document lengths must be >= 1 (found {int(lengths.min())})")
+  return lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthSampler:
+  """Draws batches of document lengths, deterministically per (seed, step)."""
+
+  lengths: np.ndarray
+  long_threshold: int = 10_000
+  upsample_long_factor: int = 2
+  elongate_factor: int = 1
+  full_context_replacement: bool = False
+  length_scale: float = 1.0
+  seed: int = 0
+
+  def _pool(self, rng: np.random.Generator) -> np.ndarray:
+    short = self.lengths[self.lengths < self.long_threshold]
+    long = self.lengths[self.lengths >= self.long_threshold]
+    if self.full_context_replacement and long.size:
+      replace = rng.random(long.size) < 0.5
+      long = np.where(replace, FULL_CONTEXT_TOKENS, long)
+    return np.concatenate([short, np.tile(long, self.upsample_long_factor)])
+
+  def sample(self, total_tokens: int, step: int) -> np.ndarray:
+    """Lengths that sum to exactly `total_tokens` (the last one is cut to fit)."""
+    rng = np.random.default_rng([self.seed, step])
+    pool = self._pool(rng)
+    order = rng.permutation(pool.size)
+    scaled = np.maximum(1, np.round(pool[order] * self.elongate_factor / self.length_scale)).astype(np.int64)
+    ends = np.cumsum(scaled)
+    n = int(np.searchsorted(ends, total_tokens)) + 1
+    if n > scaled.size:  # the whole pool is smaller than the batch: draw again
+      reps = -(-total_tokens // int(ends[-1])) + 1
+      return LengthSampler.sample(
+          dataclasses.replace(self, lengths=np.tile(self.lengths, reps)), total_tokens, step)
+    out = scaled[:n].copy()
+    out[-1] -= int(ends[n - 1]) - total_tokens
+    return out

@@ -1,0 +1,107 @@
+"""Packing documents into fixed-length per-device token buffers (DESIGN.md §1 "Initial layout").
+
+Documents fill buffer 0, then buffer 1, ... in order; a document that overflows a buffer
+continues in the next one, its in-document positions continuing. Every buffer therefore holds
+exactly `buffer_len` tokens (memory balance), except trailing padding when the documents run out.
+
+The result is a `Layout`: one row per *shard* (the piece of one document inside one buffer). It is
+the input of the CA-task scheduler and of the colocated attention task tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+PAD_SEGMENT = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Shards of documents in buffers. All arrays int64, one entry per shard, ordered by
+  (buffer, buffer_offset) which is also document order.
+
+  doc_lens[d]        length of document d (all documents of the batch)
+  buffer[s]          which buffer (device) the shard lives in
+  buffer_offset[s]   first token of the shard inside its buffer
+  doc[s]             document id
+  doc_offset[s]      in-document position of the shard's first token
+  length[s]          tokens in the shard (>= 1)
+  """
+
+  num_buffers: int
+  buffer_len: int
+  doc_lens: np.ndarray
+  buffer: np.ndarray
+  buffer_offset: np.ndarray
+  doc: np.ndarray
+  doc_offset: np.ndarray
+  length: np.ndarray
+
+  @property
+  def num_shards(self) -> int:
+    return int(self.length.size)
+
+  def segment_ids(self) -> np.ndarray:
+    """[num_buffers, buffer_len] int32 document id per token, PAD_SEGMENT for padding."""
+    out = np.full((self.num_buffers, self.buffer_len), PAD_SEGMENT, np.int32)
+    flat = out.reshape(-1)
+    starts = self.buffer * self.buffer_len + self.buffer_offset
+    flat[_ranges(starts, self.length)] = np.repeat(self.doc, self.length)
+    return out
+
+  def positions(self) -> np.ndarray:
+    """[num_buffers, buffer_len] int32 in-document position per token (0 for padding)."""
+    out = np.zeros((self.num_buffers, self.buffer_len), np.int32)
+    flat = out.reshape(-1)
+    starts = self.buffer * self.buffer_len + self.buffer_offset
+    idx = _ranges(starts, self.length)
+    flat[idx] = idx - np.repeat(starts, self.length) + np.repeat(self.doc_offset, self.length)
+    return out
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Concatenation of arange(s, s + l) for each pair, without a Python loop."""
+  total = int(lengths.sum())
+  if total == 0:
+    return np.zeros(0, np.int64)
+  offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+  return np.repeat(starts, lengths) + np.arange(total) - offsets
+
+
+def pack(doc_lens, num_buffers: int, buffer_len: int) -> Layout:
+  """Lays out documents in order over `num_buffers` buffers of `buffer_len` tokens.
+
+  Raises ValueError if a length is < 1 or the documents do not fit.
+  """
+  doc_lens = np.asarray(doc_lens, dtype=np.int64).reshape(-1)
+  if num_buffers < 1 or buffer_len < 1:
+    raise ValueError(f"pack: need num_buffers >= 1 and buffer_len >= 1, got {num_buffers}, {buffer_len}")
+  if doc_lens.size and doc_lens.min() < 1:
+    raise ValueError(f"pack: document lengths must be >= 1, found {int(doc_lens.min())}")
+  capacity = num_buffers * buffer_len
+  total = int(doc_lens.sum())
+  if total > capacity:
+    raise ValueError(f"pack: {total} tokens do not fit {num_buffers} buffers of {buffer_len}")
+  doc_start = np.cumsum(doc_lens) - doc_lens  # global flat position of each document
+  doc_end = doc_start + doc_lens
+  # A document touches buffers first_b .. last_b; one shard per touched buffer.
+  first_b = doc_start // buffer_len
+  last_b = (doc_end - 1) // buffer_len
+  per_doc = np.where(doc_lens > 0, last_b - first_b + 1, 0)
+  doc = np.repeat(np.arange(doc_lens.size), per_doc)
+  k = np.arange(doc.size) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+  buffer = first_b[doc] + k
+  lo = np.maximum(doc_start[doc], buffer * buffer_len)
+  hi = np.minimum(doc_end[doc], (buffer + 1) * buffer_len)
+  return Layout(
+      num_buffers=num_buffers,
+      buffer_len=buffer_len,
+      doc_lens=doc_lens,
+      buffer=buffer,
+      buffer_offset=lo - buffer * buffer_len,
+      doc=doc,
+      doc_offset=lo - doc_start[doc],
+      length=hi - lo,
+  )
