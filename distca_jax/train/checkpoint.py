@@ -1,0 +1,263 @@
+"""Checkpoints: a thin layer over `orbax.checkpoint.CheckpointManager` (orbax-checkpoint 0.12.x).
+
+A checkpoint of step s is the directory `DIR/s/` with two items:
+
+  state   the training state, a pytree of (possibly sharded) jax arrays, stored by orbax's
+          StandardCheckpointHandler (tensorstore/OCDBT; every host writes its own shards).
+  extra   a small JSON dict: the data iterator's step, the model shape the state belongs to, ...
+
+What this layer adds to orbax:
+
+  * Saves are asynchronous: `maybe_save` returns once the arrays are copied off the devices (so
+    the caller may donate or overwrite them), and the files are written in a background thread.
+  * Only *complete* checkpoints are visible. Orbax writes a step into `s.orbax-checkpoint-tmp-*`,
+    writes `commit_success.txt` into it, then renames it to `s/` (commit-file mode on object
+    stores writes `s/` in place and the marker last). A save killed midway therefore leaves either
+    a tmp directory (orbax ignores it) or a step directory without the marker, which orbax 0.12
+    would list as a step; `all_steps` drops those too, so `restore()` never picks one.
+  * `restore` places arrays with the shardings of an abstract state (so a checkpoint taken on one
+    mesh restores onto another), checks the stored tree and shapes against it first, checks the
+    stored `extra` against what the caller expects (e.g. the model shape), and turns orbax's
+    low-level failures into `NoCheckpointError`, `CheckpointMismatchError` or
+    `CheckpointCorruptError` naming the step and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+# Written by orbax into a step directory as the last act of a save (0.12.x, both atomicity modes).
+COMMIT_MARKER = "commit_success.txt"
+
+
+class CheckpointError(RuntimeError):
+  """Base class of every checkpoint failure raised here."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+  """There is no (complete) checkpoint to restore."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+  """The checkpoint does not belong to the current run: model shape, tree or array shapes differ."""
+
+
+class CheckpointCorruptError(CheckpointError):
+  """A checkpoint's files are unreadable: truncated, garbled, or partly deleted."""
+
+
+class Checkpointer:
+  """Saves every `save_every` steps, keeps the last `keep`, restores with target shardings.
+
+  Args:
+    directory: where step directories live; created on first use unless `create=False`.
+    save_every: `maybe_save(step, ...)` saves when `step % save_every == 0`.
+    keep: number of most recent checkpoints kept; older ones are deleted after each save.
+    async_save: write files in a background thread (the default); False blocks in `maybe_save`.
+    create: create `directory` if it does not exist (set False for read-only use).
+
+  Use as a context manager, or call `close()`: it waits for the last save to finish.
+  """
+
+  def __init__(self, directory: str | Path, save_every: int, keep: int, async_save: bool = True,
+               create: bool = True):
+    if save_every < 1:
+      raise ValueError(f"Checkpointer: save_every must be >= 1, got {save_every}")
+    if keep < 1:
+      raise ValueError(f"Checkpointer: keep must be >= 1, got {keep}")
+    self.directory = Path(directory).absolute()
+    self.save_every = save_every
+    self.keep = keep
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=save_every,
+        max_to_keep=keep,
+        enable_async_checkpointing=async_save,
+        create=create,
+        # Removes tmp directories of saves killed in an earlier run, at start-up.
+        cleanup_tmp_directories=True,
+    )
+    # Handlers are registered up front: a manager that only knows item names learns them from
+    # the first save, so a fresh one (a resumed run) could not read metadata before restoring.
+    handlers = {"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    incomplete = self._incomplete_steps()
+    if incomplete:
+      log.warning("checkpoint directory %s: ignoring incomplete step directories %s (no %s; a save "
+                  "was interrupted)", self.directory, incomplete, COMMIT_MARKER)
+
+  # --------------------------------------------------------------------------- saving
+
+  def maybe_save(self, step: int, state: Any, extra: Mapping[str, Any] | None = None, *,
+                 force: bool = False) -> bool:
+    """Saves `state` and `extra` as step `step` if `step % save_every == 0` (or `force`).
+
+    `state` is a pytree of jax arrays (any sharding); `extra` a JSON-serialisable dict.
+    Returns whether a save was started. With async saves, the arrays have been copied to host
+    memory when this returns; the files are complete only after `wait()`.
+    """
+    extra = dict(extra or {})
+    try:
+      json.dumps(extra)
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"Checkpointer.maybe_save: `extra` must be JSON-serialisable ({e})") from e
+    if not (force or self._manager.should_save(step)):
+      return False
+    if step in self._manager.all_steps():
+      return False  # already saved (e.g. a forced save at the last step that was also periodic)
+    return bool(self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)),
+        force=force))
+
+  def wait(self) -> None:
+    """Blocks until every started save is on disk (and re-raises a background save's error)."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # --------------------------------------------------------------------------- listing
+
+  def _step_dir(self, step: int) -> Path:
+    return self.directory / str(step)
+
+  def _incomplete_steps(self) -> list[int]:
+    return sorted(s for s in self._manager.all_steps() if not (self._step_dir(s) / COMMIT_MARKER).exists())
+
+  def all_steps(self) -> list[int]:
+    """Steps of complete checkpoints, ascending. Saves still in flight are not listed."""
+    self._manager.reload()  # another process (or a killed run) may have changed the directory
+    return sorted(s for s in self._manager.all_steps() if (self._step_dir(s) / COMMIT_MARKER).exists())
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None if there is none."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  # --------------------------------------------------------------------------- restoring
+
+  def restore(self, step: int | None = None, abstract_state: Any = None,
+              expect: Mapping[str, Any] | None = None) -> tuple[Any, dict]:
+    """Restores checkpoint `step` (default: the latest complete one) -> (state, extra).
+
+    Args:
+      step: which checkpoint; None takes the latest.
+      abstract_state: pytree of `jax.ShapeDtypeStruct` with `.sharding` (e.g. from
+        `jax.eval_shape` plus the current mesh's shardings). Arrays are read straight into those
+        shardings, on any mesh shape, and cast to those dtypes. None restores as saved (same
+        device set only).
+      expect: entries that the stored `extra` must equal, compared recursively (e.g.
+        `{"model": {"hidden": 4096, "layers": 32, ...}}`); a difference raises
+        CheckpointMismatchError naming every differing field.
+    """
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        if not self.directory.exists():
+          raise NoCheckpointError(f"no checkpoint to restore: directory {self.directory} does not exist")
+        raise NoCheckpointError(f"no checkpoint to restore: {self.directory} holds no complete checkpoint")
+      step = steps[-1]
+    elif step not in steps:
+      why = ("it is incomplete (its save was interrupted)" if self._step_dir(step).exists()
+             else "it does not exist")
+      raise NoCheckpointError(
+          f"checkpoint step {step} in {self.directory}: {why}; complete steps are {steps}")
+    where = f"checkpoint step {step} in {self.directory}"
+
+    try:
+      extra = self._manager.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore())).extra
+    except Exception as e:  # orbax/tensorstore raise many unrelated types for unreadable files
+      raise CheckpointCorruptError(f"{where}: cannot read its `extra` item ({_brief(e)})") from e
+    if not isinstance(extra, dict):
+      raise CheckpointCorruptError(f"{where}: its `extra` item is {type(extra).__name__}, expected a dict")
+    if expect is not None:
+      diffs = _diff(expect, extra, "")
+      if diffs:
+        raise CheckpointMismatchError(
+            f"{where} does not match the current run: " + "; ".join(diffs))
+
+    if abstract_state is not None:
+      self._check_tree(step, where, abstract_state)
+    restore_args = (ocp.args.StandardRestore(abstract_state) if abstract_state is not None
+                    else ocp.args.StandardRestore())
+    try:
+      state = self._manager.restore(step, args=ocp.args.Composite(state=restore_args)).state
+    except Exception as e:
+      raise CheckpointCorruptError(
+          f"{where}: cannot read its arrays ({_brief(e)}); the files are corrupt or "
+          f"incomplete. Other complete steps: {[s for s in steps if s != step]}") from e
+    return state, extra
+
+  def _check_tree(self, step: int, where: str, abstract_state: Any) -> None:
+    """Raises CheckpointMismatchError if the stored tree's paths or array shapes differ from the
+    target's (orbax's own errors for this are deep tensorstore messages)."""
+    try:
+      metadata = self._manager.item_metadata(step).state
+    except Exception as e:
+      raise CheckpointCorruptError(f"{where}: cannot read its array metadata ({_brief(e)})") from e
+    if metadata is None:
+      raise CheckpointCorruptError(f"{where}: its array metadata is missing")
+    stored = {jax.tree_util.keystr(p): tuple(m.shape)
+              for p, m in jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]}
+    wanted = {jax.tree_util.keystr(p): tuple(a.shape)
+              for p, a in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    problems = []
+    missing = sorted(set(wanted) - set(stored))
+    unexpected = sorted(set(stored) - set(wanted))
+    if missing:
+      problems.append(f"arrays not in the checkpoint: {_shorten(missing)}")
+    if unexpected:
+      problems.append(f"arrays in the checkpoint but not in the current state: {_shorten(unexpected)}")
+    for key in sorted(set(stored) & set(wanted)):
+      if stored[key] != wanted[key]:
+        problems.append(f"state{key}: checkpoint shape {stored[key]}, current {wanted[key]}")
+    if problems:
+      raise CheckpointMismatchError(f"{where} does not match the current state: " + "; ".join(problems))
+
+
+def _diff(expect: Any, stored: Any, path: str) -> list[str]:
+  """Human-readable differences between `expect` and `stored`, for the keys of `expect`."""
+  if isinstance(expect, Mapping):
+    if not isinstance(stored, Mapping):
+      return [f"{path or 'extra'}: checkpoint has {stored!r}, current run has a mapping"]
+    out = []
+    for key, value in expect.items():
+      sub = f"{path}.{key}" if path else str(key)
+      if key not in stored:
+        out.append(f"{sub}: missing from the checkpoint (current run has {value!r})")
+      else:
+        out.extend(_diff(value, stored[key], sub))
+    return out
+  # JSON turns tuples into lists; compare through JSON so (1, 2) equals [1, 2].
+  if json.loads(json.dumps(expect)) != stored:
+    return [f"{path}: checkpoint has {stored!r}, current run has {expect!r}"]
+  return []
+
+
+def _brief(e: BaseException, limit: int = 400) -> str:
+  """The first line of an exception's root cause: orbax wraps tensorstore errors whose own first
+  line names the file and the problem, followed by a spec dump kept only in the chain."""
+  root = e
+  while root.__cause__ is not None and root.__cause__ is not root:
+    root = root.__cause__
+  text = str(root).strip()
+  return f"{type(root).__name__}: {text.splitlines()[0] if text else ''}"[:limit]
+
+
+def _shorten(keys: list[str], limit: int = 5) -> str:
+  return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
