@@ -1,0 +1,131 @@
+"""CA-task items: the units of attention work the scheduler places, derived from a packed layout.
+
+DESIGN.md §1 "CA-task". A task is a range of query positions [q_lo, q_hi) of one document, whose
+keys are the document prefix [0, q_hi) (bottom-right causal). Every task has one *home* device,
+the buffer that holds its query rows; its rows there are [home_off, home_off + q_hi - q_lo).
+
+Items. The layout (`distca_jax.data.packing.Layout`) has one shard per (document, buffer): a
+whole document, or the part of a document that overflows into the next buffers. Each shard is
+one initial item on its home device. The paper's head+tail item (chunks [i] and [n-1-i] of a
+document split over ranks, constant causal cost) arises only from context-parallel layouts; in a
+packed layout a spanning document is contiguous per buffer, so its items are its per-buffer
+shards. (The head+tail chunking is used by the per-document CP baseline in `baselines.py`.)
+Splitting an item moves a contiguous query sub-range [x, y) to a server; what remains at home
+([q_lo, x) and [y, q_hi)) stays as up to two home tasks. Query rows of every task are therefore
+contiguous in the home buffer, which the dispatch arrays rely on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from distca_jax.data.packing import Layout
+
+# Flash-attention tile: shards of at least this many rows keep the fused kernel efficient, and
+# cut points at multiples of it in document coordinates keep tiles aligned (DESIGN.md "The idea").
+GRANULE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Tasks:
+  """Struct of int64 arrays, one entry per CA-task.
+
+  home[t]      device whose buffer holds the task's query rows
+  doc[t]       document id (index into layout.doc_lens)
+  q_lo, q_hi   query positions in the document; keys are [0, q_hi)
+  home_off[t]  buffer row of position q_lo on the home device
+  server[t]    device that computes the task (== home: stays local)
+  """
+
+  home: np.ndarray
+  doc: np.ndarray
+  q_lo: np.ndarray
+  q_hi: np.ndarray
+  home_off: np.ndarray
+  server: np.ndarray
+
+  @property
+  def size(self) -> int:
+    return int(self.home.size)
+
+  @property
+  def q_len(self) -> np.ndarray:
+    return self.q_hi - self.q_lo
+
+  @property
+  def kv_len(self) -> np.ndarray:
+    return self.q_hi
+
+  def area(self) -> np.ndarray:
+    """Query-key pairs per task (float64)."""
+    return (self.q_hi - self.q_lo) * (self.q_hi + self.q_lo + 1.0) / 2.0
+
+  def sorted(self) -> "Tasks":
+    """Ordered by (home, home_off): document order inside each home buffer."""
+    key = self.home * (int(self.home_off.max(initial=0)) + 1) + self.home_off
+    if key.size < 2 or (key[1:] >= key[:-1]).all():
+      return self
+    order = np.argsort(key, kind="stable")
+    return Tasks(*(getattr(self, f.name)[order] for f in dataclasses.fields(self)))
+
+
+def validate_layout(layout: Layout) -> None:
+  """Raises ValueError naming the problem if the layout is not a valid packing.
+
+  Checks: positive buffer count and length; every shard length >= 1; shards inside their buffer;
+  no two shards overlap in a buffer; shard ranges inside their document; every document covered
+  exactly once by its shards (lengths >= 1).
+  """
+  n, t = layout.num_buffers, layout.buffer_len
+  if n < 1 or t < 1:
+    raise ValueError(f"layout: need num_buffers >= 1 and buffer_len >= 1, got {n}, {t}")
+  doc_lens = np.asarray(layout.doc_lens)
+  if doc_lens.size and doc_lens.min() < 1:
+    raise ValueError(f"layout: document lengths must be >= 1, found {int(doc_lens.min())}")
+  arrays = (layout.buffer, layout.buffer_offset, layout.doc, layout.doc_offset, layout.length)
+  if len({a.shape for a in arrays}) != 1:
+    raise ValueError("layout: buffer, buffer_offset, doc, doc_offset and length differ in length")
+  if layout.num_shards == 0:
+    if doc_lens.size:
+      raise ValueError("layout: documents but no shards")
+    return
+  if layout.length.min() < 1:
+    raise ValueError(f"layout: shard lengths must be >= 1, found {int(layout.length.min())}")
+  if layout.buffer_offset.min() < 0 or layout.doc_offset.min() < 0:
+    raise ValueError("layout: negative buffer_offset or doc_offset")
+  if layout.buffer.min() < 0 or layout.buffer.max() >= n:
+    raise ValueError(f"layout: shard buffer index outside [0, {n})")
+  end = layout.buffer_offset + layout.length
+  if end.max() > t:
+    s = int(np.argmax(end > t))
+    raise ValueError(f"layout: shard {s} ends at row {int(end[s])} of a buffer of {t} tokens "
+                     "(layout does not match the buffer size)")
+  if layout.doc.min() < 0 or layout.doc.max() >= doc_lens.size:
+    raise ValueError("layout: shard document id outside doc_lens")
+  if (layout.doc_offset + layout.length > doc_lens[layout.doc]).any():
+    raise ValueError("layout: a shard runs past the end of its document")
+  key = layout.buffer * t + layout.buffer_offset
+  if (key[1:] < key[:-1]).any():  # packed layouts are already in buffer order
+    order = np.argsort(key, kind="stable")
+    b, o, e = layout.buffer[order], layout.buffer_offset[order], end[order]
+  else:
+    b, o, e = layout.buffer, layout.buffer_offset, end
+  if ((b[1:] == b[:-1]) & (o[1:] < e[:-1])).any():
+    raise ValueError("layout: two shards overlap in one buffer")
+  covered = np.bincount(layout.doc, weights=layout.length, minlength=doc_lens.size)
+  if (covered != doc_lens).any():
+    d = int(np.argmax(covered != doc_lens))
+    raise ValueError(f"layout: document {d} has {int(doc_lens[d])} tokens but its shards cover "
+                     f"{int(covered[d])}")
+
+
+def initial_tasks(layout: Layout, validate: bool = True) -> Tasks:
+  """One task per layout shard, computed on its home device (the colocated assignment)."""
+  if validate:
+    validate_layout(layout)
+  i64 = lambda a: np.asarray(a, np.int64)
+  return Tasks(home=i64(layout.buffer), doc=i64(layout.doc), q_lo=i64(layout.doc_offset),
+               q_hi=i64(layout.doc_offset + layout.length), home_off=i64(layout.buffer_offset),
+               server=i64(layout.buffer))
