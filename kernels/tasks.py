@@ -79,6 +79,8 @@ def causal_area(tasks: TaskTable) -> np.ndarray:
 def row_bounds(tasks: TaskTable, num_q_rows: int):
   """Per query row: (first visible key row, last visible key row + 1); (0, 0) for rows outside
   every task. jnp, traceable; O(capacity * num_q_rows)."""
+  # Host (numpy) tables must become jnp before a traced `owner` indexes them.
+  tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
   rows = jnp.arange(num_q_rows, dtype=jnp.int32)
   in_task = (rows[None, :] >= tasks.q_start[:, None]) & (
       rows[None, :] < (tasks.q_start + tasks.q_len)[:, None])

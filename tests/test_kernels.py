@@ -1,0 +1,269 @@
+"""Kernels against an independent float64 NumPy oracle: forward (O, LSE) and dQ, dK, dV.
+
+Every backend available on the machine runs: `reference` and `pallas` (interpret mode) on CPU;
+`triton` and `cudnn` need a GPU and are skipped on CPU with the reason. Tolerances: relative error
+(max abs error / max abs value) < 1e-5 in float32, < 1e-2 in bfloat16 (GPU). Shapes are small
+because Pallas interpret mode is slow on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.test_util  # noqa: F401  (check_grads; not imported by `import jax`)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distca_jax import kernels
+from distca_jax.kernels import blocks, make_task_table
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _have_jax_triton():
+  try:
+    import jax_triton  # noqa: F401
+    return True
+  except Exception:  # ImportError, or a triton that does not match
+    return False
+
+
+def _backends():
+  out = [pytest.param("reference"), pytest.param("pallas")]
+  out.append(pytest.param("triton", marks=pytest.mark.skipif(
+      not (ON_GPU and _have_jax_triton()), reason="triton backend needs a GPU and jax-triton")))
+  out.append(pytest.param("cudnn", marks=pytest.mark.skipif(
+      not ON_GPU, reason="cudnn backend needs a GPU")))
+  return out
+
+
+# ------------------------------------------------------------------------------------ oracle
+
+
+def _row_bounds_np(tasks, T):
+  lo = np.zeros(T, np.int64)
+  hi = np.zeros(T, np.int64)
+  for qs, ql, ks, kl in zip(*(np.asarray(a) for a in tasks)):
+    for i in range(ql):
+      lo[qs + i], hi[qs + i] = ks, ks + kl - ql + i + 1
+  return lo, hi
+
+
+def oracle(q, k, v, tasks, do, dlse, scale=None):
+  """Dense float64 attention and its hand-written VJP. -> o, lse, dq, dk, dv."""
+  q, k, v, do, dlse = (np.asarray(a, np.float64) for a in (q, k, v, do, dlse))
+  T, H, D = q.shape
+  S, K, _ = k.shape
+  G = H // K
+  scale = D ** -0.5 if scale is None else scale
+  lo, hi = _row_bounds_np(tasks, T)
+  cols = np.arange(S)
+  mask = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+  live = mask.any(1)
+  o = np.zeros_like(q)
+  lse = np.full((T, H), -np.inf)
+  dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+  for h in range(H):
+    kh = h // G
+    s = np.where(mask, scale * q[:, h] @ k[:, kh].T, -np.inf)
+    m = np.where(live, s.max(1, initial=-np.inf), 0.0)
+    e = np.exp(s - m[:, None])
+    l = e.sum(1)
+    lse[:, h] = np.where(live, np.log(np.where(live, l, 1.0)) + m, -np.inf)
+    p = np.where(mask, np.exp(s - np.where(live, lse[:, h], 0.0)[:, None]), 0.0)
+    o[:, h] = p @ v[:, kh]
+    dp = do[:, h] @ v[:, kh].T
+    delta = (do[:, h] * o[:, h]).sum(1) - np.where(live, dlse[:, h], 0.0)
+    ds = p * (dp - delta[:, None])
+    dq[:, h] = scale * ds @ k[:, kh]
+    dk[:, kh] += scale * ds.T @ q[:, h]
+    dv[:, kh] += p.T @ do[:, h]
+  return o, lse, dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------ cases
+
+
+def _layout(docs, shards, gaps, capacity, order=None):
+  """Fused batch from documents: each doc's K/V once, each shard (doc, a, b) a task with queries
+  doc[a:b] and keys doc[0:b]; `gaps[i]` uncovered query rows before task i; `order` permutes tasks."""
+  kv_off = np.concatenate([[0], np.cumsum(docs)])[:-1]
+  order = range(len(shards)) if order is None else order
+  qs, ql, ks, kl, row = [], [], [], [], 0
+  for i, t in enumerate(order):
+    d, a, b = shards[t]
+    row += gaps[i % len(gaps)]
+    qs.append(row), ql.append(b - a), ks.append(kv_off[d]), kl.append(b)
+    row += b - a
+  T, S = row + gaps[-1], int(np.sum(docs))
+  return make_task_table(qs, ql, ks, kl, capacity=capacity, num_q_rows=T, num_kv_rows=S), T, S
+
+
+def case_mixed():
+  """Shared KV prefix (doc 0 in two shards), a 1-token doc, q << kv, q = kv, ragged lengths,
+  uncovered rows between tasks, empty padding tasks."""
+  docs = [37, 1, 64, 23]
+  shards = [(0, 0, 10), (0, 10, 37), (1, 0, 1), (2, 60, 64), (3, 0, 23)]
+  tasks, T, S = _layout(docs, shards, gaps=[0, 3, 0, 5, 2], capacity=8)
+  return tasks, T, S, 4, 2, 16
+
+
+def case_random(seed=0):
+  """Random documents cut into random shards, tasks in shuffled order, one query head per KV head
+  group of four."""
+  rng = np.random.default_rng(seed)
+  docs = [int(x) for x in rng.integers(1, 40, size=4)]
+  shards = []
+  for d, L in enumerate(docs):
+    cuts = sorted(set(int(c) for c in rng.integers(1, L, size=2))) if L > 2 else []
+    bounds = [0] + cuts + [L]
+    shards += [(d, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+  order = rng.permutation(len(shards))
+  tasks, T, S = _layout(docs, shards, gaps=[1, 0, 2], capacity=len(shards) + 3, order=order)
+  return tasks, T, S, 4, 1, 8
+
+
+CASES = {"mixed": case_mixed, "random": case_random}
+
+
+def _inputs(T, S, H, K, D, dtype, seed=1):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(ks[0], (T, H, D), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (S, K, D), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (S, K, D), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (T, H, D), jnp.float32).astype(dtype)
+  dlse = jax.random.normal(ks[4], (T, H), jnp.float32)
+  return q, k, v, do, dlse
+
+
+@functools.partial(jax.jit, static_argnames="backend")
+def _run(q, k, v, tasks, do, dlse, backend):
+  (o, lse), vjp = jax.vjp(lambda q, k, v: kernels.attention(q, k, v, tasks, backend=backend),
+                          q, k, v)
+  # The LSE cotangent is only meaningful where LSE is finite.
+  dq, dk, dv = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
+  return o, lse, dq, dk, dv
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
+
+
+def _check(backend, case, dtype, tol):
+  tasks, T, S, H, K, D = CASES[case]()
+  q, k, v, do, dlse = _inputs(T, S, H, K, D, dtype)
+  got = _run(q, k, v, tasks, do, dlse, backend)
+  want = oracle(q, k, v, tasks, do, dlse)
+  names = ("o", "lse", "dq", "dk", "dv")
+  for name, g, w in zip(names, got, want):
+    g = np.asarray(g, np.float64)
+    assert not np.isnan(g).any(), f"{backend}/{case}: NaN in {name}"
+    assert g.shape == w.shape, f"{name}: {g.shape} != {w.shape}"
+    if name == "lse":
+      assert (np.isneginf(g) == np.isneginf(w)).all(), f"{backend}/{case}: -inf LSE rows differ"
+      g, w = np.where(np.isfinite(w), g, 0.0), np.where(np.isfinite(w), w, 0.0)
+    err = _rel(g, w)
+    assert err < tol, f"{backend}/{case}/{jnp.dtype(dtype).name}: {name} rel err {err:.2e} >= {tol}"
+  # Rows outside every task: O and dQ exactly zero.
+  lo, hi = _row_bounds_np(tasks, T)
+  dead = hi <= lo
+  assert dead.any()
+  assert np.all(np.asarray(got[0], np.float64)[dead] == 0)
+  assert np.all(np.asarray(got[2], np.float64)[dead] == 0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("backend", _backends())
+def test_float32(backend, case):
+  if ON_GPU and backend != "reference":
+    pytest.skip("float32 accuracy is specified on CPU; GPU kernels use TF32/bf16 paths")
+  _check(backend, case, jnp.float32, 1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("backend", _backends())
+def test_bfloat16(backend, case):
+  if not ON_GPU:
+    pytest.skip("bfloat16 accuracy is specified on GPU")
+  _check(backend, case, jnp.bfloat16, 1e-2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU-sized shapes")
+@pytest.mark.parametrize("backend", _backends())
+def test_bfloat16_gpu_sizes(backend):
+  """Lengths not multiples of 128, shared prefixes, q << kv, at head_dim 128 and GQA 4."""
+  docs = [1000, 300, 2100, 7]
+  shards = [(0, 0, 384), (0, 384, 1000), (1, 0, 300), (2, 2000, 2100), (3, 0, 7)]
+  tasks, T, S = _layout(docs, shards, gaps=[0, 5, 0, 130, 1], capacity=8)
+  q, k, v, do, dlse = _inputs(T, S, 8, 2, 128, jnp.bfloat16)
+  got = _run(q, k, v, tasks, do, dlse, backend)
+  want = oracle(q, k, v, tasks, do, dlse)
+  for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+    g = np.asarray(g, np.float64)
+    assert not np.isnan(g).any(), name
+    g, w = np.where(np.isfinite(w), g, 0.0), np.where(np.isfinite(w), w, 0.0)
+    assert _rel(g, w) < 1e-2, f"{backend}: {name} rel err {_rel(g, w):.2e}"
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_check_grads(backend):
+  """Numerical vs custom-VJP gradients (reverse mode) on a tiny shape."""
+  if ON_GPU and backend != "reference":
+    pytest.skip("finite differences need float32 accuracy")
+  tasks = make_task_table([0, 4, 9], [4, 3, 2], [0, 0, 6], [4, 7, 5], capacity=4)
+  q, k, v, _, _ = _inputs(12, 11, 2, 1, 4, jnp.float32, seed=3)
+  w = jax.random.normal(jax.random.PRNGKey(4), (12, 2, 4))
+
+  @jax.jit
+  def f(q, k, v):
+    o, lse = kernels.attention(q, k, v, tasks, backend=backend)
+    return jnp.sum(o * w) + 0.5 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+
+# ------------------------------------------------------------------------------ block schedule
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("bq,bk", [(8, 8), (16, 4), (4, 16)])
+def test_block_schedule(case, bq, bk):
+  """Visited tiles cover every visible (row, key) pair; unmasked tiles hold only visible pairs;
+  the key-side walk visits each visible pair exactly once, under its own task."""
+  tasks, T, S, *_ = CASES[case]()
+  nq, nk = -(-T // bq), -(-S // bk)
+  lo, hi = _row_bounds_np(tasks, nq * bq)
+  cols = np.arange(nk * bk)
+  vis = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+  vis_tiles = vis.reshape(nq, bq, nk, bk)
+  visit, full = (np.asarray(a) for a in blocks.visited_tiles(tasks, T, S, bq, bk))
+  assert not (vis_tiles.any((1, 3)) & ~visit).any(), "a visible tile is not visited"
+  assert (vis_tiles.all((1, 3)) | ~full).all(), "an unmasked tile holds a hidden pair"
+  # Block sparsity: visited tiles are far fewer than all tiles on these layouts.
+  assert visit.sum() < visit.size
+  count = np.zeros((nq * bq, nk * bk), np.int64)
+  t_C1 = [np.asarray(a)[:, None] for a in tasks]
+  runs = [np.asarray(x) for x in blocks.task_q_blocks(*t_C1, np.arange(nk)[None, :], bq, bk)]
+  assert ((runs[0] <= runs[1]) & (runs[1] <= runs[2]) & (runs[2] <= runs[3])).all()
+  for t, (qs, ql, ks, kl) in enumerate(zip(*(np.asarray(a) for a in tasks))):
+    for kb in range(nk):
+      a, f0, f1, b = (int(r[t, kb]) for r in runs)
+      for qb in range(a, b):
+        r = np.arange(qb * bq, qb * bq + bq)
+        c = np.arange(kb * bk, kb * bk + bk)
+        own = ((r >= qs) & (r < qs + ql))[:, None] & vis[np.ix_(r, c)]
+        if f0 <= qb < f1:
+          assert own.all(), "a key-side unmasked tile holds a pair of another task or a hidden one"
+        count[np.ix_(r, c)] += own
+  assert (count == vis).all(), "key-side walk misses or repeats a visible pair"
+
+
+def test_auto_backend_on_cpu():
+  if ON_GPU:
+    pytest.skip("CPU rule")
+  assert kernels.resolve_backend("auto") == "reference"
+  with pytest.raises(ValueError):
+    kernels.resolve_backend("nope")
