@@ -140,8 +140,8 @@ class Checkpointer:
     return sorted(s for s in self._manager.all_steps() if not (self._step_dir(s) / COMMIT_MARKER).exists())
 
   def all_steps(self) -> list[int]:
-    """Steps of complete checkpoints, ascending. Saves still in flight are not listed."""
-    self._manager.reload()  # another process (or a killed run) may have changed the directory
+    """Steps of complete checkpoints, ascending. Saves still in flight are not listed (their
+    directories have no commit marker yet)."""
     return sorted(s for s in self._manager.all_steps() if (self._step_dir(s) / COMMIT_MARKER).exists())
 
   def latest_step(self) -> int | None:
@@ -212,9 +212,9 @@ class Checkpointer:
       raise CheckpointCorruptError(f"{where}: cannot read its array metadata ({_brief(e)})") from e
     if metadata is None:
       raise CheckpointCorruptError(f"{where}: its array metadata is missing")
-    stored = {jax.tree_util.keystr(p): tuple(m.shape)
+    stored = {_path_name(p): tuple(m.shape)
               for p, m in jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]}
-    wanted = {jax.tree_util.keystr(p): tuple(a.shape)
+    wanted = {_path_name(p): tuple(a.shape)
               for p, a in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
     problems = []
     missing = sorted(set(wanted) - set(stored))
@@ -225,9 +225,32 @@ class Checkpointer:
       problems.append(f"arrays in the checkpoint but not in the current state: {_shorten(unexpected)}")
     for key in sorted(set(stored) & set(wanted)):
       if stored[key] != wanted[key]:
-        problems.append(f"state{key}: checkpoint shape {stored[key]}, current {wanted[key]}")
+        problems.append(f"{key}: checkpoint shape {stored[key]}, current {wanted[key]}")
     if problems:
       raise CheckpointMismatchError(f"{where} does not match the current state: " + "; ".join(problems))
+    # A target sharding that cannot tile its array is the caller's bug, not a damaged checkpoint:
+    # say so before orbax reports it from deep inside the read.
+    for p, a in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+      sharding = getattr(a, "sharding", None)
+      if sharding is not None:
+        try:
+          sharding.shard_shape(tuple(a.shape))
+        except ValueError as e:
+          raise ValueError(f"restore target {_path_name(p)}: {e}") from e
+
+
+def _path_name(path) -> str:
+  """`state/opt/0/mu/w` for a pytree key path. Orbax stores NamedTuples (optax states) as dicts,
+  so attribute and dict keys must read the same."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(["state", *parts])
 
 
 def _diff(expect: Any, stored: Any, path: str) -> list[str]:
