@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from distca_jax.train.checkpoint import (  # noqa: E402
-    CheckpointCorruptError, Checkpointer, CheckpointMismatchError, NoCheckpointError)
+    CheckpointCorruptError, CheckpointError, Checkpointer, CheckpointMismatchError, NoCheckpointError)
 
 MODEL = {"hidden": 64, "layers": 2, "heads": 4}
 
@@ -111,14 +111,25 @@ def test_half_written_step_is_ignored(tmp_path):
   shutil.copytree(tmp_path / "4", tmp_path / "8")
   os.remove(tmp_path / "8" / "commit_success.txt")
 
-  ck = Checkpointer(tmp_path, save_every=2, keep=5)
-  assert ck.all_steps() == [2, 4] and ck.latest_step() == 4
-  _, extra = ck.restore(abstract_state=_abstract(_state()))
+  reader = Checkpointer(tmp_path, save_every=2, keep=5, read_only=True)
+  assert reader.all_steps() == [2, 4] and reader.latest_step() == 4
+  _, extra = reader.restore(abstract_state=_abstract(_state()))
   assert extra == {"data_step": 4}
   with pytest.raises(NoCheckpointError, match=r"step 8 .*incomplete .*complete steps are \[2, 4\]"):
-    ck.restore(step=8, abstract_state=_abstract(_state()))
+    reader.restore(step=8, abstract_state=_abstract(_state()))
   with pytest.raises(NoCheckpointError, match=r"step 7 .*does not exist"):
-    ck.restore(step=7)
+    reader.restore(step=7)
+  with pytest.raises(CheckpointError, match="read-only"):
+    reader.maybe_save(10, _state())
+  reader.close()
+
+  # A writer removes the leftovers at start-up and can save those steps again.
+  with Checkpointer(tmp_path, save_every=2, keep=5) as writer:
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4"]
+    assert writer.maybe_save(6, _state(6), {"data_step": 6})
+    assert writer.maybe_save(8, _state(8), {"data_step": 8})
+    writer.wait()
+    assert writer.latest_step() == 8
 
 
 _KILLED_SAVE = textwrap.dedent("""
@@ -182,7 +193,7 @@ def test_mismatched_model_shape_is_refused(tmp_path):
 
 
 def test_missing_directory_says_no_checkpoint(tmp_path):
-  ck = Checkpointer(tmp_path / "nowhere", save_every=1, keep=1, create=False)
+  ck = Checkpointer(tmp_path / "nowhere", save_every=1, keep=1, read_only=True)
   assert ck.latest_step() is None
   with pytest.raises(NoCheckpointError, match="no checkpoint to restore: directory .*nowhere does not exist"):
     ck.restore(abstract_state=_abstract(_state()))

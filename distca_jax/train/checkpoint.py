@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,17 +59,20 @@ class Checkpointer:
   """Saves every `save_every` steps, keeps the last `keep`, restores with target shardings.
 
   Args:
-    directory: where step directories live; created on first use unless `create=False`.
+    directory: where step directories live; created unless `read_only`.
     save_every: `maybe_save(step, ...)` saves when `step % save_every == 0`.
     keep: number of most recent checkpoints kept; older ones are deleted after each save.
     async_save: write files in a background thread (the default); False blocks in `maybe_save`.
-    create: create `directory` if it does not exist (set False for read-only use).
+    read_only: only list and restore (e.g. an evaluator beside a running trainer): nothing is
+      created, and leftovers of interrupted saves are not removed (the writer does that).
 
-  Use as a context manager, or call `close()`: it waits for the last save to finish.
+  On opening (unless read_only), process 0 removes what interrupted saves of an earlier run left:
+  tmp directories, and step directories without a commit marker; so the next run can save those
+  steps again. Use as a context manager, or call `close()`: it waits for the last save.
   """
 
   def __init__(self, directory: str | Path, save_every: int, keep: int, async_save: bool = True,
-               create: bool = True):
+               read_only: bool = False):
     if save_every < 1:
       raise ValueError(f"Checkpointer: save_every must be >= 1, got {save_every}")
     if keep < 1:
@@ -76,22 +80,29 @@ class Checkpointer:
     self.directory = Path(directory).absolute()
     self.save_every = save_every
     self.keep = keep
+    self.read_only = read_only
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_every,
         max_to_keep=keep,
         enable_async_checkpointing=async_save,
-        create=create,
-        # Removes tmp directories of saves killed in an earlier run, at start-up.
-        cleanup_tmp_directories=True,
+        create=not read_only,
+        read_only=read_only,
+        cleanup_tmp_directories=not read_only,
     )
     # Handlers are registered up front: a manager that only knows item names learns them from
     # the first save, so a fresh one (a resumed run) could not read metadata before restoring.
     handlers = {"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     incomplete = self._incomplete_steps()
-    if incomplete:
-      log.warning("checkpoint directory %s: ignoring incomplete step directories %s (no %s; a save "
-                  "was interrupted)", self.directory, incomplete, COMMIT_MARKER)
+    if incomplete and not read_only and jax.process_index() == 0:
+      log.warning("checkpoint directory %s: removing incomplete step directories %s (no %s: their "
+                  "saves were interrupted)", self.directory, incomplete, COMMIT_MARKER)
+      for step in incomplete:
+        shutil.rmtree(self._step_dir(step), ignore_errors=True)
+      self._manager.reload()
+    elif incomplete:
+      log.warning("checkpoint directory %s: ignoring incomplete step directories %s (no %s)",
+                  self.directory, incomplete, COMMIT_MARKER)
 
   # --------------------------------------------------------------------------- saving
 
@@ -103,6 +114,8 @@ class Checkpointer:
     Returns whether a save was started. With async saves, the arrays have been copied to host
     memory when this returns; the files are complete only after `wait()`.
     """
+    if self.read_only:
+      raise CheckpointError(f"Checkpointer({self.directory}) is read-only; it cannot save step {step}")
     extra = dict(extra or {})
     try:
       json.dumps(extra)
