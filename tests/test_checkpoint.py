@@ -31,8 +31,8 @@ MODEL = {"hidden": 64, "layers": 2, "heads": 4}
 
 def _mesh(shape, names):
   if jax.device_count() < int(np.prod(shape)):
-    pytest.skip(f"needs {int(np.prod(shape))} devices, have {jax.device_count()} "
-                f"(jax was initialised before this module set XLA_FLAGS)")
+    pytest.skip(f"needs {int(np.prod(shape))} devices, have {jax.device_count()}; on CPU, jax "
+                f"started before this module set XLA_FLAGS (JAX_PLATFORMS=cpu on a GPU machine)")
   return Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
 
 
