@@ -1,0 +1,225 @@
+"""Benchmark the CA-task attention backends on a GPU, beside cuDNN dense causal attention.
+
+    python3 launch/bench_kernels.py --out $OUT --backends pallas,cudnn,triton
+
+Two parts:
+1. Scheduler-shaped batches: documents drawn from the Pretrain / ProLong length distributions
+   (`distca_jax.data.doclens`) filling a context, each document cut into 128-token-multiple shards,
+   every shard a task with its full causal prefix, K/V of a document stored once (shared by its
+   shards). Per backend: forward, backward (= fwd+bwd minus fwd) and forward+backward TFLOP/s on
+   the real causal area, next to cuDNN dense causal attention
+   (`jax.nn.dot_product_attention(..., implementation="cudnn", is_causal=True)`) of equal area,
+   measured in the same run.
+2. A (q, kv) sweep from 128 to 64K: tasks of q queries over one shared kv-row prefix, as many as
+   give a measurable time; writes the table the scheduler's cost model loads:
+   {"device", "dtype", "heads", "kv_heads", "head_dim", "q", "kv", "fwd_ms", "fwdbwd_ms"}, with
+   times per task (ms), null where q > kv or not measured.
+
+FLOPs: forward 4·d·H·area, backward 2.5× forward (the DESIGN.md convention), area = Σ per task
+q·kv − q(q−1)/2. Times are medians over `--iters` runs after warm-up, each ended by
+block_until_ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+try:
+  from distca_jax import kernels
+except ImportError:  # a bare checkout on the GPU machine: import the package from the tree
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from distca_jax import kernels
+
+import jax
+import jax.numpy as jnp
+
+H, K, D = 32, 8, 128
+SHARD = 128
+
+
+def median_ms(fn, *args, warmup=2, iters=7):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return float(np.median(times))
+
+
+def fwd_flops(area):
+  return 4.0 * D * H * area
+
+
+def doc_layout(doc_lens, max_shard):
+  """Documents cut into shards of at most `max_shard` tokens (128-multiples, the last one ragged);
+  each shard a task over its document's prefix. Q rows and K/V rows in document order."""
+  qs, ql, ks, kl = [], [], [], []
+  off = 0
+  for L in doc_lens:
+    L = int(L)
+    for a in range(0, L, max_shard):
+      b = min(a + max_shard, L)
+      qs.append(off + a), ql.append(b - a), ks.append(off), kl.append(b)
+    off += L
+  return kernels.make_task_table(qs, ql, ks, kl, num_q_rows=off, num_kv_rows=off), off, off
+
+
+def sweep_layout(q, kv, target_area=1.5e8, max_rows=65536):
+  """n tasks of q queries each, all over the same kv rows [0, kv)."""
+  area = q * kv - q * (q - 1) / 2
+  n = int(max(1, min(math.ceil(target_area / area), max_rows // q)))
+  tasks = kernels.make_task_table([i * q for i in range(n)], [q] * n, [0] * n, [kv] * n,
+                                  num_q_rows=n * q, num_kv_rows=kv)
+  return tasks, n * q, kv, n
+
+
+def inputs(T, S, seed=0):
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(k1, (T, H, D), jnp.bfloat16)
+  k = jax.random.normal(k2, (S, K, D), jnp.bfloat16)
+  v = jax.random.normal(k3, (S, K, D), jnp.bfloat16)
+  do = jax.random.normal(k4, (T, H, D), jnp.bfloat16)
+  return q, k, v, do
+
+
+def time_backend(backend, tasks, T, S):
+  """(fwd ms, fwd+bwd ms) of one fused batch."""
+  q, k, v, do = inputs(T, S)
+  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  fwd = jax.jit(lambda q, k, v, t: kernels.attention(q, k, v, t, backend=backend)[0])
+
+  @jax.jit
+  def fwdbwd(q, k, v, t, do):
+    o, vjp = jax.vjp(lambda q, k, v: kernels.attention(q, k, v, t, backend=backend)[0], q, k, v)
+    return vjp(do)
+
+  return median_ms(fwd, q, k, v, tasks), median_ms(fwdbwd, q, k, v, tasks, do)
+
+
+def time_dense_cudnn(T):
+  """cuDNN dense causal attention, one sequence of T tokens: (fwd ms, fwd+bwd ms)."""
+  q, k, v, do = inputs(T, T, seed=1)
+  attn = lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                      implementation="cudnn")[0]
+  fwd = jax.jit(attn)
+
+  @jax.jit
+  def fwdbwd(q, k, v, do):
+    _, vjp = jax.vjp(attn, q, k, v)
+    return vjp(do)
+
+  return median_ms(fwd, q, k, v), median_ms(fwdbwd, q, k, v, do)
+
+
+def dense_equivalent(area):
+  """Sequence length (multiple of 128) whose causal area is closest to `area`."""
+  return max(128, int(round(math.sqrt(2 * area) / 128)) * 128)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--backends", default="pallas,cudnn,triton")
+  ap.add_argument("--contexts", default="65536,131072")
+  ap.add_argument("--datasets", default="pretrain,prolong")
+  ap.add_argument("--max-shard", type=int, default=8192,
+                  help="longest shard (tokens) a document is cut into")
+  ap.add_argument("--sweep", default="128,512,2048,8192,32768,65536")
+  ap.add_argument("--table-backend", default="pallas")
+  ap.add_argument("--budget-s", type=float, default=400.0,
+                  help="stop starting new measurements after this many seconds")
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  t_start = time.time()
+  over = lambda: time.time() - t_start > args.budget_s
+  device = jax.devices()[0].device_kind
+  card = device.replace(" ", "_")
+  print(f"device {device}, jax {jax.__version__}, H={H} K={K} d={D} bf16", flush=True)
+  backends = [b for b in args.backends.split(",") if b]
+  results = {"device": device, "jax": jax.__version__, "batches": [], "dense": {}}
+
+  from distca_jax.data.doclens import LengthSampler, load_lengths
+  dense_cache = {}
+
+  def dense(T):
+    if T not in dense_cache:
+      dense_cache[T] = time_dense_cudnn(T)
+    return dense_cache[T]
+
+  print(f"{'batch':24s} {'backend':8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'f+b TF/s':>9s} "
+        f"{'dense f':>8s} {'dense f+b':>9s} {'ratio f+b':>9s}", flush=True)
+  for ds in args.datasets.split(","):
+    for ctx in (int(c) for c in args.contexts.split(",")):
+      sampler = LengthSampler(load_lengths(ds), full_context_replacement=(ds == "prolong"),
+                              seed=1)
+      lens = sampler.sample(ctx, step=0)
+      tasks, T, S = doc_layout(lens, args.max_shard)
+      area = float(kernels.causal_area(tasks).sum())
+      f = fwd_flops(area)
+      Teq = dense_equivalent(area)
+      try:
+        dfwd, dfb = dense(Teq)
+        f_eq = fwd_flops(Teq * (Teq + 1) / 2)
+        d_tf = (f_eq / dfwd / 1e9, 3.5 * f_eq / dfb / 1e9)
+      except Exception as e:  # noqa: BLE001 (report and go on)
+        print(f"dense cudnn T={Teq}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        d_tf = (float("nan"), float("nan"))
+      name = f"{ds}-{ctx // 1024}K({len(lens)}docs)"
+      for b in backends:
+        if over():
+          break
+        try:
+          fms, fbms = time_backend(b, tasks, T, S)
+        except Exception as e:  # noqa: BLE001
+          print(f"{name:24s} {b:8s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+          continue
+        bms = max(fbms - fms, 1e-6)
+        tf = (f / fms / 1e9, 2.5 * f / bms / 1e9, 3.5 * f / fbms / 1e9)
+        print(f"{name:24s} {b:8s} {tf[0]:9.1f} {tf[1]:9.1f} {tf[2]:9.1f} {d_tf[0]:8.1f} "
+              f"{d_tf[1]:9.1f} {tf[2] / d_tf[1]:9.2f}", flush=True)
+        results["batches"].append(dict(
+            dataset=ds, context=ctx, docs=len(lens), tasks=int((np.asarray(tasks.q_len) > 0).sum()),
+            area=area, backend=b, fwd_ms=fms, fwdbwd_ms=fbms, fwd_tflops=tf[0], bwd_tflops=tf[1],
+            fwdbwd_tflops=tf[2], dense_T=Teq, dense_fwd_tflops=d_tf[0],
+            dense_fwdbwd_tflops=d_tf[1]))
+      with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+  sweep = [int(x) for x in args.sweep.split(",")]
+  table = {"device": device, "dtype": "bfloat16", "heads": H, "kv_heads": K, "head_dim": D,
+           "backend": args.table_backend, "q": sweep, "kv": sweep,
+           "fwd_ms": [[None] * len(sweep) for _ in sweep],
+           "fwdbwd_ms": [[None] * len(sweep) for _ in sweep]}
+  print(f"\nsweep ({args.table_backend}); per-task ms and TF/s f / f+b", flush=True)
+  for i, q in enumerate(sweep):
+    for j, kv in enumerate(sweep):
+      if q > kv or over():
+        continue
+      tasks, T, S, n = sweep_layout(q, kv)
+      try:
+        fms, fbms = time_backend(args.table_backend, tasks, T, S)
+      except Exception as e:  # noqa: BLE001
+        print(f"q={q} kv={kv}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        continue
+      f = fwd_flops(float(kernels.causal_area(tasks).sum()))
+      table["fwd_ms"][i][j], table["fwdbwd_ms"][i][j] = fms / n, fbms / n
+      print(f"q={q:6d} kv={kv:6d} n={n:4d}  fwd {fms / n:9.4f} ms {f / fms / 1e9:6.1f}  "
+            f"f+b {fbms / n:9.4f} ms {3.5 * f / fbms / 1e9:6.1f}", flush=True)
+      with open(os.path.join(args.out, f"{card}.json"), "w") as fh:
+        json.dump(table, fh, indent=1)
+  results["dense"] = {str(t): dict(fwd_ms=a, fwdbwd_ms=b) for t, (a, b) in dense_cache.items()}
+  with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
+    json.dump(results, fh, indent=1)
+  print(f"done in {time.time() - t_start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+  main()
