@@ -1,0 +1,142 @@
+"""Typed configuration of the at-scale simulator (`launch/simulate.py`).
+
+Same style as `distca_jax/config.py`: a frozen schema with defaults, YAML files under
+`configs/sim_*.yaml` that only override it, `key=value` overrides on the command line, and
+validation that names the bad field. Sweep axes (`models`, `gpus`, `tokens_per_rank`,
+`distributions`) are lists; the simulator runs their cartesian product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distca_jax.config import ConfigError, parse_override
+
+MODELS = ("llama3_8b", "llama_34b", "llama_1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareConfig:
+  """Throughputs per GPU and bandwidths per GPU (DESIGN.md §3 for the defaults)."""
+
+  # Sustained bf16 TFLOP/s of the linear layers (projections, MLP). Measured matmul: 612.
+  linear_tflops: float = 450.0
+  # Sustained TFLOP/s of fused varlen attention; §3: packed cuDNN ≈ 300 (fwd and fwd+bwd).
+  attention_tflops: float = 300.0
+  # Optional profiled kernel table (JSON of the kernel benchmark); overrides attention_tflops.
+  time_table: str | None = None
+  gpus_per_node: int = 8
+  nvlink_gbps: float = 200.0  # GB/s per GPU each way inside a node (§3: all_to_all 180-200)
+  network_gbps: float = 50.0  # GB/s per GPU across nodes (the paper's setting)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  models: tuple = ("llama3_8b",)
+  gpus: tuple = (64, 128, 256)
+  tensor_parallel: int = 8
+  tokens_per_rank: tuple = (131072,)
+  # `pretrain`, `prolong`, or a path to a JSON list of document lengths.
+  distributions: tuple = ("pretrain",)
+  batches: int = 5
+  seed: int = 0
+  # Length multiplier of the sampled documents; 0: tokens_per_rank / 128K (the paper's scheme).
+  elongate_factor: int = 0
+  upsample_long_factor: int = 2
+  epsilon: float = 0.05
+  # Baselines: WLB token cap (× T) and the CP sizes swept (0: every power of two up to 32).
+  wlb_token_cap: float = 1.5
+  cp_sizes: tuple = (0,)
+  # Fraction of the baselines' CP KV all-gather hidden under compute.
+  cp_overlap: float = 0.5
+  # Fraction of CAD's dispatch traffic that ping-pong can hide at most (1: all of it when the
+  # other nano-batch's compute is long enough).
+  pingpong_overlap: float = 1.0
+  hardware: HardwareConfig = HardwareConfig()
+  out_dir: str = "runs/sim"
+  progress: bool = True
+
+
+_LISTS = {"models": str, "gpus": int, "tokens_per_rank": int, "distributions": str, "cp_sizes": int}
+
+
+def _coerce(path: str, kind: type, value: Any) -> Any:
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if kind is bool and isinstance(value, bool):
+    return value
+  if isinstance(value, kind) and not isinstance(value, bool):
+    return value
+  raise ConfigError(f"{path}: expected {kind.__name__}, got {value!r}")
+
+
+def _merge(obj, updates: dict, prefix: str):
+  names = {f.name: f for f in dataclasses.fields(obj)}
+  changes = {}
+  for key, value in updates.items():
+    path = f"{prefix}{key}"
+    if key not in names:
+      raise ConfigError(f"{path}: unknown field; known fields are {sorted(names)}")
+    current = getattr(obj, key)
+    if dataclasses.is_dataclass(current):
+      if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping")
+      changes[key] = _merge(current, value, f"{path}.")
+    elif key in _LISTS and not prefix:
+      items = value if isinstance(value, (list, tuple)) else [value]
+      changes[key] = tuple(_coerce(f"{path}[{i}]", _LISTS[key], v) for i, v in enumerate(items))
+    elif key == "time_table":
+      changes[key] = None if value is None else _coerce(path, str, value)
+    else:
+      changes[key] = _coerce(path, type(current), value)
+  return dataclasses.replace(obj, **changes)
+
+
+def load_sim_config(path: str | Path | None = None, overrides=()) -> SimConfig:
+  """Defaults, then the YAML file, then `key=value` overrides (lists: `gpus=[64,128]`)."""
+  config = SimConfig()
+  if path is not None:
+    path = Path(path)
+    if not path.exists():
+      raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+      raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    config = _merge(config, data, "")
+  for text in overrides:
+    config = _merge(config, parse_override(text), "")
+  validate(config)
+  return config
+
+
+def validate(c: SimConfig) -> None:
+  for m in c.models:
+    if m not in MODELS:
+      raise ConfigError(f"models: {m!r} is not allowed; choose from {list(MODELS)}")
+  for g in c.gpus:
+    if g < 1 or g % c.tensor_parallel:
+      raise ConfigError(f"gpus: {g} must be a positive multiple of tensor_parallel ({c.tensor_parallel})")
+  if c.tensor_parallel < 1:
+    raise ConfigError(f"tensor_parallel: must be >= 1, got {c.tensor_parallel}")
+  for t in c.tokens_per_rank:
+    if t < 128 or t % 128:
+      raise ConfigError(f"tokens_per_rank: {t} must be a positive multiple of 128")
+  if c.batches < 1:
+    raise ConfigError(f"batches: must be >= 1, got {c.batches}")
+  if not 0 <= c.epsilon < 1:
+    raise ConfigError(f"epsilon: must be in [0, 1), got {c.epsilon}")
+  if c.wlb_token_cap < 1:
+    raise ConfigError(f"wlb_token_cap: must be >= 1, got {c.wlb_token_cap}")
+  for name in ("cp_overlap", "pingpong_overlap"):
+    if not 0 <= getattr(c, name) <= 1:
+      raise ConfigError(f"{name}: must be in [0, 1], got {getattr(c, name)}")
+  h = c.hardware
+  for name in ("linear_tflops", "attention_tflops", "nvlink_gbps", "network_gbps"):
+    if getattr(h, name) <= 0:
+      raise ConfigError(f"hardware.{name}: must be positive, got {getattr(h, name)}")
+  if h.gpus_per_node < 1:
+    raise ConfigError(f"hardware.gpus_per_node: must be >= 1, got {h.gpus_per_node}")

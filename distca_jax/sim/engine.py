@@ -1,0 +1,218 @@
+"""The at-scale simulator: CAD against its baselines on sampled batches, predicted step time.
+
+Model of one training step of a 3D-parallel job (DP × TP, no pipeline), per DP rank (one
+tensor-parallel group of `tensor_parallel` GPUs holding `tokens_per_rank` tokens), per layer:
+
+* linear time  = tokens × (matmul FLOPs per token per layer) × 3 (fwd+bwd) / (TP × linear TFLOP/s)
+* attention    = Σ over the rank's tasks of the kernel's fwd+bwd time (`cost.AnalyticKernel`:
+                 FLOPs at `attention_tflops` with 128-row tiles, or a profiled `cost.TimeTable`),
+                 for the rank's share of heads (heads / TP)
+* communication = per-GPU bytes (CommModel for heads / TP; backward included) over NVLink for
+                 partners in the same node, over the network (50 GB/s per GPU) otherwise; the two
+                 links run in parallel.
+* exposed communication: CAD overlaps its dispatch with the other nano-batch's compute (ping-pong)
+  so `exposed = comm − pingpong_overlap · min(comm, compute)`; the baselines' context-parallel
+  KV all-gather is hidden by the fraction `cp_overlap`.
+* step time = layers × max over ranks (compute + exposed communication): every layer's
+  all-to-all (CAD) or the step's gradient all-reduce (baselines) waits for the slowest rank.
+
+Not modelled (the same for every system, so they only dilute speedups): embedding and LM head
+beyond their FLOPs, the gradient all-reduce, the optimizer, TP collectives, pipeline
+parallelism (the paper's 4D results), and the smaller-matmul efficiency loss of ping-pong.
+CAD is planned once per micro-batch rather than once per nano-batch (the two nano-batches have
+equal tokens and about equal Σl², so each plan sees the same balancing problem at half size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import numpy as np
+
+from distca_jax.data.doclens import LengthSampler, load_lengths
+from distca_jax.data.packing import pack
+from distca_jax.models.presets import PRESETS
+from distca_jax.schedule.baselines import SystemLoad, colocated, per_document_cp, wlb_packing
+from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable
+from distca_jax.schedule.items import initial_tasks
+from distca_jax.schedule.plan import make_plan
+from distca_jax.schedule.planner import traffic
+from distca_jax.sim.config import SimConfig
+
+SYSTEMS = ("cad", "colocated", "wlb", "wlb_best", "per_doc_cp")
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemResult:
+  """One system on one batch. Times in ms per layer unless named otherwise."""
+
+  name: str
+  cp: int
+  compute_imbalance: float  # max / mean attention area over ranks
+  memory_imbalance: float  # max / mean tokens over ranks
+  total_compute_imbalance: float  # max / mean of (linear + attention) time
+  bytes_per_layer: float  # max over ranks of per-GPU bytes sent or received per layer
+  comm_ms: float  # max over ranks
+  compute_ms: float  # max over ranks
+  hidden: bool  # communication fully overlapped on every rank
+  iter_s: float  # predicted step time, seconds
+
+
+@dataclasses.dataclass
+class Point:
+  model: str
+  gpus: int
+  tokens_per_rank: int
+  distribution: str
+
+
+def points(cfg: SimConfig) -> list[Point]:
+  return [Point(m, g, t, d) for m, g, t, d in itertools.product(
+      cfg.models, cfg.gpus, cfg.tokens_per_rank, cfg.distributions)]
+
+
+class Simulator:
+  """Holds the per-point constants; `batch(step)` simulates every system on one sampled batch."""
+
+  def __init__(self, cfg: SimConfig, point: Point):
+    self.cfg, self.point = cfg, point
+    self.shape = PRESETS[point.model]
+    tp = cfg.tensor_parallel
+    self.ranks = point.gpus // tp
+    self.t = point.tokens_per_rank
+    self.comm = CommModel.for_model(self.shape, tp)
+    h = cfg.hardware
+    if h.time_table:
+      table = TimeTable.from_json(h.time_table)
+      self.kernel = table.rescaled(self.comm.heads) if table.head_dim == self.shape.head_dim else None
+      if self.kernel is None:
+        raise ValueError(f"hardware.time_table: head_dim {table.head_dim} does not match the "
+                         f"model's {self.shape.head_dim}")
+    else:
+      self.kernel = AnalyticKernel(heads=self.comm.heads, head_dim=self.shape.head_dim,
+                                   tflops_fwd=h.attention_tflops, tflops_fwdbwd=h.attention_tflops)
+    # Linear layers: ms per token per layer on one rank (TP GPUs share the work).
+    lin_flops = self.shape.matmul_flops_per_token() / self.shape.layers * 3.0
+    self.lin_ms_per_token = lin_flops / (tp * h.linear_tflops * 1e12) * 1e3
+    elong = cfg.elongate_factor or max(1, self.t // 131072)
+    self.sampler = LengthSampler(
+        load_lengths(point.distribution), upsample_long_factor=cfg.upsample_long_factor,
+        elongate_factor=elong, full_context_replacement=(point.distribution == "prolong"),
+        seed=cfg.seed)
+    self.node = np.arange(self.ranks) * tp // h.gpus_per_node
+    # Appendix A: shards in flight with communication hidden, s <= 2 (t B - h_q) / h_kv - 1,
+    # t = per-token time of the non-attention layers, B = network bandwidth per GPU.
+    h_q = self.comm.q_row_bytes
+    h_kv = self.comm.kv_row_bytes
+    t_tok_s = self.lin_ms_per_token * 1e-3
+    self.appendix_a_s = 2.0 * (t_tok_s * h.network_gbps * 1e9 - h_q) / h_kv - 1.0
+
+  # -------------------------------------------------------------------------- helpers
+
+  def _comm_ms_pairwise(self, pair_bytes: np.ndarray) -> np.ndarray:
+    """Per rank: ms to move the per-GPU bytes of pair_bytes [src, dst] (NVLink ∥ network)."""
+    h = self.cfg.hardware
+    same = self.node[:, None] == self.node[None, :]
+    intra_out = np.where(same, pair_bytes, 0.0).sum(1)
+    inter_out = np.where(same, 0.0, pair_bytes).sum(1)
+    intra_in = np.where(same, pair_bytes, 0.0).sum(0)
+    inter_in = np.where(same, 0.0, pair_bytes).sum(0)
+    nv, net = h.nvlink_gbps * 1e6, h.network_gbps * 1e6  # bytes per ms
+    return np.maximum.reduce([intra_out / nv, inter_out / net, intra_in / nv, inter_in / net])
+
+  def _result(self, name, load: SystemLoad, comm_ms, overlap, area, tokens, attn_ms, bytes_):
+    lin = tokens * self.lin_ms_per_token
+    compute = lin + attn_ms
+    exposed = comm_ms - overlap * np.minimum(comm_ms, compute)
+    per_rank = compute + exposed
+    ratio = lambda x: float(x.max() / x.mean()) if x.mean() > 0 else 1.0
+    return SystemResult(
+        name=name, cp=load.cp if load is not None else 1, compute_imbalance=ratio(area),
+        memory_imbalance=ratio(tokens), total_compute_imbalance=ratio(compute),
+        bytes_per_layer=float(bytes_.max(initial=0.0)), comm_ms=float(comm_ms.max(initial=0.0)),
+        compute_ms=float(compute.max()), hidden=bool((comm_ms <= compute + 1e-12).all()),
+        iter_s=float(per_rank.max()) * self.shape.layers / 1e3)
+
+  def _baseline(self, load: SystemLoad, overlap: float, name: str | None = None) -> SystemResult:
+    h = self.cfg.hardware
+    if load.cp > 1:
+      same_node = load.cp * self.cfg.tensor_parallel <= h.gpus_per_node
+      bw = (h.nvlink_gbps if same_node else h.network_gbps) * 1e6
+      comm_ms = np.maximum(load.send, load.recv) / bw
+    else:
+      comm_ms = np.maximum(load.send, load.recv) / (h.network_gbps * 1e6)
+    return self._result(name or load.name, load, comm_ms, overlap, load.area, load.tokens,
+                        load.attn_ms, np.maximum(load.send, load.recv))
+
+  # -------------------------------------------------------------------------- one batch
+
+  def batch(self, step: int, dump_dir: Path | None = None):
+    """Returns ({system: SystemResult}, {"before": area [N], "after": area [N]})."""
+    cfg, n, t = self.cfg, self.ranks, self.t
+    lens = self.sampler.sample(n * t, step)
+    layout = pack(lens, n, t)
+    out = {}
+    # CAD.
+    plan = make_plan(layout, self.comm, cfg.epsilon, with_arrays=False)
+    tasks = plan.tasks
+    attn_ms = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
+                          minlength=n)
+    tr = traffic(tasks, layout, self.comm, pairwise=True)
+    tokens = np.bincount(layout.buffer, weights=layout.length, minlength=n).astype(np.float64)
+    out["cad"] = self._result("cad", None, self._comm_ms_pairwise(tr.pair_bytes),
+                              cfg.pingpong_overlap, plan.stats.load_after, tokens, attn_ms,
+                              np.maximum(tr.send, tr.recv))
+    if dump_dir is not None:
+      p = self.point
+      plan.dump_json(dump_dir / f"{p.model}_{p.gpus}g_{p.tokens_per_rank}_{Path(p.distribution).stem}_b{step}.json")
+    # Colocated.
+    col = colocated(layout, self.comm, kernel=self.kernel)
+    trc = traffic(initial_tasks(layout), layout, self.comm, pairwise=True)
+    out["colocated"] = self._result("colocated", col, self._comm_ms_pairwise(trc.pair_bytes),
+                                    cfg.cp_overlap, col.area, col.tokens, col.attn_ms,
+                                    np.maximum(col.send, col.recv))
+    # WLB packing (cp = 1), the best DP x CP sweep, and per-document CP over everything.
+    token_weight = self.lin_ms_per_token / max(float(self.kernel.fwdbwd_ms(4096, 4096))
+                                               / float(4096 * 4097 / 2), 1e-30)
+    sweep = {}
+    for cp in self._cp_sizes():
+      load = wlb_packing(lens, n, t, self.comm, cp=cp, token_cap=cfg.wlb_token_cap,
+                         token_weight=token_weight, kernel=self.kernel)
+      sweep[cp] = self._baseline(load, 0.0 if cp == 1 else cfg.cp_overlap)
+    out["wlb"] = dataclasses.replace(sweep[1], name="wlb")
+    best = min(sweep.values(), key=lambda r: r.iter_s)
+    out["wlb_best"] = dataclasses.replace(best, name="wlb_best")
+    pdc = per_document_cp(lens, n, t, self.comm, kernel=self.kernel)
+    out["per_doc_cp"] = self._baseline(pdc, cfg.cp_overlap, "per_doc_cp")
+    return out, {"before": plan.stats.load_before, "after": plan.stats.load_after}
+
+  def _cp_sizes(self):
+    sizes = [c for c in self.cfg.cp_sizes if c > 0]
+    if not sizes:
+      sizes = [c for c in (1, 2, 4, 8, 16, 32) if c <= self.ranks]
+    sizes = sorted({c for c in sizes if self.ranks % c == 0} | {1})
+    return sizes
+
+
+def summarize(results: list[dict[str, SystemResult]]) -> dict[str, dict]:
+  """Means over batches per system, and CAD's speedup over each baseline (ratio of mean times)."""
+  out = {}
+  for name in SYSTEMS:
+    rs = [r[name] for r in results]
+    out[name] = {
+        "cp": int(np.bincount([r.cp for r in rs]).argmax()),
+        "compute_imbalance": float(np.mean([r.compute_imbalance for r in rs])),
+        "memory_imbalance": float(np.mean([r.memory_imbalance for r in rs])),
+        "total_compute_imbalance": float(np.mean([r.total_compute_imbalance for r in rs])),
+        "bytes_per_layer_mb": float(np.mean([r.bytes_per_layer for r in rs])) / 1e6,
+        "comm_ms": float(np.mean([r.comm_ms for r in rs])),
+        "compute_ms": float(np.mean([r.compute_ms for r in rs])),
+        "hidden_frac": float(np.mean([r.hidden for r in rs])),
+        "iter_s": float(np.mean([r.iter_s for r in rs])),
+    }
+  cad = out["cad"]["iter_s"]
+  for name in SYSTEMS:
+    out[name]["cad_speedup"] = out[name]["iter_s"] / cad if cad > 0 else float("nan")
+  return out
