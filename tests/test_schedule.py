@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from distca_jax.data.doclens import LengthSampler, load_lengths
 from distca_jax.data.packing import Layout, pack
 from distca_jax.models.presets import PRESETS
-from distca_jax.schedule.cost import CommModel, TimeTable, causal_area, optimal_split, range_area
+from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable, causal_area, optimal_split, range_area
 from distca_jax.schedule.items import GRANULE, validate_layout
 from distca_jax.schedule.plan import (Capacities, CapacityError, colocated_plan, make_plan,
                                       row_bucket, simulate_dispatch, task_bucket)
@@ -283,27 +283,36 @@ def test_areas_and_bytes():
     CommModel(heads=0, kv_heads=1, head_dim=8)
 
 
-def _table():
-  q = [128, 1024, 4096]
-  kv = [128, 4096, 32768]
-  fwd = [[0.01 * (i + 1) * (j + 1) for j in range(3)] for i in range(3)]
+def _table(kernel):
+  q = [128, 1024, 4096, 16384]
+  kv = [128, 4096, 32768, 131072]
+  gq, gk = np.meshgrid(q, kv, indexing="ij")
+  gk = np.maximum(gk, gq)
   return {"device": "test", "dtype": "bfloat16", "heads": 32, "kv_heads": 8, "head_dim": 128,
-          "q": q, "kv": kv, "fwd_ms": fwd, "fwdbwd_ms": [[3 * x for x in r] for r in fwd]}
+          "q": q, "kv": kv, "fwd_ms": kernel.fwd_ms(gq, gk).tolist(),
+          "fwdbwd_ms": kernel.fwdbwd_ms(gq, gk).tolist()}
 
 
-def test_time_table_bilinear(tmp_path):
+def test_time_table_interpolation(tmp_path):
+  # Constant throughput, no tile rounding: interpolation must reproduce the kernel everywhere.
+  k = AnalyticKernel(heads=32, head_dim=128, tflops_fwd=400, tflops_fwdbwd=350, tile=1)
   path = tmp_path / "table.json"
-  path.write_text(json.dumps(_table()))
+  path.write_text(json.dumps(_table(k)))
   tt = TimeTable.from_json(path)
-  assert np.isclose(tt.fwd_ms(1024, 4096), 0.04)
-  assert np.isclose(tt.fwdbwd_ms(4096, 32768), 0.27)
-  # Half-way in both axes: the mean of the four corners.
-  mid = tt.fwd_ms((128 + 1024) / 2, (4096 + 32768) / 2)
-  assert np.isclose(mid, (0.02 + 0.03 + 0.04 + 0.06) / 4)
-  # Outside the grid: scaled by causal area, monotone.
-  assert tt.fwd_ms(8192, 65536) > tt.fwd_ms(4096, 32768)
+  rng = np.random.default_rng(0)
+  q = rng.integers(1, 20000, 200)
+  kv = q + rng.integers(0, 200000, 200)
+  assert np.allclose(tt.fwd_ms(q, kv), k.fwd_ms(q, kv), rtol=1e-9)
+  assert np.allclose(tt.fwdbwd_ms(q, kv), k.fwdbwd_ms(q, kv), rtol=1e-9)
   assert tt.fwd_ms(0, 100) == 0
-  bad = _table()
+  # Throughput varying over the grid: exact at grid points, between neighbours in between.
+  grid = _table(k)
+  grid["fwd_ms"] = (np.asarray(grid["fwd_ms"]) * np.linspace(1, 2, 4)[:, None]).tolist()
+  tt = TimeTable.from_dict(grid)
+  assert np.isclose(tt.fwd_ms(4096, 32768), grid["fwd_ms"][2][2])
+  mid = tt.fwd_ms(2560, 32768) / k.fwd_ms(2560, 32768)
+  assert 4 / 3 < mid < 5 / 3
+  bad = _table(k)
   bad["fwd_ms"] = bad["fwd_ms"][:2]
   with pytest.raises(ValueError, match="fwd_ms"):
     TimeTable.from_dict(bad)

@@ -161,12 +161,12 @@ class AnalyticKernel:
 
 @dataclasses.dataclass(frozen=True)
 class TimeTable:
-  """Profiled kernel time over a (q, kv) grid; bilinear interpolation inside, FLOP scaling outside.
+  """Profiled kernel time over a (q, kv) grid, bilinearly interpolated (see `_interp`).
 
   JSON format (written by the kernel benchmark): {"device", "dtype", "heads", "kv_heads",
   "head_dim", "q": [...], "kv": [...], "fwd_ms": [[len(kv)] x len(q)], "fwdbwd_ms": [...]}.
-  Entries with q > kv (impossible tasks) may hold anything; they are never read for valid tasks
-  when the grid covers q <= kv, and are clamped otherwise.
+  An entry with q > kv (not a valid task) must hold the time of the task (q, q): the benchmark
+  measures min(q, kv) queries there, and its throughput is what the interpolation reads.
   """
 
   q: np.ndarray
@@ -216,22 +216,24 @@ class TimeTable:
     return self._interp(self.fwdbwd, q, kv)
 
   def _interp(self, grid, q, kv):
+    # Bilinear interpolation of the *time per query-key pair* (inverse throughput), then times the
+    # task's exact causal area. Time itself is quadratic in q along the diagonal and a grid cell
+    # that crosses q = kv mixes causal and impossible shapes; throughput varies slowly across the
+    # grid, so this is exact at grid points, exact everywhere for a constant-throughput kernel,
+    # and extrapolates beyond the grid by area at the edge's throughput.
     q = np.asarray(q, np.float64)
-    kv = np.asarray(kv, np.float64)
+    kv = np.maximum(np.asarray(kv, np.float64), q)
+    qg, kg = np.meshgrid(self.q, self.kv, indexing="ij")
+    per_pair = grid / np.maximum(causal_area(qg, np.maximum(kg, qg)), 1e-9)
     qc = np.clip(q, self.q[0], self.q[-1])
     kc = np.clip(kv, self.kv[0], self.kv[-1])
-    kc = np.maximum(kc, np.minimum(qc, self.kv[-1]))  # stay in the valid q <= kv region
     i = np.clip(np.searchsorted(self.q, qc, side="right") - 1, 0, self.q.size - 2)
     j = np.clip(np.searchsorted(self.kv, kc, side="right") - 1, 0, self.kv.size - 2)
     tq = (qc - self.q[i]) / (self.q[i + 1] - self.q[i])
     tk = (kc - self.kv[j]) / (self.kv[j + 1] - self.kv[j])
-    t = ((1 - tq) * (1 - tk) * grid[i, j] + tq * (1 - tk) * grid[i + 1, j]
-         + (1 - tq) * tk * grid[i, j + 1] + tq * tk * grid[i + 1, j + 1])
-    # Outside the grid, scale the clamped point's time by the ratio of causal areas.
-    inside = causal_area(qc, kc)
-    ratio = np.where(inside > 0, causal_area(q, np.maximum(kv, q)) / np.maximum(inside, 1e-9), 0.0)
-    out_of_grid = (q != qc) | (kv != kc)
-    return np.where(q <= 0, 0.0, np.where(out_of_grid, t * ratio, t))
+    r = ((1 - tq) * (1 - tk) * per_pair[i, j] + tq * (1 - tk) * per_pair[i + 1, j]
+         + (1 - tq) * tk * per_pair[i, j + 1] + tq * tk * per_pair[i + 1, j + 1])
+    return np.where(q <= 0, 0.0, r * causal_area(q, kv))
 
   def rescaled(self, heads: int) -> "TimeTable":
     """The table for `heads` query heads (time scales linearly with heads at fixed shapes)."""
