@@ -3,7 +3,13 @@
     o_TxHxD, lse_TxH = attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, backend="auto")
 
 `tasks` is a `TaskTable` (see `tasks.py` for its rules). Backends: `reference` (plain XLA, the
-oracle), `pallas`, `triton`, `cudnn`; `auto` picks the fastest available for the platform.
+oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU through the Pallas Triton
+lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
+`cudnn` (cuDNN fused attention on packed segments, each task as prefix part + causal square merged
+by LSE; Hopper GPU); `auto` picks the fastest measured for the platform (`FASTEST`). All return
+O [T, H, D] in q's dtype and LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed
+over the query heads of a group and over tasks sharing key rows); rows outside every task give
+O = 0, LSE = -inf and zero gradients.
 """
 
 from __future__ import annotations
@@ -15,13 +21,18 @@ from .tasks import TaskTable, causal_area, make_task_table, row_bounds
 BACKENDS = ("reference", "pallas", "triton", "cudnn")
 
 
+# The fastest backend measured per platform (launch/bench_kernels.py; docs/PERFORMANCE.md,
+# section Kernels). On CPU only the reference is fast enough to matter (Pallas runs interpreted).
+FASTEST = {"cpu": "reference", "gpu": "pallas"}
+
+
 def resolve_backend(backend: str) -> str:
   """The concrete backend `auto` stands for on the default platform."""
   if backend != "auto":
     if backend not in BACKENDS:
       raise ValueError(f"kernel backend {backend!r}: choose one of {('auto',) + BACKENDS}")
     return backend
-  return "reference" if jax.default_backend() == "cpu" else "cudnn"
+  return FASTEST.get(jax.default_backend(), "reference")
 
 
 def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "auto",

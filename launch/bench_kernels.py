@@ -2,6 +2,9 @@
 
     python3 launch/bench_kernels.py --out $OUT --backends pallas,cudnn,triton
 
+(needs the package importable as `distca_jax.kernels`: `pip install -e .`, or on a machine without
+network a PYTHONPATH folder holding distca_jax/ with kernels/ copied in as distca_jax/kernels.)
+
 Two parts:
 1. Scheduler-shaped batches: documents drawn from the Pretrain / ProLong length distributions
    (`distca_jax.data.doclens`) filling a context, each document cut into 128-token-multiple shards,
@@ -26,16 +29,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
 
-try:
-  from distca_jax import kernels
-except ImportError:  # a bare checkout on the GPU machine: import the package from the tree
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from distca_jax import kernels
+from distca_jax import kernels
 
 import jax
 import jax.numpy as jnp
@@ -133,7 +131,8 @@ def main():
   ap.add_argument("--max-shard", type=int, default=8192,
                   help="longest shard (tokens) a document is cut into")
   ap.add_argument("--sweep", default="128,512,2048,8192,32768,65536")
-  ap.add_argument("--table-backend", default="pallas")
+  ap.add_argument("--table-backend", default="auto",
+                  help="backend of the (q, kv) table; auto: best mean f+b TF/s on the batches")
   ap.add_argument("--budget-s", type=float, default=400.0,
                   help="stop starting new measurements after this many seconds")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -193,6 +192,18 @@ def main():
       with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
         json.dump(results, fh, indent=1)
 
+  try:
+    dfwd, dfb = dense(16384)
+    f16 = fwd_flops(16384 * 16385 / 2)
+    print(f"cuDNN dense causal T=16384: fwd {f16 / dfwd / 1e9:.1f} TF/s, "
+          f"f+b {3.5 * f16 / dfb / 1e9:.1f} TF/s", flush=True)
+  except Exception as e:  # noqa: BLE001
+    print(f"dense cudnn T=16384: {type(e).__name__}: {str(e)[:200]}", flush=True)
+  if args.table_backend == "auto":
+    score = {}
+    for r in results["batches"]:
+      score.setdefault(r["backend"], []).append(r["fwdbwd_tflops"])
+    args.table_backend = max(score, key=lambda b: np.mean(score[b])) if score else backends[0]
   sweep = [int(x) for x in args.sweep.split(",")]
   table = {"device": device, "dtype": "bfloat16", "heads": H, "kv_heads": K, "head_dim": D,
            "backend": args.table_backend, "q": sweep, "kv": sweep,
