@@ -4,15 +4,18 @@ cuDNN's causal mask in JAX is aligned top-left, so each task is run as two packe
   part A: its q queries x the first kv - q keys (the prefix before the shard), no mask;
   part B: its q queries x its last q keys (the diagonal square), causal (top-left = bottom-right
           for a square).
-The two are merged by their LSEs. The backward calls cuDNN's backward on both parts with the
-*merged* O and LSE (a flash backward only needs P = exp(S - LSE) and rowsum(dO * O), so feeding
-the global statistics gives each part its exact share of dQ, dK, dV); the LSE cotangent is folded
-into O (O' = O - dLSE * dO / |dO|^2 shifts rowsum(dO * O') by -dLSE).
+The two are merged by their LSEs.
+
+The backward is the Pallas backward (`pallas.backward_from_stats`) fed the merged O and LSE, not
+cuDNN's. cuDNN's packed backward writes dK/dV per segment without accumulating, so segments that
+share key rows (several shards of one document over one deduplicated prefix, which the
+scheduler produces on purpose) would overwrite each other's gradients. A flash backward needs only
+P = exp(S - LSE) and rowsum(dO * O), so any backward fed the global statistics is exact.
 
 This leans on the private `jax._src.cudnn.fused_attention_stablehlo` (packed layout, softmax
 statistics). Its statistics for packed input have shape [segments, heads, T]; this module reads
-entry [m, h, i] as the LSE of row i of segment m. If the private backward cannot be traced on the
-installed JAX, the Pallas backward kernels (which take the same O and LSE) are used instead.
+entry [m, h, i] as the LSE of row i of segment m (cuDNN's per-sequence Stats tensor, with the
+valid segments packed to the left).
 """
 
 from __future__ import annotations
@@ -92,31 +95,6 @@ def _forward(q, k, v, tasks, scale):
   return o.astype(q.dtype), lse
 
 
-def _part_bwd(q, k, v, tasks, part, scale, o, lse, do):
-  fa = _fa()
-  T = q.shape[0]
-  seg, valid, rank = _segments(tasks, part)
-  M = tasks.q_start.shape[0]
-  # Global LSE laid out as the part's statistics: [m, h, i] = LSE[q_start[m] + i, h].
-  i = jnp.arange(T)
-  rows = jnp.clip(tasks.q_start[:, None] + i[None, :], 0, T - 1)  # [M, T]
-  act = jnp.where((i[None, :] < tasks.q_len[:, None])[..., None], lse[rows], 0.0)  # [M, T, H]
-  act = jnp.transpose(act, (0, 2, 1))
-  # Valid segments are packed to the left, in order.
-  order = jnp.argsort(jnp.where(valid, rank, M + jnp.arange(M)))
-  act = act[order].astype(jnp.float32)
-  empty = jnp.zeros(0, q.dtype)
-  grads = fa._dot_product_attention_bwd_p_wrapper.bind(
-      q[None], k[None], v[None], empty, *seg, empty, empty, act, o[None], do[None],
-      scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
-      mask_type=_mask_type(part), layout=fa.AttentionLayout.BTNH.value,
-      sliding_window_length=None)
-  dq, dk, dv = grads[0][0], grads[1][0], grads[2][0]
-  owner, covered, _ = _owner(tasks, T)
-  dq = jnp.where((covered & valid[owner])[:, None, None], dq, 0)
-  return dq, dk, dv
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, tasks, scale):
   return _forward(q, k, v, tasks, scale)
@@ -131,18 +109,8 @@ def _attention_bwd(scale, res, cts):
   q, k, v, tasks, o, lse = res
   do, dlse = cts
   dlse = jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
-  try:
-    do32 = do.astype(jnp.float32)
-    n2 = jnp.sum(do32 * do32, axis=-1)
-    c = jnp.where(n2 > 0, dlse / jnp.where(n2 > 0, n2, 1.0), 0.0)
-    o_shift = (o.astype(jnp.float32) - c[..., None] * do32).astype(o.dtype)
-    dqa, dka, dva = _part_bwd(q, k, v, tasks, "A", scale, o_shift, lse, do)
-    dqb, dkb, dvb = _part_bwd(q, k, v, tasks, "B", scale, o_shift, lse, do)
-    f32 = lambda a, b, like: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(like.dtype)
-    return f32(dqa, dqb, q), f32(dka, dkb, k), f32(dva, dvb, v), None
-  except Exception:  # noqa: BLE001 (private API moved: the Pallas backward takes the same O/LSE)
-    dq, dk, dv = pallas.backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale)
-    return dq, dk, dv, None
+  dq, dk, dv = pallas.backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale)
+  return dq, dk, dv, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
