@@ -211,9 +211,12 @@ def test_pretrain_scale_imbalance():
   plan = make_plan(layout, comm, 0.05, with_arrays=False)
   assert plan.stats.imbalance_before > 1.5
   assert plan.stats.imbalance_after <= 1.05
-  # Balancing costs bytes, but each device sends less than shipping its whole buffer.
+  # Balancing costs bytes, but far less than shipping every buffer (most work stays home). One
+  # device may send more than its buffer: the KV prefix of a long document fans out to every
+  # server that took a piece of it.
   whole = t * (comm.q_row_bytes + comm.kv_row_bytes)
-  assert 0 < plan.traffic.send.max() < whole
+  assert 0 < plan.traffic.send.mean() < 0.25 * whole
+  assert (plan.tasks.server == plan.tasks.home).mean() > 0.9
 
 
 def test_capacity_feedback_raises_epsilon():

@@ -25,6 +25,8 @@ plan's reported bytes (`traffic`) deduplicate KV per server and document.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import math
 
 import numpy as np
 
@@ -57,7 +59,7 @@ def _imbalance(load: np.ndarray) -> float:
 
 
 def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int = 3,
-            max_sources: int = 8, max_moves: int | None = None,
+            max_sources: int = 32, prune: float = 0.03, max_moves: int | None = None,
             validate: bool = True) -> tuple[Tasks, BalanceStats]:
   """Assigns every CA-task of `layout` to a server (servers = the layout's N buffers/devices).
 
@@ -66,8 +68,12 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     comm: per-row byte sizes (its β = kv/q row bytes shapes the sub-range choice).
     epsilon: tolerance; the planner stops once every server is within epsilon * mean load.
     top_k: candidate items offered per source and move.
-    max_sources: per move, only the sources with the largest surplus offer candidates (a larger
-      surplus allows a larger ΔF, which costs fewer bytes per FLOP, so these dominate E).
+    max_sources: per move, at most the sources with the largest surplus offer candidates (a larger
+      surplus allows a larger ΔF, which costs fewer bytes per FLOP); they are scored in order of
+      surplus and scoring stops when an upper bound of E (the unconstrained byte-optimal shard of
+      that source's ΔF) is within `prune` of the best score found.
+    prune: relative slack of that early stop (0: exact greedy over the candidates; 0.03 keeps
+      the chosen E within 3% of the best candidate's, and scores a few candidates per move).
     max_moves: safety bound on moves (default 8 N + 64).
   Returns:
     (tasks, stats): tasks ordered by (home, home_off) with their servers; stats with loads.
@@ -83,137 +89,164 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   beta = comm.beta
   max_moves = 8 * n + 64 if max_moves is None else max_moves
 
-  # Growable struct of arrays: every move splits one piece into at most three.
-  cap_p = base.size + 2 * max_moves + 2
-  home = np.zeros(cap_p, np.int64)
-  doc = np.zeros(cap_p, np.int64)
-  lo = np.zeros(cap_p, np.int64)
-  hi = np.zeros(cap_p, np.int64)
-  off = np.zeros(cap_p, np.int64)
-  server = np.zeros(cap_p, np.int64)
-  area = np.zeros(cap_p, np.float64)
-  p = base.size
-  home[:p], doc[:p], lo[:p], hi[:p] = base.home, base.doc, base.q_lo, base.q_hi
-  off[:p], server[:p] = base.home_off, base.server
-  area[:p] = base.area()
+  # Pieces as Python lists (a move appends at most three; scalar list access is several times
+  # cheaper than numpy scalar indexing in this loop).
+  home, doc = base.home.tolist(), base.doc.tolist()
+  lo, hi = base.q_lo.tolist(), base.q_hi.tolist()
+  off, server = base.home_off.tolist(), base.server.tolist()
+  area_np = base.area()
+  area = area_np.tolist()
+  p = len(home)
 
-  load = np.bincount(server[:p], weights=area[:p], minlength=n).astype(np.float64)
-  load_before = load.copy()
-  target = float(load.sum()) / n if n else 0.0
+  load_np = np.bincount(base.server, weights=area_np, minlength=n).astype(np.float64)
+  load_before = load_np.copy()
+  target = float(load_np.sum()) / n if n else 0.0
   tol = epsilon * target
+  load = load_np.tolist()
 
-  # Home pieces per source, and each source's top_k candidates with their geometry cached
-  # ([n, top_k] float arrays; fa = -1 marks an empty slot) so a move touches only small arrays.
-  order = np.argsort(home[:p], kind="stable")
-  bounds = np.searchsorted(home[:p][order], np.arange(n + 1))
+  # Home pieces per source; each source offers its top_k largest as candidates, kept as tuples
+  # (i, a0, e0, area): a move scores a handful of them, where scalar code beats numpy.
+  order = np.argsort(base.home, kind="stable")
+  bounds = np.searchsorted(base.home[order], np.arange(n + 1))
   at_home = [order[bounds[s]:bounds[s + 1]].tolist() for s in range(n)]
-  cand = np.full((n, top_k), -1, np.int64)
-  c_a0 = np.zeros((n, top_k))
-  c_e0 = np.zeros((n, top_k))
-  c_fa = np.full((n, top_k), -1.0)
-  c_q0 = np.ones((n, top_k))  # 1 + 4 (a0² + a0): y_min = (sqrt(q0 + 8 want) - 1) / 2
-  c_yn = np.zeros((n, top_k))  # first grid point above a0, capped at e0
+  by_area = np.lexsort((-area_np, base.home))
+  rank = np.arange(p) - bounds[base.home[by_area]]
+  first = by_area[rank < top_k]
+  cands: list[list[tuple]] = [[] for _ in range(n)]
+  for i, h, a0, e0, fa in zip(first.tolist(), base.home[first].tolist(), base.q_lo[first].tolist(),
+                              base.q_hi[first].tolist(), area_np[first].tolist()):
+    cands[h].append((i, float(a0), float(e0), fa))
 
-  def refresh(s):  # scalar code: the lists are short and numpy calls cost more than they save
+  def refresh(s):
     items = at_home[s]
     if len(items) > top_k:
       items = sorted(items, key=area.__getitem__, reverse=True)[:top_k]
-    for j in range(top_k):
-      if j < len(items):
-        i = items[j]
-        a0, e0 = float(lo[i]), float(hi[i])
-        cand[s, j], c_a0[s, j], c_e0[s, j], c_fa[s, j] = i, a0, e0, area[i]
-        c_q0[s, j] = 1.0 + 4.0 * (a0 * a0 + a0)
-        c_yn[s, j] = min(e0, (a0 // g + 1.0) * g)
-      else:
-        cand[s, j], c_fa[s, j] = -1, -1.0
-
-  # Initial candidates, vectorised: the top_k largest shards of each home.
-  by_area = np.lexsort((-area[:p], home[:p]))
-  rank = np.arange(p) - bounds[home[:p][by_area]]
-  first = by_area[rank < top_k]
-  h, col = home[first], rank[rank < top_k]
-  cand[h, col] = first
-  a0, e0 = lo[first].astype(np.float64), hi[first].astype(np.float64)
-  c_a0[h, col], c_e0[h, col], c_fa[h, col] = a0, e0, area[first]
-  c_q0[h, col] = 1.0 + 4.0 * (a0 * a0 + a0)
-  c_yn[h, col] = np.minimum(e0, (np.floor(a0 / g) + 1.0) * g)
+    cands[s] = [(i, float(lo[i]), float(hi[i]), area[i]) for i in items]
 
   k_opt = 2.0 * beta / (beta + 2.0)  # n_q* = sqrt(k_opt * want), cost.optimal_split
-  stuck_pen = np.zeros(n)  # -inf: destination no candidate can fill without overshooting
-  m_src = min(max_sources, n)
-  moves = 0
-  while moves < max_moves:
-    dl = target - load  # deficit (> 0) or surplus (< 0) per server
-    if dl.max() <= tol and -dl.min() <= tol:
-      break
-    de = dl + stuck_pen
-    d = int(np.argmax(de))
-    cap_d = float(de[d])
-    if cap_d <= 0:
-      break
-    srcs = np.argpartition(dl, m_src - 1)[:m_src] if m_src < n else np.arange(n)
-    sur = -dl[srcs]
-    # While some destination is outside the tolerance, any surplus source may give; once all are
-    # inside, only sources outside it (so the loop ends as soon as everyone is within ε).
-    keep = (sur > (0.0 if cap_d > tol else tol)) & (srcs != d)
-    srcs, sur = srcs[keep], sur[keep]
-    if srcs.size == 0:
-      stuck_pen[d] = -np.inf
-      continue
-    a0, e0, fa = c_a0[srcs], c_e0[srcs], c_fa[srcs]
-    cap = np.minimum(sur, cap_d)[:, None]
-    want = np.maximum(np.minimum(fa, cap), 0.0)
-    whole = fa <= cap
-    # Byte-optimal sub-range [x, y) of `want` pairs inside [a0, e0), snapped to the 128 grid.
-    nq = np.sqrt(k_opt * want)
-    y = want / np.maximum(nq, 1e-9) + 0.5 * nq
-    y = np.minimum(np.maximum(y, 0.5 * (np.sqrt(c_q0[srcs] + 8.0 * want) - 1.0)), e0)
-    y = np.round(y * (1.0 / g)) * g
-    y = np.where(y <= a0, c_yn[srcs], np.minimum(y, e0))
-    t = 2.0 * y + 1.0
-    x = y - 0.5 * (t - np.sqrt(np.maximum(t * t - 8.0 * want, 0.0)))
-    x = np.round(x * (1.0 / g)) * g
-    x = np.maximum(np.where(x >= y, np.floor((y - 1.0) * (1.0 / g)) * g, x), a0)
-    x = np.where(whole, a0, x)
-    y = np.where(whole, e0, y)
+  # Upper bound of E for a move of `w` pairs: the unconstrained byte-optimal shard. E grows like
+  # sqrt(w), so once a source's cap bounds E below the best found, smaller caps cannot win.
+  e_free_coef = 1.0 / (math.sqrt(k_opt) * qb + (1.0 / math.sqrt(k_opt) + 0.5 * math.sqrt(k_opt)) * kvb)
+  inv_g = 1.0 / g
+
+  def score(a0, e0, fa, cap):
+    """(E, x, y, got) of the best move of min(fa, cap) pairs from piece [a0, e0); E <= 0: none."""
+    if fa <= cap:
+      x, y = a0, e0
+    else:
+      want = cap
+      nq = math.sqrt(k_opt * want)
+      y = want / nq + 0.5 * nq
+      y_min = 0.5 * (math.sqrt(1.0 + 4.0 * (a0 * a0 + a0) + 8.0 * want) - 1.0)
+      y = min(max(y, y_min), e0)
+      y = round(y * inv_g) * g
+      y = min(e0, (a0 // g + 1.0) * g) if y <= a0 else min(y, e0)
+      t = 2.0 * y + 1.0
+      x = y - 0.5 * (t - math.sqrt(max(t * t - 8.0 * want, 0.0)))
+      x = round(x * inv_g) * g
+      if x >= y:
+        x = math.floor((y - 1.0) * inv_g) * g
+      x = max(x, a0)
     nrow = y - x
     got = nrow * (y + x + 1.0) * 0.5
     # A rounded move may overshoot by part of a granule, never by more than half the tolerance
     # (at ε = 0, by at most the area of one granule at that position).
-    bad = (got > cap + np.maximum(0.5 * tol, g * y)) | (fa <= 0.0)
-    e = np.where(bad, -1.0, got / np.maximum(nrow * qb + y * kvb, 1.0))
-    best = int(np.argmax(e))
-    if e.flat[best] <= 0.0:
-      stuck_pen[d] = -np.inf
+    if nrow <= 0 or got > cap + max(0.5 * tol, g * y):
+      return -1.0, x, y, got
+    return got / (nrow * qb + y * kvb), x, y, got
+
+  # Max-heaps (negated keys) of surplus and of deficit with lazy deletion: an entry is current
+  # while its version matches. Stuck destinations (no candidate fits) leave the deficit heap.
+  ver = [0] * n
+  sur_heap = [(target - load[s], 0, s) for s in range(n) if load[s] > target]
+  def_heap = [(load[d] - target, 0, d) for d in range(n) if load[d] < target]
+  heapq.heapify(sur_heap)
+  heapq.heapify(def_heap)
+  stuck = [False] * n
+
+  def push(s):
+    ver[s] += 1
+    if load[s] > target:
+      heapq.heappush(sur_heap, (target - load[s], ver[s], s))
+    elif load[s] < target and not stuck[s]:
+      heapq.heappush(def_heap, (load[s] - target, ver[s], s))
+
+  def top(heap):
+    while heap and heap[0][1] != ver[heap[0][2]]:
+      heapq.heappop(heap)
+    return heap[0] if heap else None
+
+  max_def_all = max((target - x for x in load), default=0.0)  # includes stuck: for termination
+  moves = 0
+  while moves < max_moves:
+    ts, td = top(sur_heap), top(def_heap)
+    max_sur = -ts[0] if ts else 0.0
+    if max_sur <= tol and max_def_all <= tol:
+      break
+    if td is None:
+      break
+    d, cap_d = td[2], -td[0]
+    # While some destination is outside the tolerance, any surplus source may give; once all are
+    # inside, only sources outside it (so the loop ends as soon as everyone is within ε).
+    floor_ = 0.0 if cap_d > tol else tol
+    best = (0.0, -1, -1, 0.0, 0.0, 0.0)  # E, source, piece, x, y, got
+    popped = []
+    while sur_heap and len(popped) < max_sources:
+      entry = heapq.heappop(sur_heap)
+      s = entry[2]
+      if entry[1] != ver[s]:
+        continue
+      popped.append(entry)
+      sur = -entry[0]
+      if sur <= floor_:
+        break
+      cap = min(sur, cap_d)
+      # Sources come in order of surplus, so caps and this bound only fall: stop once the best
+      # score is within `prune` of what this (and any later) source could reach with a move of
+      # exactly its cap (rounding to the 128 grid can beat the bound by a fraction of a granule).
+      if best[0] >= (1.0 - prune) * e_free_coef * math.sqrt(cap):
+        break
+      for i, a0, e0, fa in cands[s]:
+        e, x, y, got = score(a0, e0, fa, cap)
+        if e > best[0]:
+          best = (e, s, i, x, y, got)
+    for entry in popped:
+      heapq.heappush(sur_heap, entry)
+    if best[1] < 0:
+      stuck[d] = True
+      ver[d] += 1  # drops its deficit entry
       continue
-    r, col = divmod(best, top_k)
-    s = int(srcs[r])
-    i = int(cand[s, col])
-    xi, yi = int(x.flat[best]), int(y.flat[best])
+    _, s, i, x, y, moved = best
+    xi, yi = int(x), int(y)
     # Split piece i = [lo, hi) into [lo, x) home, [x, y) -> d, [y, hi) home.
-    li, hi_i = int(lo[i]), int(hi[i])
+    li, hi_i = lo[i], hi[i]
     at_home[s].remove(i)
     for a, b, dst in ((li, xi, s), (yi, hi_i, s), (xi, yi, d)):
       if b <= a:
         continue
-      home[p], doc[p], lo[p], hi[p] = home[i], doc[i], a, b
-      off[p], server[p] = off[i] + (a - li), dst
-      area[p] = (b - a) * (b + a + 1.0) / 2.0
+      home.append(home[i]), doc.append(doc[i]), lo.append(a), hi.append(b)
+      off.append(off[i] + (a - li)), server.append(dst)
+      area.append((b - a) * (b + a + 1.0) / 2.0)
       if dst == s:
         at_home[s].append(p)
       p += 1
     area[i] = 0.0
     hi[i] = lo[i]  # retired: zero-length, dropped below
-    moved = float(got.flat[best])
     load[s] -= moved
     load[d] += moved
+    push(s)
+    push(d)
+    max_def_all = max(max_def_all, target - load[s])  # a rounded move may overshoot a source
+    if cap_d >= max_def_all - 1e-9 * target:  # the largest deficit shrank: recompute it
+      max_def_all = max((target - x for x in load), default=0.0)
     refresh(s)
     moves += 1
 
-  live = hi[:p] > lo[:p]
-  tasks = Tasks(home=home[:p][live], doc=doc[:p][live], q_lo=lo[:p][live], q_hi=hi[:p][live],
-                home_off=off[:p][live], server=server[:p][live]).sorted()
+  i64 = lambda v: np.asarray(v, np.int64)
+  lo_a, hi_a = i64(lo), i64(hi)
+  live = hi_a > lo_a
+  tasks = Tasks(home=i64(home)[live], doc=i64(doc)[live], q_lo=lo_a[live], q_hi=hi_a[live],
+                home_off=i64(off)[live], server=i64(server)[live]).sorted()
   load_after = np.bincount(tasks.server, weights=tasks.area(), minlength=n)
   return tasks, BalanceStats(epsilon=epsilon, moves=moves, load_before=load_before,
                              load_after=load_after)

@@ -1,0 +1,115 @@
+"""Benchmark of the CA-task planner: planning time, imbalance and bytes, with the baselines.
+
+  python launch/bench_scheduler.py [--devices 512] [--tokens 131072] [--batches 5]
+      [--eps 0.05 0.1] [--dist pretrain prolong] [--repeats 5] [--arrays-devices 8]
+
+Issue 3's target: one step of 512 devices × 128K tokens of Pretrain planned in ≤ 50 ms on one
+core, compute imbalance ≤ 1.05 at ε = 0.05. Time is CPU time of this process (`process_time`,
+so other processes on a shared machine do not inflate it; numpy is pinned to one thread), median
+and best over `--repeats` runs per batch, of `planner.balance` (the schedule) and separately of
+the byte accounting (`planner.traffic`). Bytes are per device per layer, fwd+bwd, for one
+tensor-parallel rank's heads (llama3_8b, TP = 8). `--arrays-devices` also times building the
+dispatch arrays (plan.make_plan with arrays) at a device count where they fit in memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+  os.environ.setdefault(_v, "1")
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from distca_jax.data.doclens import LengthSampler, load_lengths  # noqa: E402
+from distca_jax.data.packing import pack  # noqa: E402
+from distca_jax.models.presets import PRESETS  # noqa: E402
+from distca_jax.schedule.baselines import colocated, per_document_cp, wlb_packing  # noqa: E402
+from distca_jax.schedule.cost import CommModel  # noqa: E402
+from distca_jax.schedule.plan import make_plan  # noqa: E402
+from distca_jax.schedule.planner import balance, traffic  # noqa: E402
+
+
+def _cpu_ms(fn, repeats):
+  times = []
+  out = None
+  for _ in range(repeats):
+    t0 = time.process_time()
+    out = fn()
+    times.append((time.process_time() - t0) * 1e3)
+  return out, statistics.median(times), min(times)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--devices", type=int, default=512)
+  ap.add_argument("--tokens", type=int, default=131072)
+  ap.add_argument("--batches", type=int, default=5)
+  ap.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.1])
+  ap.add_argument("--dist", nargs="+", default=["pretrain", "prolong"])
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--arrays-devices", type=int, default=8)
+  ap.add_argument("--tp", type=int, default=8)
+  args = ap.parse_args(argv)
+
+  comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=args.tp)
+  n, t = args.devices, args.tokens
+  print(f"# {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
+        f"loadavg={os.getloadavg()[0]:.1f} numpy={np.__version__}")
+  print(f"# {n} devices x {t} tokens, llama3_8b TP={args.tp}: q row {comm.q_row_bytes:.0f} B, "
+        f"kv row {comm.kv_row_bytes:.0f} B per layer fwd+bwd")
+  print("| dist | eps | plan ms (median / best) | bytes ms | moves | tasks | imbalance before -> after "
+        "| max send+recv MB/layer | mean send MB/layer |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  base_rows = []
+  for dist in args.dist:
+    sampler = LengthSampler(load_lengths(dist), full_context_replacement=(dist == "prolong"),
+                            elongate_factor=max(1, t // 131072))
+    batches = [sampler.sample(n * t, b) for b in range(args.batches)]
+    layouts = [pack(l, n, t) for l in batches]
+    for eps in args.eps:
+      med, best, imb0, imb1, mx, mean, moves, ntask, tms = [], [], [], [], [], [], [], [], []
+      for lay in layouts:
+        (tasks, stats), m, b = _cpu_ms(lambda: balance(lay, comm, eps), args.repeats)
+        tr, tm, _ = _cpu_ms(lambda: traffic(tasks, lay, comm), 1)
+        med.append(m), best.append(b), tms.append(tm)
+        imb0.append(stats.imbalance_before), imb1.append(stats.imbalance_after)
+        mx.append(max(tr.send.max(), tr.recv.max()) / 1e6), mean.append(tr.send.mean() / 1e6)
+        moves.append(stats.moves), ntask.append(tasks.size)
+      print(f"| {dist} | {eps} | {statistics.median(med):.1f} / {min(best):.1f} (worst batch "
+            f"{max(med):.1f}) | {statistics.median(tms):.1f} | {np.mean(moves):.0f} | {np.mean(ntask):.0f} | "
+            f"{np.mean(imb0):.2f} -> {np.mean(imb1):.3f} (worst {max(imb1):.3f}) | {np.mean(mx):.0f} | "
+            f"{np.mean(mean):.0f} |")
+    # Baselines on the same batches.
+    for name, fn in (
+        ("colocated", lambda l, lay: colocated(lay, comm)),
+        ("wlb (cp=1, cap 1.5T)", lambda l, lay: wlb_packing(l, n, t, comm, cp=1)),
+        ("wlb (cp=8, cap 1.5T)", lambda l, lay: wlb_packing(l, n, t, comm, cp=8)),
+        (f"per-doc CP (cp={n})", lambda l, lay: per_document_cp(l, n, t, comm))):
+      loads = [fn(l, lay) for l, lay in zip(batches, layouts)]
+      base_rows.append((dist, name, np.mean([x.compute_imbalance for x in loads]),
+                        np.mean([x.memory_imbalance for x in loads]),
+                        np.mean([max(x.send.max(), x.recv.max()) for x in loads]) / 1e6))
+  print("\n| dist | baseline | compute imbalance | memory imbalance | max bytes MB/layer |")
+  print("|---|---|---|---|---|")
+  for dist, name, ci, mi, mb in base_rows:
+    print(f"| {dist} | {name} | {ci:.3f} | {mi:.3f} | {mb:.0f} |")
+
+  if args.arrays_devices:
+    na = args.arrays_devices
+    lens = LengthSampler(load_lengths("pretrain")).sample(na * t, 0)
+    lay = pack(lens, na, t)
+    plan, m, b = _cpu_ms(lambda: make_plan(lay, comm, 0.05), max(1, args.repeats // 2))
+    c = plan.capacities
+    print(f"\nmake_plan with dispatch arrays, {na} devices x {t} tokens (pretrain, eps 0.05): "
+          f"{m:.1f} ms median, {b:.1f} ms best; capacities cq={c.cq} ckv={c.ckv} skv={c.skv} "
+          f"ctask={c.ctask}; imbalance {plan.stats.imbalance_before:.2f} -> {plan.stats.imbalance_after:.3f}")
+
+
+if __name__ == "__main__":
+  main()
