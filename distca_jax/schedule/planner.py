@@ -176,12 +176,13 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
       heapq.heappop(heap)
     return heap[0] if heap else None
 
-  max_def_all = max((target - x for x in load), default=0.0)  # includes stuck: for termination
+  stuck_max = 0.0  # largest deficit among stuck destinations (their loads no longer change)
   moves = 0
   while moves < max_moves:
     ts, td = top(sur_heap), top(def_heap)
     max_sur = -ts[0] if ts else 0.0
-    if max_sur <= tol and max_def_all <= tol:
+    max_def = max(-td[0] if td else 0.0, stuck_max)
+    if max_sur <= tol and max_def <= tol:
       break
     if td is None:
       break
@@ -214,6 +215,7 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
       heapq.heappush(sur_heap, entry)
     if best[1] < 0:
       stuck[d] = True
+      stuck_max = max(stuck_max, cap_d)
       ver[d] += 1  # drops its deficit entry
       continue
     _, s, i, x, y, moved = best
@@ -236,9 +238,6 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     load[d] += moved
     push(s)
     push(d)
-    max_def_all = max(max_def_all, target - load[s])  # a rounded move may overshoot a source
-    if cap_d >= max_def_all - 1e-9 * target:  # the largest deficit shrank: recompute it
-      max_def_all = max((target - x for x in load), default=0.0)
     refresh(s)
     moves += 1
 
