@@ -122,3 +122,22 @@ def visited_tiles(tasks: TaskTable, num_q_rows: int, num_kv_rows: int, block_q: 
   visit = (kb >= s.kb_lo[:, None]) & (kb < s.kb_hi[:, None])
   full = (kb >= s.kb_full_lo[:, None]) & (kb < s.kb_full_hi[:, None])
   return visit, full
+
+
+def key_task_ranges(tasks: TaskTable, num_kv_rows: int, block_q: int, block_k: int):
+  """Per key block, the hull [t_lo, t_hi) of task indices that see it: int32 [nk] each.
+
+  The dK/dV kernels loop over these tasks only (not the whole capacity); tasks inside the hull
+  that miss the block cost a few scalar loads. The hull is tight when tasks are listed in key
+  order, as the scheduler and `make_task_table` callers usually do.
+  """
+  nk = cdiv(num_kv_rows, block_k)
+  t = [jnp.asarray(a, jnp.int32)[:, None] for a in tasks]
+  qb_lo, _, _, qb_hi = task_q_blocks(*t, jnp.arange(nk, dtype=jnp.int32)[None, :], block_q,
+                                     block_k)
+  hit_CxN = qb_hi > qb_lo
+  C = hit_CxN.shape[0]
+  any_hit = jnp.any(hit_CxN, axis=0)
+  t_lo = jnp.where(any_hit, jnp.argmax(hit_CxN, axis=0), 0)
+  t_hi = jnp.where(any_hit, C - jnp.argmax(hit_CxN[::-1], axis=0), 0)
+  return t_lo.astype(jnp.int32), t_hi.astype(jnp.int32)

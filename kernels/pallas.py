@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .blocks import cdiv, query_schedule, task_q_blocks
+from .blocks import cdiv, key_task_ranges, query_schedule, task_q_blocks
 from .tasks import TaskTable
 
 LOG2E = math.log2(math.e)
@@ -179,8 +179,8 @@ def _dq_kernel(kb_lo_ref, kb_flo_ref, kb_fhi_ref, kb_hi_ref, lo_ref, hi_ref, lse
   dq_ref[...] = (dq_BxD * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(qs_ref, ql_ref, ks_ref, kl_ref, lse2_ref, delta_ref, q_ref, do_ref, k_ref, v_ref,
-                dk_ref, dv_ref, *, scale, block_q, num_tasks, group):
+def _dkv_kernel(t_lo_ref, t_hi_ref, qs_ref, ql_ref, ks_ref, kl_ref, lse2_ref, delta_ref, q_ref,
+                do_ref, k_ref, v_ref, dk_ref, dv_ref, *, scale, block_q, group):
   kb = pl.program_id(0)
   k_KxD, v_KxD = k_ref[...], v_ref[...]
   block_k = k_KxD.shape[0]
@@ -214,7 +214,7 @@ def _dkv_kernel(qs_ref, ql_ref, ks_ref, kl_ref, lse2_ref, delta_ref, q_ref, do_r
     return carry
 
   zeros = jnp.zeros(k_KxD.shape, jnp.float32)
-  dk_KxD, dv_KxD = lax.fori_loop(0, num_tasks, task_body, (zeros, zeros))
+  dk_KxD, dv_KxD = lax.fori_loop(t_lo_ref[0], t_hi_ref[0], task_body, (zeros, zeros))
   dk_ref[...] = (dk_KxD * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv_KxD.astype(dv_ref.dtype)
 
@@ -255,21 +255,23 @@ def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse
   nk = S // bk
   C = tasks.q_start.shape[0]
   whole_c = pl.BlockSpec((C,), lambda j, h: (0,))
+  t_lo, t_hi = key_task_ranges(tasks, S, bq, bk)
   group_rows = pl.BlockSpec((T, G, D), lambda j, h: (0, h, 0))
   group_stats = pl.BlockSpec((G, T), lambda j, h: (h, 0))
   kvblk = pl.BlockSpec((bk, None, D), lambda j, h: (j, h, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, scale=scale, block_q=bq, num_tasks=C, group=G),
+      functools.partial(_dkv_kernel, scale=scale, block_q=bq, group=G),
       # Key block 0 goes first: under causal masks the earliest keys are seen by the most rows.
       grid=(nk, K),
-      in_specs=[whole_c] * 4 + [group_stats] * 2 + [group_rows] * 2 + [kvblk] * 2,
+      in_specs=[pl.BlockSpec((1,), lambda j, h: (j,))] * 2 + [whole_c] * 4 + [group_stats] * 2
+      + [group_rows] * 2 + [kvblk] * 2,
       out_specs=[kvblk, kvblk],
       out_shape=[jax.ShapeDtypeStruct((S, K, D), k_SxKxD.dtype),
                  jax.ShapeDtypeStruct((S, K, D), v_SxKxD.dtype)],
       compiler_params=_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd, interpret),
       interpret=interpret,
       name="ca_flash_dkv",
-  )(*tasks, lse2_HxT, delta_HxT, q_TxHxD, do_TxHxD, k_SxKxD, v_SxKxD)
+  )(t_lo, t_hi, *tasks, lse2_HxT, delta_HxT, q_TxHxD, do_TxHxD, k_SxKxD, v_SxKxD)
   return dq, dk, dv
 
 

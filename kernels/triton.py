@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from .blocks import cdiv, query_schedule
+from .blocks import cdiv, key_task_ranges, query_schedule
 from .pallas import GPU_CONFIG, Config, _pad_rows, _pow2
 from .tasks import TaskTable
 
@@ -168,8 +168,8 @@ def _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, sca
 
 
 @triton.jit
-def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, QS, QL, KS, KL, DK, DV, scale: tl.constexpr,
-                T: tl.constexpr, C: tl.constexpr, H: tl.constexpr, KH: tl.constexpr,
+def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, TLO, THI, QS, QL, KS, KL, DK, DV, scale: tl.constexpr,
+                T: tl.constexpr, H: tl.constexpr, KH: tl.constexpr,
                 D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr):
   kb = tl.program_id(0)  # key block 0 first: under causal masks it is seen by the most rows
   kh = tl.program_id(1)
@@ -184,7 +184,7 @@ def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, QS, QL, KS, KL, DK, DV, scale: tl.cons
   dv = tl.zeros([BK, D], tl.float32)
   k0 = kb * BK
   k1 = k0 + BK
-  for t in range(0, C):
+  for t in range(tl.load(TLO + kb), tl.load(THI + kb)):
     qs = tl.load(QS + t)
     ql = tl.load(QL + t)
     ks = tl.load(KS + t)
@@ -253,13 +253,13 @@ def _backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg: Config):
       num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd,
       scale=scale, T=T, NQ=nq, H=H, KH=K, D=D, BQ=bq, BK=bk)
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-  C = tasks.q_start.shape[0]
+  t_lo, t_hi = key_task_ranges(tasks, S, bq, bk)
   dk, dv = jt.triton_call(
-      q, k, v, do, lse2_HxT, delta_HxT, *tasks, kernel=_dkv_kernel,
+      q, k, v, do, lse2_HxT, delta_HxT, t_lo, t_hi, *tasks, kernel=_dkv_kernel,
       out_shape=[jax.ShapeDtypeStruct((S, K, D), k.dtype),
                  jax.ShapeDtypeStruct((S, K, D), v.dtype)],
       grid=(S // bk, K), num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd,
-      scale=scale, T=T, C=C, H=H, KH=K, D=D, BQ=bq, BK=bk)
+      scale=scale, T=T, H=H, KH=K, D=D, BQ=bq, BK=bk)
   return dq, dk, dv
 
 

@@ -249,6 +249,10 @@ def test_block_schedule(case, bq, bk):
   t_C1 = [np.asarray(a)[:, None] for a in tasks]
   runs = [np.asarray(x) for x in blocks.task_q_blocks(*t_C1, np.arange(nk)[None, :], bq, bk)]
   assert ((runs[0] <= runs[1]) & (runs[1] <= runs[2]) & (runs[2] <= runs[3])).all()
+  t_lo, t_hi = (np.asarray(a) for a in blocks.key_task_ranges(tasks, S, bq, bk))
+  hit = runs[3] > runs[0]
+  tt = np.arange(hit.shape[0])[:, None]
+  assert not (hit & ((tt < t_lo[None]) | (tt >= t_hi[None]))).any(), "task range misses a task"
   for t, (qs, ql, ks, kl) in enumerate(zip(*(np.asarray(a) for a in tasks))):
     for kb in range(nk):
       a, f0, f1, b = (int(r[t, kb]) for r in runs)
