@@ -89,18 +89,39 @@ def inputs(T, S, seed=0):
   return q, k, v, do
 
 
-def time_backend(backend, tasks, T, S):
-  """(fwd ms, fwd+bwd ms) of one fused batch."""
+def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
+  """(fwd ms, fwd+bwd ms) of one fused batch; `attn(q, k, v, tasks) -> (O, LSE)` overrides the
+  backend (config tuning)."""
+  if attn is None:
+    attn = lambda q, k, v, t: kernels.attention(q, k, v, t, backend=backend)
   q, k, v, do = inputs(T, S)
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  fwd = jax.jit(lambda q, k, v, t: kernels.attention(q, k, v, t, backend=backend)[0])
+  fwd = jax.jit(lambda q, k, v, t: attn(q, k, v, t)[0])
 
   @jax.jit
   def fwdbwd(q, k, v, t, do):
-    o, vjp = jax.vjp(lambda q, k, v: kernels.attention(q, k, v, t, backend=backend)[0], q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, t)[0], q, k, v)
     return vjp(do)
 
-  return median_ms(fwd, q, k, v, tasks), median_ms(fwdbwd, q, k, v, tasks, do)
+  fms = median_ms(fwd, q, k, v, tasks)
+  return fms, (float("nan") if fwd_only else median_ms(fwdbwd, q, k, v, tasks, do))
+
+
+def tune_configs():
+  """Tile/launch variants of the Pallas and Triton kernels tried by --tune (name -> Config)."""
+  from distca_jax.kernels.pallas import Config
+  return {
+      "default": Config(),
+      "fwd128x128w8s2": Config(block_q=128, block_k=128, num_warps=8, num_stages=2),
+      "fwd64x64w4s3": Config(block_q=64, block_k=64, num_warps=4, num_stages=3),
+      "fwd128x64w4s3": Config(num_warps=4),
+      "bwd64x64w4s2": Config(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64,
+                             num_warps_bwd=4, num_stages_bwd=2),
+      "bwd128x32_32x128w4s3": Config(block_q_dq=128, block_k_dq=32, block_q_dkv=32,
+                                     block_k_dkv=128, num_warps_bwd=4, num_stages_bwd=3),
+      "bwd64x128_128x64w8s2": Config(block_q_dq=64, block_k_dq=128, block_q_dkv=128,
+                                     block_k_dkv=64),
+  }
 
 
 def time_dense_cudnn(T):
@@ -135,6 +156,9 @@ def main():
                   help="backend of the (q, kv) table; auto: best mean f+b TF/s on the batches")
   ap.add_argument("--budget-s", type=float, default=400.0,
                   help="stop starting new measurements after this many seconds")
+  ap.add_argument("--tune", default="",
+                  help="comma list of backends (pallas, triton) whose tune_configs() to time on "
+                       "the first batch")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   t_start = time.time()
@@ -172,6 +196,22 @@ def main():
         print(f"dense cudnn T={Teq}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         d_tf = (float("nan"), float("nan"))
       name = f"{ds}-{ctx // 1024}K({len(lens)}docs)"
+      for tb in (t for t in args.tune.split(",") if t):
+        mod = __import__(f"distca_jax.kernels.{tb}", fromlist=["attention"])
+        for cname, cfg in tune_configs().items():
+          if over():
+            break
+          try:
+            fms, fbms = time_backend(tb, tasks, T, S, attn=lambda q, k, v, t, cfg=cfg, mod=mod:
+                                     mod.attention(q, k, v, t, config=cfg))
+            print(f"tune {tb:7s} {cname:22s} fwd {f / fms / 1e9:6.1f} TF/s  bwd "
+                  f"{2.5 * f / max(fbms - fms, 1e-6) / 1e9:6.1f}  f+b {3.5 * f / fbms / 1e9:6.1f}",
+                  flush=True)
+            results.setdefault("tune", []).append(dict(backend=tb, config=cname, batch=name,
+                                                       fwd_ms=fms, fwdbwd_ms=fbms))
+          except Exception as e:  # noqa: BLE001
+            print(f"tune {tb} {cname}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      args.tune = ""  # first batch only
       for b in backends:
         if over():
           break
