@@ -79,6 +79,17 @@ def test_config_overrides_and_errors(tmp_path):
     load_sim_config(path)
 
 
+def test_simulator_pingpong_costs_bytes_not_balance():
+  base = ["gpus=[64]", "batches=1"]
+  one = Simulator(load_sim_config(None, base + ["pingpong=false"]), Point("llama3_8b", 64, 131072, "pretrain"))
+  two = Simulator(load_sim_config(None, base), Point("llama3_8b", 64, 131072, "pretrain"))
+  r1, r2 = one.batch(0)[0]["cad"], two.batch(0)[0]["cad"]
+  assert r1.memory_imbalance == r2.memory_imbalance == 1.0
+  assert r2.compute_imbalance <= 1.05 and r1.compute_imbalance <= 1.05
+  # Two plans move two sets of pieces: more bytes, all hidden at this scale.
+  assert r2.bytes_per_layer > r1.bytes_per_layer and r2.hidden
+
+
 def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):
   cfg = load_sim_config(None, ["gpus=[64]", "batches=1"])
   sim = Simulator(cfg, Point("llama3_8b", 64, 131072, "pretrain"))
@@ -117,8 +128,8 @@ def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
   rows = list(csv.DictReader(open(out / "sim.csv")))
   assert {r["system"] for r in rows} == {"cad", "colocated", "wlb", "wlb_best", "per_doc_cp"}
   assert (out / "loads.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
-  dumped = list(plans.glob("*.json"))
-  assert len(dumped) == 1
+  dumped = sorted(plans.glob("*.json"))  # one plan per nano-batch
+  assert [p.stem.rsplit("_", 1)[1] for p in dumped] == ["ping", "pong"]
   d = json.loads(dumped[0].read_text())
-  assert d["format"] == "distca-plan-v1" and d["num_devices"] == 8
+  assert d["format"] == "distca-plan-v1" and d["num_devices"] == 8 and d["buffer_len"] == 65536
   assert main(["gpus=[12]"]) == 2

@@ -53,6 +53,8 @@ class SimConfig:
   cp_sizes: tuple = (0,)
   # Fraction of the baselines' CP KV all-gather hidden under compute.
   cp_overlap: float = 0.5
+  # CAD runs Ping and Pong nano-batches, one plan each (false: one plan per micro-batch).
+  pingpong: bool = True
   # Fraction of CAD's dispatch traffic that ping-pong can hide at most (1: all of it when the
   # other nano-batch's compute is long enough).
   pingpong_overlap: float = 1.0

@@ -10,17 +10,17 @@ tensor-parallel group of `tensor_parallel` GPUs holding `tokens_per_rank` tokens
 * communication = per-GPU bytes (CommModel for heads / TP; backward included) over NVLink for
                  partners in the same node, over the network (50 GB/s per GPU) otherwise; the two
                  links run in parallel.
-* exposed communication: CAD overlaps its dispatch with the other nano-batch's compute (ping-pong)
-  so `exposed = comm − pingpong_overlap · min(comm, compute)`; the baselines' context-parallel
-  KV all-gather is hidden by the fraction `cp_overlap`.
+* exposed communication: CAD splits the micro-batch into Ping and Pong (`schedule/pingpong.py`),
+  plans each, and overlaps each nano-batch's dispatch with the other's compute:
+  `exposed = Σ_i max(comm_i − pingpong_overlap · compute_other(i), (1 − pingpong_overlap) · comm_i)`
+  (`pingpong=false`: one plan, `exposed = comm − pingpong_overlap · min(comm, compute)`); the
+  baselines' context-parallel KV all-gather is hidden by the fraction `cp_overlap`.
 * step time = layers × max over ranks (compute + exposed communication): every layer's
   all-to-all (CAD) or the step's gradient all-reduce (baselines) waits for the slowest rank.
 
 Not modelled (the same for every system, so they only dilute speedups): embedding and LM head
 beyond their FLOPs, the gradient all-reduce, the optimizer, TP collectives, pipeline
 parallelism (the paper's 4D results), and the smaller-matmul efficiency loss of ping-pong.
-CAD is planned once per micro-batch rather than once per nano-batch (the two nano-batches have
-equal tokens and about equal Σl², so each plan sees the same balancing problem at half size).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from distca_jax.models.presets import PRESETS
 from distca_jax.schedule.baselines import SystemLoad, colocated, per_document_cp, wlb_packing
 from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable
 from distca_jax.schedule.items import initial_tasks
+from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
 from distca_jax.schedule.planner import traffic
 from distca_jax.sim.config import SimConfig
@@ -122,17 +123,21 @@ class Simulator:
     nv, net = h.nvlink_gbps * 1e6, h.network_gbps * 1e6  # bytes per ms
     return np.maximum.reduce([intra_out / nv, inter_out / net, intra_in / nv, inter_in / net])
 
-  def _result(self, name, load: SystemLoad, comm_ms, overlap, area, tokens, attn_ms, bytes_):
+  def _result(self, name, load: SystemLoad, comm_ms, overlap, area, tokens, attn_ms, bytes_,
+              exposed=None, hidden=None):
     lin = tokens * self.lin_ms_per_token
     compute = lin + attn_ms
-    exposed = comm_ms - overlap * np.minimum(comm_ms, compute)
+    if exposed is None:
+      exposed = comm_ms - overlap * np.minimum(comm_ms, compute)
+    if hidden is None:
+      hidden = bool((comm_ms <= compute + 1e-12).all())
     per_rank = compute + exposed
     ratio = lambda x: float(x.max() / x.mean()) if x.mean() > 0 else 1.0
     return SystemResult(
         name=name, cp=load.cp if load is not None else 1, compute_imbalance=ratio(area),
         memory_imbalance=ratio(tokens), total_compute_imbalance=ratio(compute),
         bytes_per_layer=float(bytes_.max(initial=0.0)), comm_ms=float(comm_ms.max(initial=0.0)),
-        compute_ms=float(compute.max()), hidden=bool((comm_ms <= compute + 1e-12).all()),
+        compute_ms=float(compute.max()), hidden=hidden,
         iter_s=float(per_rank.max()) * self.shape.layers / 1e3)
 
   def _baseline(self, load: SystemLoad, overlap: float, name: str | None = None) -> SystemResult:
@@ -154,19 +159,37 @@ class Simulator:
     lens = self.sampler.sample(n * t, step)
     layout = pack(lens, n, t)
     out = {}
-    # CAD.
-    plan = make_plan(layout, self.comm, cfg.epsilon, with_arrays=False)
-    tasks = plan.tasks
-    attn_ms = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
-                          minlength=n)
-    tr = traffic(tasks, layout, self.comm, pairwise=True)
-    tokens = np.bincount(layout.buffer, weights=layout.length, minlength=n).astype(np.float64)
-    out["cad"] = self._result("cad", None, self._comm_ms_pairwise(tr.pair_bytes),
-                              cfg.pingpong_overlap, plan.stats.load_after, tokens, attn_ms,
-                              np.maximum(tr.send, tr.recv))
-    if dump_dir is not None:
-      p = self.point
-      plan.dump_json(dump_dir / f"{p.model}_{p.gpus}g_{p.tokens_per_rank}_{Path(p.distribution).stem}_b{step}.json")
+    # CAD: with ping-pong, one plan per nano-batch (equal tokens, balanced Σl², half buffers);
+    # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
+    halves = pingpong_layouts(lens, n, t)[:2] if cfg.pingpong else (layout,)
+    per = []
+    for k, lay in enumerate(halves):
+      plan = make_plan(lay, self.comm, cfg.epsilon, with_arrays=False)
+      tasks = plan.tasks
+      attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
+                         minlength=n)
+      tr = traffic(tasks, lay, self.comm, pairwise=True)
+      tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
+      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes), np.maximum(tr.send, tr.recv)))
+      if dump_dir is not None:
+        p = self.point
+        tag = ("_ping", "_pong")[k] if cfg.pingpong else ""
+        plan.dump_json(dump_dir / f"{p.model}_{p.gpus}g_{p.tokens_per_rank}_"
+                                  f"{Path(p.distribution).stem}_b{step}{tag}.json")
+    area_after = sum(x[0].stats.load_after for x in per)
+    attn_ms = sum(x[1] for x in per)
+    tokens = sum(x[2] for x in per)
+    comm_ms = sum(x[3] for x in per)
+    bytes_ = sum(x[4] for x in per)
+    if cfg.pingpong:
+      comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
+      ov = cfg.pingpong_overlap
+      exposed = sum(np.maximum(per[i][3] - ov * comp[1 - i], (1 - ov) * per[i][3]) for i in (0, 1))
+      hidden = bool(all((per[i][3] <= comp[1 - i] + 1e-12).all() for i in (0, 1)))
+    else:
+      exposed, hidden = None, None
+    out["cad"] = self._result("cad", None, comm_ms, cfg.pingpong_overlap, area_after, tokens,
+                              attn_ms, bytes_, exposed=exposed, hidden=hidden)
     # Colocated.
     col = colocated(layout, self.comm, kernel=self.kernel)
     trc = traffic(initial_tasks(layout), layout, self.comm, pairwise=True)
@@ -186,7 +209,7 @@ class Simulator:
     out["wlb_best"] = dataclasses.replace(best, name="wlb_best")
     pdc = per_document_cp(lens, n, t, self.comm, kernel=self.kernel)
     out["per_doc_cp"] = self._baseline(pdc, cfg.cp_overlap, "per_doc_cp")
-    return out, {"before": plan.stats.load_before, "after": plan.stats.load_after}
+    return out, {"before": col.area, "after": area_after}
 
   def _cp_sizes(self):
     sizes = [c for c in self.cfg.cp_sizes if c > 0]
