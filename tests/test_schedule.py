@@ -315,12 +315,24 @@ def test_time_table_interpolation(tmp_path):
   assert np.isclose(tt.fwd_ms(4096, 32768), grid["fwd_ms"][2][2])
   mid = tt.fwd_ms(2560, 32768) / k.fwd_ms(2560, 32768)
   assert 4 / 3 < mid < 5 / 3
+  # The kernel benchmark writes null where q > kv (and where it measured nothing).
+  sparse = _table(k)
+  for i, qv in enumerate(sparse["q"]):
+    for j, kvv in enumerate(sparse["kv"]):
+      if qv > kvv or (i, j) == (1, 3):
+        sparse["fwd_ms"][i][j] = sparse["fwdbwd_ms"][i][j] = None
+  tt = TimeTable.from_dict(json.loads(json.dumps(sparse)))
+  assert np.allclose(tt.fwd_ms(q, kv), k.fwd_ms(q, kv), rtol=1e-9)
   bad = _table(k)
   bad["fwd_ms"] = bad["fwd_ms"][:2]
   with pytest.raises(ValueError, match="fwd_ms"):
     TimeTable.from_dict(bad)
   with pytest.raises(ValueError, match="missing"):
     TimeTable.from_dict({"q": [1, 2]})
+  bad = _table(k)
+  bad["fwd_ms"] = [[None] * 4] * 4
+  with pytest.raises(ValueError, match="no measured"):
+    TimeTable.from_dict(bad)
 
 
 def test_plan_json_dump(tmp_path):

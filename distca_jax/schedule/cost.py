@@ -165,8 +165,9 @@ class TimeTable:
 
   JSON format (written by the kernel benchmark): {"device", "dtype", "heads", "kv_heads",
   "head_dim", "q": [...], "kv": [...], "fwd_ms": [[len(kv)] x len(q)], "fwdbwd_ms": [...]}.
-  An entry with q > kv (not a valid task) must hold the time of the task (q, q): the benchmark
-  measures min(q, kv) queries there, and its throughput is what the interpolation reads.
+  Entries may be null (launch/bench_kernels.py writes null where q > kv or nothing was measured):
+  the interpolation then reads the throughput of the nearest valid entry of the same q row
+  (for q > kv: the first kv >= q), or the median throughput of the table.
   """
 
   q: np.ndarray
@@ -196,8 +197,11 @@ class TimeTable:
       raise ValueError(f"{source}: missing keys {missing}")
     q = np.asarray(d["q"], np.float64)
     kv = np.asarray(d["kv"], np.float64)
-    fwd = np.asarray(d["fwd_ms"], np.float64)
-    fb = np.asarray(d["fwdbwd_ms"], np.float64)
+    try:  # null (q > kv, or not measured) becomes NaN
+      fwd = np.array(d["fwd_ms"], dtype=np.float64)
+      fb = np.array(d["fwdbwd_ms"], dtype=np.float64)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{source}: fwd_ms / fwdbwd_ms must be rectangular lists of numbers or null ({e})") from e
     if q.ndim != 1 or kv.ndim != 1 or q.size < 2 or kv.size < 2:
       raise ValueError(f"{source}: q and kv must be lists of at least 2 grid points")
     if (np.diff(q) <= 0).any() or (np.diff(kv) <= 0).any():
@@ -205,6 +209,11 @@ class TimeTable:
     for name, a in (("fwd_ms", fwd), ("fwdbwd_ms", fb)):
       if a.shape != (q.size, kv.size):
         raise ValueError(f"{source}: {name} has shape {a.shape}, expected {(q.size, kv.size)}")
+      valid = a[np.isfinite(a)]
+      if valid.size == 0:
+        raise ValueError(f"{source}: {name} has no measured entry")
+      if (valid < 0).any():
+        raise ValueError(f"{source}: {name} has negative times")
     return cls(q=q, kv=kv, fwd=fwd, fwdbwd=fb, heads=int(d["heads"]), kv_heads=int(d["kv_heads"]),
                head_dim=int(d["head_dim"]), device=str(d.get("device", "")),
                dtype=str(d.get("dtype", "bfloat16")))
@@ -223,8 +232,7 @@ class TimeTable:
     # and extrapolates beyond the grid by area at the edge's throughput.
     q = np.asarray(q, np.float64)
     kv = np.maximum(np.asarray(kv, np.float64), q)
-    qg, kg = np.meshgrid(self.q, self.kv, indexing="ij")
-    per_pair = grid / np.maximum(causal_area(qg, np.maximum(kg, qg)), 1e-9)
+    per_pair = self._per_pair(grid)
     qc = np.clip(q, self.q[0], self.q[-1])
     kc = np.clip(kv, self.kv[0], self.kv[-1])
     i = np.clip(np.searchsorted(self.q, qc, side="right") - 1, 0, self.q.size - 2)
@@ -234,6 +242,29 @@ class TimeTable:
     r = ((1 - tq) * (1 - tk) * per_pair[i, j] + tq * (1 - tk) * per_pair[i + 1, j]
          + (1 - tq) * tk * per_pair[i, j + 1] + tq * tk * per_pair[i + 1, j + 1])
     return np.where(q <= 0, 0.0, r * causal_area(q, kv))
+
+  def _per_pair(self, grid):
+    """ms per query-key pair on the grid, missing entries filled (see the class docstring)."""
+    qg, kg = np.meshgrid(self.q, self.kv, indexing="ij")
+    per = grid / np.maximum(causal_area(qg, np.maximum(kg, qg)), 1e-9)
+    if np.isfinite(per).all():
+      return per
+    per = per.copy()
+    fallback = float(np.nanmedian(per))
+    for i in range(per.shape[0]):
+      row = per[i]
+      ok = np.flatnonzero(np.isfinite(row))
+      if ok.size == 0:
+        row[:] = fallback
+        continue
+      # Nearest valid column; columns left of the first valid one (q > kv) take that one.
+      idx = np.searchsorted(ok, np.arange(row.size)).clip(0, ok.size - 1)
+      left = ok[np.maximum(idx - 1, 0)]
+      right = ok[idx]
+      cols = np.arange(row.size)
+      pick = np.where(np.abs(cols - left) < np.abs(right - cols), left, right)
+      row[:] = np.where(np.isfinite(row), row, row[pick])
+    return per
 
   def rescaled(self, heads: int) -> "TimeTable":
     """The table for `heads` query heads (time scales linearly with heads at fixed shapes)."""
