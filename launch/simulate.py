@@ -4,8 +4,9 @@
 
 Runs every point of the sweep (models × gpus × tokens_per_rank × distributions) on `batches`
 sampled batches, prints one table row per point and system (compute imbalance, memory imbalance,
-bytes per device per layer, whether communication hides under compute, predicted step time,
-CAD's speedup over the system), and writes `out_dir/sim.csv`, `out_dir/loads.png` (per-rank
+bytes per device per layer, the fraction of batches whose communication hides under compute,
+for CAD the most remote shards one server computes next to the Appendix-A bound on shards in
+flight with communication hidden, predicted step time, CAD's speedup over the system), and writes `out_dir/sim.csv`, `out_dir/loads.png` (per-rank
 attention load before/after scheduling, first point, first batch) and `out_dir/speedup.png`
 (speedup against GPU count). The model behind the numbers: distca_jax/sim/engine.py.
 """
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
       s = summary[name]
       rows.append({"model": p.model, "gpus": p.gpus, "tp": cfg.tensor_parallel,
                    "tokens_per_rank": p.tokens_per_rank, "distribution": Path(p.distribution).stem,
-                   "system": name, **{k: s[k] for k in s}, "appendix_a_shards": sim.appendix_a_s})
+                   "system": name, **{k: s[k] for k in s}, "appendix_a_bound": sim.appendix_a_s})
     speedups.append((p, summary))
   if bar:
     bar.close()
@@ -82,13 +83,14 @@ def main(argv=None) -> int:
 
 def _print_table(rows):
   head = (f"{'model':<10} {'gpus':>5} {'T':>7} {'dist':<9} {'system':<11} {'cp':>3} {'attn-imb':>8} "
-          f"{'mem-imb':>7} {'MB/layer':>9} {'hidden':>6} {'step s':>7} {'CAD x':>6}")
+          f"{'mem-imb':>7} {'MB/layer':>9} {'hidden':>6} {'shards':>9} {'step s':>7} {'CAD x':>6}")
   print(head)
   print("-" * len(head))
   for r in rows:
+    shards = f"{r['shards_max']}/{r['appendix_a_bound']:.0f}" if r["system"] == "cad" else ""
     print(f"{r['model']:<10} {r['gpus']:>5} {r['tokens_per_rank']:>7} {r['distribution']:<9} "
           f"{r['system']:<11} {r['cp']:>3} {r['compute_imbalance']:>8.3f} {r['memory_imbalance']:>7.3f} "
-          f"{r['bytes_per_layer_mb']:>9.1f} {r['hidden_frac']:>6.2f} {r['iter_s']:>7.3f} "
+          f"{r['bytes_per_layer_mb']:>9.1f} {r['hidden_frac']:>6.2f} {shards:>9} {r['iter_s']:>7.3f} "
           f"{r['cad_speedup']:>6.3f}")
 
 

@@ -59,6 +59,7 @@ class SystemResult:
   compute_ms: float  # max over ranks
   hidden: bool  # communication fully overlapped on every rank
   iter_s: float  # predicted step time, seconds
+  shards_max: int = 0  # CAD: most remote CA-tasks one server computes per nano-batch
 
 
 @dataclasses.dataclass
@@ -104,10 +105,12 @@ class Simulator:
         seed=cfg.seed)
     self.node = np.arange(self.ranks) * tp // h.gpus_per_node
     # Appendix A: shards in flight with communication hidden, s <= 2 (t B - h_q) / h_kv - 1,
-    # t = per-token time of the non-attention layers, B = network bandwidth per GPU.
-    h_q = self.comm.q_row_bytes
-    h_kv = self.comm.kv_row_bytes
-    t_tok_s = self.lin_ms_per_token * 1e-3
+    # t = forward time per token of the non-attention layers (one layer, one GPU's share),
+    # B = network bandwidth per GPU, h_q / h_kv = bytes per token of Q / of K and V on one GPU.
+    # (34B, TP 8, 495 TFLOP/s, 50 GB/s gives 30: the paper's "about 31".)
+    h_q = self.comm.heads * self.shape.head_dim * self.comm.dtype_bytes
+    h_kv = 2 * self.comm.kv_heads * self.shape.head_dim * self.comm.dtype_bytes
+    t_tok_s = self.lin_ms_per_token / 3.0 * 1e-3
     self.appendix_a_s = 2.0 * (t_tok_s * h.network_gbps * 1e9 - h_q) / h_kv - 1.0
 
   # -------------------------------------------------------------------------- helpers
@@ -163,6 +166,7 @@ class Simulator:
     # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
     halves = pingpong_layouts(lens, n, t)[:2] if cfg.pingpong else (layout,)
     per = []
+    shards = 0
     for k, lay in enumerate(halves):
       plan = make_plan(lay, self.comm, cfg.epsilon, with_arrays=False)
       tasks = plan.tasks
@@ -171,6 +175,8 @@ class Simulator:
       tr = traffic(tasks, lay, self.comm, pairwise=True)
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
       per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes), np.maximum(tr.send, tr.recv)))
+      remote = tasks.server != tasks.home
+      shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))
       if dump_dir is not None:
         p = self.point
         tag = ("_ping", "_pong")[k] if cfg.pingpong else ""
@@ -188,8 +194,9 @@ class Simulator:
       hidden = bool(all((per[i][3] <= comp[1 - i] + 1e-12).all() for i in (0, 1)))
     else:
       exposed, hidden = None, None
-    out["cad"] = self._result("cad", None, comm_ms, cfg.pingpong_overlap, area_after, tokens,
-                              attn_ms, bytes_, exposed=exposed, hidden=hidden)
+    out["cad"] = dataclasses.replace(
+        self._result("cad", None, comm_ms, cfg.pingpong_overlap, area_after, tokens, attn_ms,
+                     bytes_, exposed=exposed, hidden=hidden), shards_max=shards)
     # Colocated.
     col = colocated(layout, self.comm, kernel=self.kernel)
     trc = traffic(initial_tasks(layout), layout, self.comm, pairwise=True)
@@ -234,6 +241,7 @@ def summarize(results: list[dict[str, SystemResult]]) -> dict[str, dict]:
         "compute_ms": float(np.mean([r.compute_ms for r in rs])),
         "hidden_frac": float(np.mean([r.hidden for r in rs])),
         "iter_s": float(np.mean([r.iter_s for r in rs])),
+        "shards_max": int(max(r.shards_max for r in rs)),
     }
   cad = out["cad"]["iter_s"]
   for name in SYSTEMS:
