@@ -8,7 +8,9 @@ core, compute imbalance ≤ 1.05 at ε = 0.05. Time is CPU time of this process 
 so other processes on a shared machine do not inflate it; numpy is pinned to one thread), median
 and best over `--repeats` runs per batch, of `planner.balance` (the schedule) and separately of
 the byte accounting (`planner.traffic`). Bytes are per device per layer, fwd+bwd, for one
-tensor-parallel rank's heads (llama3_8b, TP = 8). `--arrays-devices` also times building the
+tensor-parallel rank's heads (llama3_8b, TP = 8). "time imbalance": max / mean over servers of the
+predicted kernel time (cost.AnalyticKernel: 300 TFLOP/s, 128-row tiles), the plan's quality in
+time rather than FLOPs. `--arrays-devices` also times building the
 dispatch arrays (plan.make_plan with arrays) at a device count where they fit in memory.
 """
 
@@ -30,7 +32,7 @@ from distca_jax.data.doclens import LengthSampler, load_lengths  # noqa: E402
 from distca_jax.data.packing import pack  # noqa: E402
 from distca_jax.models.presets import PRESETS  # noqa: E402
 from distca_jax.schedule.baselines import colocated, per_document_cp, wlb_packing  # noqa: E402
-from distca_jax.schedule.cost import CommModel  # noqa: E402
+from distca_jax.schedule.cost import AnalyticKernel, CommModel  # noqa: E402
 from distca_jax.schedule.plan import make_plan  # noqa: E402
 from distca_jax.schedule.planner import balance, traffic  # noqa: E402
 
@@ -63,9 +65,10 @@ def main(argv=None):
         f"loadavg={os.getloadavg()[0]:.1f} numpy={np.__version__}")
   print(f"# {n} devices x {t} tokens, llama3_8b TP={args.tp}: q row {comm.q_row_bytes:.0f} B, "
         f"kv row {comm.kv_row_bytes:.0f} B per layer fwd+bwd")
+  kernel = AnalyticKernel(heads=comm.heads, head_dim=comm.head_dim)
   print("| dist | eps | plan ms (median / best) | bytes ms | moves | tasks | imbalance before -> after "
-        "| max send+recv MB/layer | mean send MB/layer |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "| time imbalance after | max send or recv MB/layer | mean send MB/layer |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   base_rows = []
   for dist in args.dist:
     sampler = LengthSampler(load_lengths(dist), full_context_replacement=(dist == "prolong"),
@@ -73,7 +76,7 @@ def main(argv=None):
     batches = [sampler.sample(n * t, b) for b in range(args.batches)]
     layouts = [pack(l, n, t) for l in batches]
     for eps in args.eps:
-      med, best, imb0, imb1, mx, mean, moves, ntask, tms = [], [], [], [], [], [], [], [], []
+      med, best, imb0, imb1, mx, mean, moves, ntask, tms, timb = [], [], [], [], [], [], [], [], [], []
       for lay in layouts:
         (tasks, stats), m, b = _cpu_ms(lambda: balance(lay, comm, eps), args.repeats)
         tr, tm, _ = _cpu_ms(lambda: traffic(tasks, lay, comm), 1)
@@ -81,9 +84,12 @@ def main(argv=None):
         imb0.append(stats.imbalance_before), imb1.append(stats.imbalance_after)
         mx.append(max(tr.send.max(), tr.recv.max()) / 1e6), mean.append(tr.send.mean() / 1e6)
         moves.append(stats.moves), ntask.append(tasks.size)
+        ms = np.bincount(tasks.server, weights=kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len), minlength=n)
+        timb.append(ms.max() / ms.mean())
       print(f"| {dist} | {eps} | {statistics.median(med):.1f} / {min(best):.1f} (worst batch "
             f"{max(med):.1f}) | {statistics.median(tms):.1f} | {np.mean(moves):.0f} | {np.mean(ntask):.0f} | "
-            f"{np.mean(imb0):.2f} -> {np.mean(imb1):.3f} (worst {max(imb1):.3f}) | {np.mean(mx):.0f} | "
+            f"{np.mean(imb0):.2f} -> {np.mean(imb1):.3f} (worst {max(imb1):.3f}) | {np.mean(timb):.3f} | "
+            f"{np.mean(mx):.0f} | "
             f"{np.mean(mean):.0f} |")
     # Baselines on the same batches.
     for name, fn in (

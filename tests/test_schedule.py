@@ -346,3 +346,8 @@ def test_plan_json_dump(tmp_path):
   assert n == plan.tasks.size and all(len(v) == n for v in d["tasks"].values())
   assert np.isclose(sum(d["tasks"]["flops"]), plan.task_flops.sum())
   assert d["tasks"]["kv_hi"] == d["tasks"]["q_hi"]
+  assert np.isclose(sum(d["flops_after"]), plan.task_flops.sum())
+  # Predicted time per server follows the FLOPs for a constant-throughput kernel.
+  k = AnalyticKernel(heads=COMM.heads, head_dim=COMM.head_dim, tile=1)
+  ms = plan.server_ms(k, backward=False)
+  assert np.allclose(ms, plan.server_flops() / (k.tflops_fwd * 1e12) * 1e3)

@@ -272,6 +272,17 @@ class Plan:
   traffic: Traffic
   arrays: PlanArrays | None
 
+  def server_flops(self) -> np.ndarray:
+    """[N] forward attention FLOPs per layer each server computes (one server's heads)."""
+    return np.bincount(self.tasks.server, weights=self.task_flops, minlength=self.num_devices)
+
+  def server_ms(self, kernel, backward: bool = True) -> np.ndarray:
+    """[N] predicted kernel ms per layer per server: Σ over its tasks of `kernel.fwdbwd_ms` (or
+    `fwd_ms`), kernel = cost.AnalyticKernel or a profiled cost.TimeTable for one server's heads."""
+    t = self.tasks
+    ms = (kernel.fwdbwd_ms if backward else kernel.fwd_ms)(t.q_len, t.kv_len)
+    return np.bincount(t.server, weights=ms, minlength=self.num_devices)
+
   def to_json_dict(self) -> dict:
     """Documented JSON form (see `dump_json`)."""
     t = self.tasks
@@ -287,6 +298,7 @@ class Plan:
         "load_after": self.stats.load_after.tolist(),
         "imbalance_before": self.stats.imbalance_before,
         "imbalance_after": self.stats.imbalance_after,
+        "flops_after": self.server_flops().tolist(),
         "send_bytes_per_layer": self.traffic.send.tolist(),
         "recv_bytes_per_layer": self.traffic.recv.tolist(),
         "tasks": {
@@ -304,7 +316,8 @@ class Plan:
     feedback), moves (planner moves), capacities {cq, ckv, skv, ctask} (the array capacities),
     requirements (the smallest capacities this placement needs), load_before / load_after [N]
     (attention area, query-key pairs, per server before and after scheduling),
-    imbalance_before / imbalance_after (max / mean of those), send_ / recv_bytes_per_layer [N]
+    imbalance_before / imbalance_after (max / mean of those), flops_after [N] (forward attention
+    FLOPs per layer per server, one server's heads), send_ / recv_bytes_per_layer [N]
     (network bytes per device per layer, one server's heads, KV deduplicated), and tasks: columns
     of equal length, one entry per CA-task: home (device holding its query rows), doc (document
     id), q_lo / q_hi (query positions in the document), kv_lo / kv_hi (key positions: always
