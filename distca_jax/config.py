@@ -109,6 +109,20 @@ class TrainConfig:
   progress: bool = True
   # Simulated host devices when no accelerator is present (0: leave XLA's default).
   cpu_devices: int = 8
+  # Peak dense bf16 TFLOP/s per device for MFU; None: known GPUs by name, else MFU is not shown.
+  peak_tflops: float | None = None
+  # Stop after this many seconds even if train.steps is not reached (None: no limit).
+  max_seconds: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints. `every=0` turns them off."""
+
+  every: int = 0
+  keep: int = 3
+  dir: str | None = None  # None: <train.out_dir>/checkpoints
+  resume: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +133,7 @@ class Config:
   attention: AttentionConfig = AttentionConfig()
   optim: OptimConfig = OptimConfig()
   train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -257,6 +272,8 @@ def validate(config: Config) -> None:
     raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
   if o.warmup_steps < 0:
     raise ConfigError(f"optim.warmup_steps: must be >= 0, got {o.warmup_steps}")
+  if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
+    raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   if config.train.steps < 1:
     raise ConfigError(f"train.steps: must be >= 1, got {config.train.steps}")
 

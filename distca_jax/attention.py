@@ -1,0 +1,126 @@
+"""The `core_attention` seam: where softmax(QK^T)V of packed documents runs.
+
+`make_core_attention(config, mesh)` returns the function the model calls for every layer,
+`core_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, ctx) -> o_BxTxHxE`, and `host_context(...)`
+builds the per-step `ctx` it needs on the host. Two implementations:
+
+- colocated (the baseline): each device computes attention for its own tokens. A document that
+  started on earlier devices needs their K/V: we all-gather K and V over `data` (per-document
+  context parallelism, as Llama 3 does it) and keep only the window of rows before this buffer
+  that such a document needs. Every local shard becomes one CA-task whose KV range is its
+  document's whole prefix, so the same kernel interface serves every case.
+- distca: core attention disaggregation (dispatch.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from distca_jax import kernels
+from distca_jax.data.packing import Layout
+from distca_jax.kernels import TaskTable
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+  """Smallest power of two >= max(n, minimum): capacities come from few sizes, so the jitted step
+  recompiles rarely."""
+  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["q_start", "q_len", "kv_start", "kv_len"], meta_fields=["window"])
+@dataclasses.dataclass(frozen=True)
+class ColocatedContext:
+  """Per-device task tables, arrays [num_buffers, capacity] int32, sharded over `data`.
+
+  Each device attends over `window + T` key rows: the last `window` rows of the global token
+  stream before its buffer (gathered from earlier devices), then its own `T` rows. Task j of
+  buffer b owns query rows [q_start, q_start + q_len) of the buffer and key rows
+  [kv_start, kv_start + kv_len) of that concatenation: its document's whole prefix, which is one
+  contiguous range because documents are laid out in order. `window` is static (part of the
+  compiled shape), bucketed to a power of two: only a document that continues from earlier
+  devices needs it, and a step without one has window 0 and no cross-device traffic.
+  """
+
+  q_start: jax.Array
+  q_len: jax.Array
+  kv_start: jax.Array
+  kv_len: jax.Array
+  window: int = 0
+
+
+def colocated_context(layout: Layout, capacity: int | None = None) -> ColocatedContext:
+  """Host-side task tables for colocated attention: one task per shard of the layout."""
+  N, T = layout.num_buffers, layout.buffer_len
+  counts = np.bincount(layout.buffer, minlength=N)
+  capacity = bucket(int(counts.max(initial=1))) if capacity is None else capacity
+  if counts.max(initial=0) > capacity:
+    raise ValueError(f"colocated tasks: a buffer holds {counts.max()} shards > capacity {capacity}")
+  # Only a buffer's first shard can continue a document from earlier buffers.
+  need = int(layout.doc_offset[layout.buffer_offset == 0].max(initial=0))
+  window = 0 if need == 0 else min(bucket(need, minimum=128), (N - 1) * T)
+  slot = np.arange(layout.num_shards) - np.repeat(np.cumsum(counts) - counts, counts)
+  arrays = {name: np.zeros((N, capacity), np.int32) for name in ("q_start", "q_len", "kv_start", "kv_len")}
+  arrays["q_start"][layout.buffer, slot] = layout.buffer_offset
+  arrays["q_len"][layout.buffer, slot] = layout.length
+  arrays["kv_start"][layout.buffer, slot] = window + layout.buffer_offset - layout.doc_offset
+  arrays["kv_len"][layout.buffer, slot] = layout.doc_offset + layout.length
+  return ColocatedContext(**arrays, window=window)
+
+
+def make_colocated_attention(mesh: Mesh, backend: str = "auto") -> Callable:
+  """Colocated core attention under `mesh`: shard_map over (data, tensor)."""
+  backend = kernels.resolve_backend(backend)
+  qkv_spec = P("data", None, "tensor", None)
+  task_spec = P("data", None)
+
+  def local(window, q_1xTxHxE, k_1xTxKxE, v_1xTxKxE, q_start, q_len, kv_start, kv_len):
+    T = q_1xTxHxE.shape[1]
+    k_TxKxE, v_TxKxE = k_1xTxKxE[0], v_1xTxKxE[0]
+    if window:
+      rank = jax.lax.axis_index("data")
+
+      def prefix(x_TxKxE):
+        # The `window` rows of the global stream just before this buffer; zeros before row 0.
+        x_all = jax.lax.all_gather(x_TxKxE, "data", axis=0, tiled=True)  # [N*T, K, E]
+        x_all = jnp.concatenate([jnp.zeros((window,) + x_all.shape[1:], x_all.dtype), x_all])
+        return jax.lax.dynamic_slice_in_dim(x_all, rank * T, window)
+
+      k_TxKxE = jnp.concatenate([prefix(k_TxKxE), k_TxKxE])
+      v_TxKxE = jnp.concatenate([prefix(v_TxKxE), v_TxKxE])
+    tasks = TaskTable(q_start[0], q_len[0], kv_start[0], kv_len[0])
+    o_TxHxE, _ = kernels.attention(q_1xTxHxE[0], k_TxKxE, v_TxKxE, tasks, backend=backend)
+    return o_TxHxE[None]
+
+  def core_attention(q, k, v, ctx: ColocatedContext):
+    sharded = jax.shard_map(
+        functools.partial(local, ctx.window), mesh=mesh,
+        in_specs=(qkv_spec, qkv_spec, qkv_spec, task_spec, task_spec, task_spec, task_spec),
+        out_specs=qkv_spec, check_vma=False)
+    return sharded(q, k, v, ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len)
+
+  return core_attention
+
+
+def make_core_attention(attention_config, mesh: Mesh) -> Callable:
+  if attention_config.impl == "colocated":
+    return make_colocated_attention(mesh, attention_config.kernel)
+  from distca_jax import dispatch  # the CAD layer
+
+  return dispatch.make_distca_attention(attention_config, mesh)
+
+
+def host_context(attention_config, layout: Layout, model_shape=None) -> Any:
+  """The per-step `ctx` for the configured attention, computed on the host from the layout."""
+  if attention_config.impl == "colocated":
+    return colocated_context(layout)
+  from distca_jax import dispatch
+
+  return dispatch.host_context(attention_config, layout, model_shape)

@@ -1,0 +1,140 @@
+"""Model construction under a mesh, the training state, and the jitted training step.
+
+`Trainer` owns everything that is fixed for a run: the mesh, the model's graph, the shardings of
+parameters and optimizer state, the optimizer, and the jitted step. The state is a plain pytree
+(`TrainState`), so checkpoints and tests can handle it without the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from distca_jax import attention as attention_lib
+from distca_jax import mesh as mesh_lib
+from distca_jax.config import Config
+from distca_jax.data.sources import Batch
+from distca_jax.models.llama import Llama
+from distca_jax.models.presets import ModelShape, resolve
+from distca_jax.train.loss import chunked_cross_entropy
+from distca_jax.train.optimizer import make_optimizer
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any      # nnx.State of fp32 parameters
+  opt_state: Any
+
+
+def device_batch_arrays(batch: Batch) -> dict[str, np.ndarray]:
+  """The per-token arrays the step reads (host numpy, [num_buffers, buffer_len])."""
+  return {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
+          "positions": batch.positions}
+
+
+def put_global(host_tree: Any, mesh: Mesh, spec: P = P("data")) -> Any:
+  """Places host arrays (identical on every process) as global arrays sharded by `spec`.
+
+  Works for one process and for many: each process supplies the shards it addresses.
+  """
+  sharding = NamedSharding(mesh, spec)
+
+  def one(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+  return jax.tree.map(one, host_tree)
+
+
+class Trainer:
+  """Builds the sharded model and optimizer for `config` on `mesh` and runs training steps."""
+
+  def __init__(self, config: Config, mesh: Mesh, total_steps: int | None = None):
+    self.config = config
+    self.mesh = mesh
+    self.shape: ModelShape = resolve(config.model)
+    self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
+    self.core_attention = attention_lib.make_core_attention(config.attention, mesh)
+    self.tx, self.schedule = make_optimizer(config.optim, total_steps or config.train.steps)
+    constrain = mesh_lib.activation_constrainer(mesh, self.rules)
+    dtype = DTYPES[config.model.dtype]
+
+    def build(seed):
+      return Llama(self.shape, dtype=dtype, remat=config.model.remat,
+                   core_attention=self.core_attention, constrain=constrain,
+                   norm_eps=config.model.norm_eps, rngs=nnx.Rngs(seed))
+
+    self._build = build
+    abstract_model = nnx.eval_shape(lambda: build(0))
+    self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    self.param_shardings = mesh_lib.param_shardings(abstract_params, mesh, self.rules)
+    self._step_fn = None
+
+  # ------------------------------------------------------------------ state
+
+  def init_state(self, seed: int) -> TrainState:
+    """Parameters initialised directly in their shardings (never materialised on one device);
+    optimizer moments inherit each parameter's sharding."""
+    build = self._build
+
+    def init_params(seed_arr):
+      return nnx.state(build(jax.random.key(seed_arr)), nnx.Param)
+
+    seed_arr = jnp.asarray(seed, jnp.uint32)
+    params = jax.jit(init_params, out_shardings=self.param_shardings)(seed_arr)
+    opt_state = jax.jit(self.tx.init)(params)
+    replicated = NamedSharding(self.mesh, P())
+    # Scalars of the optimizer (counts) come out on one device: replicate them over the mesh.
+    opt_state = jax.tree.map(
+        lambda x: x if len(x.sharding.device_set) == self.mesh.size else jax.device_put(x, replicated),
+        opt_state)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    return TrainState(step=step, params=params, opt_state=opt_state)
+
+  # ------------------------------------------------------------------ step
+
+  def loss_fn(self, params, arrays: dict[str, jax.Array], ctx: Any):
+    """Mean next-token loss over real tokens, and the real-token count."""
+    model = nnx.merge(self.graphdef, params)
+    h = model(arrays["tokens"], arrays["positions"], ctx)
+    total = chunked_cross_entropy(h, model.lm_head[...], arrays["targets"], arrays["loss_mask"])
+    count = jnp.sum(arrays["loss_mask"])
+    return total / jnp.maximum(count, 1.0), count
+
+  def _train_step(self, state: TrainState, arrays, ctx):
+    (loss, count), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state.params, arrays, ctx)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss,
+        "grad_norm": optax.global_norm(grads),
+        "lr": self.schedule(state.step),
+        "tokens": count,
+        "grads_finite": jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])),
+    }
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  def step(self, state: TrainState, arrays, ctx):
+    """One optimizer step (jitted once per distinct shape of `ctx`)."""
+    if self._step_fn is None:
+      shardings = jax.tree.map(lambda x: x.sharding, state)
+      self._step_fn = jax.jit(self._train_step, in_shardings=(shardings, None, None),
+                              out_shardings=(shardings, None), donate_argnums=(0,))
+    return self._step_fn(state, arrays, ctx)
+
+  def compile_count(self) -> int:
+    return 0 if self._step_fn is None else self._step_fn._cache_size()
+
+  def put_batch(self, batch: Batch, ctx_host: Any):
+    return put_global(device_batch_arrays(batch), self.mesh), put_global(ctx_host, self.mesh)

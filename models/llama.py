@@ -1,0 +1,162 @@
+"""A Llama-3-style decoder in Flax NNX.
+
+The model knows nothing about meshes or devices. Two seams connect it to the rest of the system:
+- `core_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, attn_ctx) -> o_BxTxHxD` computes
+  softmax(QK^T)V for packed documents. `attn_ctx` is an opaque pytree passed through `__call__`
+  (segment information, task tables, dispatch plans): the model never looks inside it.
+- `constrain(x, logical_axes)` pins an activation's layout by logical axis names; the default
+  does nothing. `distca_jax.mesh` supplies one that maps names to mesh axes.
+
+Every parameter carries `logical_axes` metadata, one name per dimension, which one table in
+`distca_jax/mesh.py` maps to mesh axes.
+
+Shape suffixes: B batch (one row per device buffer), T tokens, D model width, H query heads,
+K key/value heads, E head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .presets import ModelShape
+
+CoreAttention = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
+Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
+
+
+def _identity_constrain(x, _axes):
+  return x
+
+
+def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes)
+
+
+def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding (rotate-half form) at the given in-document positions, computed in fp32."""
+  E = x_BxTxNxE.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
+  angle_BxTxE2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  sin = jnp.sin(angle_BxTxE2)[:, :, None, :]
+  cos = jnp.cos(angle_BxTxE2)[:, :, None, :]
+  x1, x2 = jnp.split(x_BxTxNxE.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxE.dtype)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Projections, RoPE and the output projection; core attention goes through the seam."""
+
+  def __init__(self, shape: ModelShape, dtype, core_attention: CoreAttention, constrain: Constrain,
+               rngs: nnx.Rngs):
+    D, H, K, E = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+    init = nnx.initializers.normal(D ** -0.5)
+    self.wq = _param(rngs, init, (D, H, E), ("embed", "heads", "head_dim"))
+    self.wk = _param(rngs, init, (D, K, E), ("embed", "kv_heads", "head_dim"))
+    self.wv = _param(rngs, init, (D, K, E), ("embed", "kv_heads", "head_dim"))
+    self.wo = _param(rngs, nnx.initializers.normal((H * E) ** -0.5), (H, E, D),
+                     ("heads", "head_dim", "embed"))
+    self.theta = shape.rope_theta
+    self.dtype = dtype
+    self.core_attention = core_attention
+    self.constrain = constrain
+
+  def __call__(self, x_BxTxD, positions_BxT, attn_ctx):
+    c = lambda w: w[...].astype(self.dtype)
+    q = jnp.einsum("btd,dhe->bthe", x_BxTxD, c(self.wq))
+    k = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wk))
+    v = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wv))
+    q = self.constrain(rope(q, positions_BxT, self.theta), ("batch", "seq", "heads", "head_dim"))
+    k = self.constrain(rope(k, positions_BxT, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
+    v = self.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    o_BxTxHxE = self.core_attention(q, k, v, attn_ctx)
+    return jnp.einsum("bthe,hed->btd", o_BxTxHxE.astype(self.dtype), c(self.wo))
+
+
+class MLP(nnx.Module):
+  """SwiGLU."""
+
+  def __init__(self, shape: ModelShape, dtype, rngs: nnx.Rngs):
+    D, F = shape.hidden, shape.ffn
+    self.w_gate = _param(rngs, nnx.initializers.normal(D ** -0.5), (D, F), ("embed", "mlp"))
+    self.w_up = _param(rngs, nnx.initializers.normal(D ** -0.5), (D, F), ("embed", "mlp"))
+    self.w_down = _param(rngs, nnx.initializers.normal(F ** -0.5), (F, D), ("mlp", "embed"))
+    self.dtype = dtype
+
+  def __call__(self, x_BxTxD):
+    c = lambda w: w[...].astype(self.dtype)
+    gate = jnp.einsum("btd,df->btf", x_BxTxD, c(self.w_gate))
+    up = jnp.einsum("btd,df->btf", x_BxTxD, c(self.w_up))
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, c(self.w_down))
+
+
+class Block(nnx.Module):
+  def __init__(self, shape: ModelShape, dtype, core_attention, constrain, rngs: nnx.Rngs, eps: float):
+    self.attn_norm = RMSNorm(shape.hidden, eps)
+    self.attn = Attention(shape, dtype, core_attention, constrain, rngs)
+    self.mlp_norm = RMSNorm(shape.hidden, eps)
+    self.mlp = MLP(shape, dtype, rngs)
+    self.constrain = constrain
+
+  def __call__(self, x_BxTxD, positions_BxT, attn_ctx):
+    x = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_BxT, attn_ctx)
+    x = x + self.mlp(self.mlp_norm(x))
+    return self.constrain(x, ("batch", "seq", "act_embed"))
+
+
+class Llama(nnx.Module):
+  """Token embedding, `layers` decoder blocks, final RMSNorm; `__call__` returns the final hidden
+  states, and `logits` / the loss in `distca_jax.train` apply the LM head (chunked, so the
+  [T, V] logits never exist at once)."""
+
+  def __init__(self, shape: ModelShape, *, dtype=jnp.bfloat16, remat: str = "full",
+               core_attention: CoreAttention, constrain: Constrain = _identity_constrain,
+               norm_eps: float = 1e-5, rngs: nnx.Rngs):
+    self.shape = shape
+    self.dtype = dtype
+    self.embed = _param(rngs, nnx.initializers.normal(1.0), (shape.vocab_size, shape.hidden),
+                        ("vocab", "embed"))
+    self.blocks = nnx.List([Block(shape, dtype, core_attention, constrain, rngs, norm_eps)
+                            for _ in range(shape.layers)])
+    self.final_norm = RMSNorm(shape.hidden, norm_eps)
+    self.lm_head = _param(rngs, nnx.initializers.normal(shape.hidden ** -0.5),
+                          (shape.hidden, shape.vocab_size), ("embed", "vocab"))
+    self.remat = remat
+    self.constrain = constrain
+
+  def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, attn_ctx: Any) -> jax.Array:
+    """Final hidden states [B, T, D] in the compute dtype."""
+    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.dtype)
+    return self.from_embeddings(x, positions_BxT, attn_ctx)
+
+  def from_embeddings(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, attn_ctx: Any) -> jax.Array:
+    """The decoder stack on already-embedded tokens (tests differentiate through it)."""
+    x = self.constrain(x_BxTxD.astype(self.dtype), ("batch", "seq", "act_embed"))
+    for block in self.blocks:
+      x = _maybe_remat(block, self.remat)(x, positions_BxT, attn_ctx)
+    return self.final_norm(x)
+
+
+def _maybe_remat(block: Block, remat: str):
+  """The block's call, rematerialised in the backward pass as `remat` says."""
+  if remat == "none":
+    return block
+  # save_dots keeps the matmul outputs (more memory, no recompute of the projections).
+  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "save_dots" else None
+  return functools.partial(nnx.remat(Block.__call__, policy=policy), block)
