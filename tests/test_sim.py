@@ -90,6 +90,15 @@ def test_simulator_pingpong_costs_bytes_not_balance():
   assert r2.bytes_per_layer > r1.bytes_per_layer and r2.hidden
 
 
+def test_one_rank_cad_equals_colocated(tmp_path):
+  # One rank: nothing to balance, and the ping-pong cut must not make attention cheaper.
+  path = tmp_path / "lens.json"
+  path.write_text(json.dumps([1000, 5000, 300, 70000, 12000] * 20))
+  cfg = load_sim_config(None, ["gpus=[8]", "batches=1", f"distributions=[{path}]"])
+  res, _ = Simulator(cfg, Point("llama3_8b", 8, 131072, str(path))).batch(0)
+  assert res["cad"].iter_s == pytest.approx(res["colocated"].iter_s, rel=2e-3)
+
+
 def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):
   cfg = load_sim_config(None, ["gpus=[64]", "batches=1"])
   sim = Simulator(cfg, Point("llama3_8b", 64, 131072, "pretrain"))

@@ -35,7 +35,7 @@ from distca_jax.data.doclens import LengthSampler, load_lengths
 from distca_jax.data.packing import pack
 from distca_jax.models.presets import PRESETS
 from distca_jax.schedule.baselines import SystemLoad, colocated, per_document_cp, wlb_packing
-from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable
+from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable, range_area
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
@@ -164,7 +164,11 @@ class Simulator:
     out = {}
     # CAD: with ping-pong, one plan per nano-batch (equal tokens, balanced Σl², half buffers);
     # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
-    halves = pingpong_layouts(lens, n, t)[:2] if cfg.pingpong else (layout,)
+    if cfg.pingpong:
+      ping, pong, split = pingpong_layouts(lens, n, t)
+      halves = (ping, pong)
+    else:
+      halves, split = (layout,), None
     per = []
     shards = 0
     for k, lay in enumerate(halves):
@@ -184,6 +188,17 @@ class Simulator:
                                   f"{Path(p.distribution).stem}_b{step}{tag}.json")
     area_after = sum(x[0].stats.load_after for x in per)
     attn_ms = sum(x[1] for x in per)
+    if split is not None:
+      # The document cut between Ping and Pong runs as two documents, so the suffix's queries do
+      # not attend to the prefix. Charge that missing work to the suffix's first rank (left
+      # unbalanced: conservative) so CAD is not credited with attention it skipped.
+      for h in (0, 1):
+        for j in np.flatnonzero(split.source[h][:, 1] > 0).tolist():
+          a, lq = int(split.source[h][j, 1]), int(split.lens[h][j])
+          lay = halves[h]
+          rank = int(lay.buffer[np.flatnonzero((lay.doc == j) & (lay.doc_offset == 0))[0]])
+          attn_ms[rank] += float(self.kernel.fwdbwd_ms(lq, a + lq) - self.kernel.fwdbwd_ms(lq, lq))
+          area_after[rank] += float(range_area(a, a + lq) - range_area(0, lq))
     tokens = sum(x[2] for x in per)
     comm_ms = sum(x[3] for x in per)
     bytes_ = sum(x[4] for x in per)
