@@ -350,6 +350,7 @@ def make_plan(layout: Layout, comm: CommModel, epsilon: float = 0.1,
   validate_layout(layout)
   tried = []
   eps = float(epsilon)
+  max_epsilon = max(max_epsilon, eps)  # the requested tolerance is always tried
   while eps <= max_epsilon + 1e-9:
     tasks, stats = balance(layout, comm, eps, validate=False, **balance_kw)
     req = requirements(tasks, layout)
