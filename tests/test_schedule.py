@@ -256,6 +256,26 @@ def test_bad_layouts_raise():
     balance(good, COMM, -0.1)
 
 
+def test_capacity_policy_only_grows():
+  from distca_jax.schedule.plan import CapacityPolicy
+
+  policy = CapacityPolicy(buffer_len=1024)
+  rng = np.random.default_rng(0)
+  seen = []
+  for step in range(6):
+    lens = rng.integers(1, 3000, 40)
+    lens = lens[np.cumsum(lens) <= 4 * 1024]
+    layout = pack(lens, 4, 1024)
+    plan = policy.plan(layout, COMM, 0.1)
+    check_plan(plan, layout)
+    seen.append(plan.capacities)
+    for k in ("cq", "ckv", "skv", "ctask"):
+      assert getattr(plan.capacities, k) >= getattr(plan.requirements, k)
+  for a, b in zip(seen, seen[1:]):  # monotone: never shrinks
+    assert all(getattr(b, k) >= getattr(a, k) for k in ("cq", "ckv", "skv", "ctask"))
+  assert policy.recompiles == len(set(seen)) <= 6
+
+
 def test_buckets():
   assert row_bucket(1, 1024) == 128 and row_bucket(129, 1024) == 256
   assert row_bucket(1024, 1024) == 1024 and row_bucket(1025, 1024) == 2048

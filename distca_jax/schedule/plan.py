@@ -138,6 +138,42 @@ class Requirements:
                for k in ("cq", "ckv", "skv", "ctask"))
 
 
+class CapacityPolicy:
+  """Capacities that only grow, so a training run recompiles only when a step needs a bigger bucket.
+
+  `capacities(req)` returns the current buckets if `req` fits them, else the buckets of the
+  elementwise max of the current ones and `req` (counted in `recompiles`). Pass the result to
+  `make_plan(..., capacities=...)`: with fixed capacities the planner's ε feedback applies.
+
+    policy = CapacityPolicy(buffer_len=T)
+    plan = make_plan(layout, comm, eps, policy.capacities(requirements_of_last_plan))
+  """
+
+  def __init__(self, buffer_len: int, initial: Capacities | None = None):
+    self.buffer_len = buffer_len
+    self.current = initial
+    self.recompiles = 0
+    self.history: list[Capacities] = []
+
+  def capacities(self, req: Requirements) -> Capacities:
+    cur = self.current
+    if cur is not None and req.fits(cur):
+      return cur
+    need = {k: max(getattr(req, k), getattr(cur, k) or 0 if cur is not None else 0)
+            for k in ("cq", "ckv", "skv", "ctask")}
+    new = resolve_capacities(Requirements(**need), Capacities(), self.buffer_len)
+    if new != cur:
+      self.recompiles += 1
+      self.history.append(new)
+    self.current = new
+    return new
+
+  def plan(self, layout: Layout, comm: CommModel, epsilon: float = 0.1, **kw) -> "Plan":
+    """make_plan with these capacities, growing them (one recompile) when the step needs more."""
+    free = make_plan(layout, comm, epsilon, with_arrays=False, **kw)
+    return make_plan(layout, comm, epsilon, self.capacities(free.requirements), **kw)
+
+
 def _exclusive_cumsum_by_group(values: np.ndarray, group: np.ndarray) -> np.ndarray:
   """Per element: sum of `values` of earlier elements of the same group (input grouped, sorted)."""
   c = np.cumsum(values) - values
