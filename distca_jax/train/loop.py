@@ -126,7 +126,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
 
   def make_item(step):
     batch = source.batch(step)
-    return batch, attention_lib.host_context(config.attention, batch.layout, shape)
+    return batch, attention_lib.host_context(config.attention, batch, shape)
 
   device_kind = mesh.devices.flat[0].device_kind
   peak = metrics_lib.peak_flops_per_device(device_kind, config.train.peak_tflops)
