@@ -3,12 +3,13 @@
   python launch/simulate.py [--config configs/sim_X.yaml] [key=value ...] [--dump-plans DIR]
 
 Runs every point of the sweep (models × gpus × tokens_per_rank × distributions) on `batches`
-sampled batches, prints one table row per point and system (compute imbalance, memory imbalance,
-bytes per device per layer, the fraction of batches whose communication hides under compute,
-for CAD the most remote shards one server computes next to the Appendix-A bound on shards in
-flight with communication hidden, predicted step time, CAD's speedup over the system), and writes `out_dir/sim.csv`, `out_dir/loads.png` (per-rank
-attention load before/after scheduling, first point, first batch) and `out_dir/speedup.png`
-(speedup against GPU count). The model behind the numbers: distca_jax/sim/engine.py.
+sampled batches and prints one table row per point and system: compute (attention) imbalance,
+memory imbalance, bytes per device per layer, the fraction of batches whose communication hides
+under compute, for CAD the most remote shards one server computes next to the Appendix-A bound
+on shards in flight with communication hidden, predicted step time, and CAD's speedup over the
+system. Writes `out_dir/sim.csv`, `out_dir/loads.png` (per-rank attention load before/after
+scheduling, first point, first batch) and `out_dir/speedup.png` (speedup against GPU count).
+The model behind the numbers: distca_jax/sim/engine.py; against the paper: docs/SIMULATOR.md.
 """
 
 from __future__ import annotations

@@ -8,14 +8,15 @@ CP), pingpong.py (the two nano-batches).
 
 from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable
 from distca_jax.schedule.items import GRANULE, Tasks, initial_tasks, validate_layout
-from distca_jax.schedule.plan import (Capacities, CapacityError, CapacityPolicy, Plan, PlanArrays, build_arrays,
-                                      colocated_plan, make_plan, requirements, simulate_dispatch)
+from distca_jax.schedule.plan import (Capacities, CapacityError, CapacityPolicy, Plan, PlanArrays,
+                                      build_arrays, colocated_plan, make_plan, requirements,
+                                      simulate_dispatch)
 from distca_jax.schedule.planner import balance, kv_requests, traffic
 from distca_jax.schedule.pingpong import pingpong_layouts, split_pingpong
 
 __all__ = [
     "AnalyticKernel", "CommModel", "TimeTable", "GRANULE", "Tasks", "initial_tasks",
-    "validate_layout", "Capacities", "CapacityError", "CapacityPolicy", "Plan", "PlanArrays", "build_arrays",
-    "colocated_plan", "make_plan", "requirements", "simulate_dispatch", "balance", "kv_requests",
+    "validate_layout", "Capacities", "CapacityError", "CapacityPolicy", "Plan", "PlanArrays",
+    "build_arrays", "colocated_plan", "make_plan", "requirements", "simulate_dispatch", "balance", "kv_requests",
     "traffic", "pingpong_layouts", "split_pingpong",
 ]
