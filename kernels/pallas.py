@@ -46,13 +46,21 @@ class Config(NamedTuple):
   block_k_dkv: int = 128
   num_warps: int = 8
   num_stages: int = 3
-  num_warps_bwd: int = 8
+  num_warps_bwd: int = 8    # dK/dV kernel (and dQ unless num_warps_dq is set)
   num_stages_bwd: int = 2
+  num_warps_dq: int | None = None
+  num_stages_dq: int | None = None
+  # Fused backward: the dK/dV kernel also adds each tile's dQ into a float32 buffer with atomics
+  # (5 matmuls per tile instead of 3 + 4 over two kernels), and the dQ kernel is not run.
+  fused_bwd: bool = False
 
 
-# H100/H200, d = 128, bf16: FA2-style tiles. Small tiles on CPU keep interpret mode cheap and
-# exercise the multi-block paths on small test shapes.
-GPU_CONFIG = Config()
+# H200, d = 128, bf16, measured by launch/bench_kernels.py --tune (docs/PERFORMANCE.md, Kernels):
+# forward 128 x 64 tiles, 8 warps, 3 stages; backward 64 x 64 tiles, 4 warps, 2 stages (twice
+# the backward throughput of 128 x 64 / 64 x 128 at 8 warps). Small tiles on CPU keep interpret
+# mode cheap and exercise the multi-block paths on small test shapes.
+GPU_CONFIG = Config(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64,
+                    num_warps_bwd=4, num_stages_bwd=2)
 CPU_CONFIG = Config(16, 16, 16, 16, 16, 16, 4, 1, 4, 1)
 
 
@@ -180,7 +188,11 @@ def _dq_kernel(kb_lo_ref, kb_flo_ref, kb_fhi_ref, kb_hi_ref, lo_ref, hi_ref, lse
 
 
 def _dkv_kernel(t_lo_ref, t_hi_ref, qs_ref, ql_ref, ks_ref, kl_ref, lse2_ref, delta_ref, q_ref,
-                do_ref, k_ref, v_ref, dk_ref, dv_ref, *, scale, block_q, group):
+                do_ref, k_ref, v_ref, *out_refs, scale, block_q, group, fused):
+  if fused:  # a zeroed float32 input aliased to the third output: atomics add into it
+    _, dk_ref, dv_ref, dq_ref = out_refs
+  else:
+    dk_ref, dv_ref = out_refs
   kb = pl.program_id(0)
   k_KxD, v_KxD = k_ref[...], v_ref[...]
   block_k = k_KxD.shape[0]
@@ -206,6 +218,10 @@ def _dkv_kernel(t_lo_ref, t_hi_ref, qs_ref, ql_ref, ks_ref, kl_ref, lse2_ref, de
       dv_KxD = dv_KxD + _dot_tn(p_BxK.astype(do_BxD.dtype), do_BxD)
       ds_BxK = p_BxK * (_dot_nt(do_BxD, v_KxD) - delta_B[:, None])
       dk_KxD = dk_KxD + _dot_tn(ds_BxK.astype(q_BxD.dtype), q_BxD)
+      if fused:
+        from jax.experimental.pallas import triton as plgpu
+        dq_BxD = _dot_nn(ds_BxK.astype(k_KxD.dtype), k_KxD) * scale
+        plgpu.atomic_add(dq_ref, (rows, jnp.int32(g), slice(None)), dq_BxD)
       return dk_KxD, dv_KxD
 
     for g in range(group):  # static: one walk per query head of the group
@@ -231,25 +247,27 @@ def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse
   # Rows that see nothing have LSE -inf; 0 keeps (-inf) - LSE from becoming NaN.
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0)
 
-  bq, bk = cfg.block_q_dq, cfg.block_k_dq
-  nq = T // bq
-  sch = query_schedule(tasks, T, bq, bk)
-  one = lambda i, h: (nq - 1 - i,)
-  rowblk = lambda i, h: (nq - 1 - i, h, 0)
-  full = lambda i, h: (0, h // G, 0)
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, scale=scale, block_k=bk),
-      grid=(nq, H),
-      in_specs=[pl.BlockSpec((1,), one)] * 4 + [pl.BlockSpec((bq,), one)] * 2 + [
-          pl.BlockSpec((None, bq), lambda i, h: (h, nq - 1 - i))] * 2 + [
-          pl.BlockSpec((bq, None, D), rowblk)] * 2 + [pl.BlockSpec((S, None, D), full)] * 2,
-      out_specs=pl.BlockSpec((bq, None, D), rowblk),
-      out_shape=jax.ShapeDtypeStruct((T, H, D), q_TxHxD.dtype),
-      compiler_params=_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd, interpret),
-      interpret=interpret,
-      name="ca_flash_dq",
-  )(sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi, sch.row_lo, sch.row_hi, lse2_HxT,
-    delta_HxT, q_TxHxD, do_TxHxD, k_SxKxD, v_SxKxD)
+  if not cfg.fused_bwd:
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    nq = T // bq
+    sch = query_schedule(tasks, T, bq, bk)
+    one = lambda i, h: (nq - 1 - i,)
+    rowblk = lambda i, h: (nq - 1 - i, h, 0)
+    full = lambda i, h: (0, h // G, 0)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, block_k=bk),
+        grid=(nq, H),
+        in_specs=[pl.BlockSpec((1,), one)] * 4 + [pl.BlockSpec((bq,), one)] * 2 + [
+            pl.BlockSpec((None, bq), lambda i, h: (h, nq - 1 - i))] * 2 + [
+            pl.BlockSpec((bq, None, D), rowblk)] * 2 + [pl.BlockSpec((S, None, D), full)] * 2,
+        out_specs=pl.BlockSpec((bq, None, D), rowblk),
+        out_shape=jax.ShapeDtypeStruct((T, H, D), q_TxHxD.dtype),
+        compiler_params=_compiler_params(cfg.num_warps_dq or cfg.num_warps_bwd,
+                                        cfg.num_stages_dq or cfg.num_stages_bwd, interpret),
+        interpret=interpret,
+        name="ca_flash_dq",
+    )(sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi, sch.row_lo, sch.row_hi, lse2_HxT,
+      delta_HxT, q_TxHxD, do_TxHxD, k_SxKxD, v_SxKxD)
 
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   nk = S // bk
@@ -259,19 +277,32 @@ def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse
   group_rows = pl.BlockSpec((T, G, D), lambda j, h: (0, h, 0))
   group_stats = pl.BlockSpec((G, T), lambda j, h: (h, 0))
   kvblk = pl.BlockSpec((bk, None, D), lambda j, h: (j, h, 0))
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, scale=scale, block_q=bq, group=G),
+  fused = cfg.fused_bwd
+  extra_in, extra_specs, extra_out, extra_shapes, alias = [], [], [], [], {}
+  if fused:
+    extra_in = [jnp.zeros((T, H, D), jnp.float32)]
+    extra_specs = extra_out = [group_rows]
+    extra_shapes = [jax.ShapeDtypeStruct((T, H, D), jnp.float32)]
+    alias = {12: 2}
+  outs = pl.pallas_call(
+      functools.partial(_dkv_kernel, scale=scale, block_q=bq, group=G, fused=fused),
       # Key block 0 goes first: under causal masks the earliest keys are seen by the most rows.
       grid=(nk, K),
       in_specs=[pl.BlockSpec((1,), lambda j, h: (j,))] * 2 + [whole_c] * 4 + [group_stats] * 2
-      + [group_rows] * 2 + [kvblk] * 2,
-      out_specs=[kvblk, kvblk],
+      + [group_rows] * 2 + [kvblk] * 2 + extra_specs,
+      out_specs=[kvblk, kvblk] + extra_out,
       out_shape=[jax.ShapeDtypeStruct((S, K, D), k_SxKxD.dtype),
-                 jax.ShapeDtypeStruct((S, K, D), v_SxKxD.dtype)],
+                 jax.ShapeDtypeStruct((S, K, D), v_SxKxD.dtype)] + extra_shapes,
+      input_output_aliases=alias,
       compiler_params=_compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd, interpret),
       interpret=interpret,
       name="ca_flash_dkv",
-  )(t_lo, t_hi, *tasks, lse2_HxT, delta_HxT, q_TxHxD, do_TxHxD, k_SxKxD, v_SxKxD)
+  )(t_lo, t_hi, *tasks, lse2_HxT, delta_HxT, q_TxHxD, do_TxHxD, k_SxKxD, v_SxKxD, *extra_in)
+  if fused:
+    dk, dv, dq32 = outs
+    dq = dq32.astype(q_TxHxD.dtype)
+  else:
+    dk, dv = outs
   return dq, dk, dv
 
 

@@ -144,9 +144,9 @@ def _dq_kernel(Q, K, V, DO, LSE2, DELTA, LO, HI, KB, DQ, scale: tl.constexpr, T:
 
 
 @triton.jit
-def _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, scale2,
+def _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl, scale2,
               T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
-              MASKED: tl.constexpr):
+              MASKED: tl.constexpr, FUSED: tl.constexpr):
   rows = qb * BQ + tl.arange(0, BQ)
   dd = tl.arange(0, D)
   q_offs = (rows.to(tl.int64)[:, None] * H + h) * D + dd[None, :]
@@ -164,13 +164,16 @@ def _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, sca
   dv += tl.dot(tl.trans(p.to(do.dtype)), do)
   ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
   dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+  if FUSED:  # this tile's share of dQ; scale2 * ln 2 is the softmax scale
+    tl.atomic_add(DQ + q_offs, tl.dot(ds.to(k.dtype), k) * (scale2 * 0.6931471805599453),
+                  sem="relaxed")
   return dk, dv
 
 
 @triton.jit
-def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, TLO, THI, QS, QL, KS, KL, DK, DV, scale: tl.constexpr,
-                T: tl.constexpr, H: tl.constexpr, KH: tl.constexpr,
-                D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr):
+def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, TLO, THI, QS, QL, KS, KL, DK, DV, DQ,
+                scale: tl.constexpr, T: tl.constexpr, H: tl.constexpr, KH: tl.constexpr,
+                D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr):
   kb = tl.program_id(0)  # key block 0 first: under causal masks it is seen by the most rows
   kh = tl.program_id(1)
   G: tl.constexpr = H // KH
@@ -204,14 +207,14 @@ def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, TLO, THI, QS, QL, KS, KL, DK, DV, scal
     for g in tl.static_range(G):
       h = kh * G + g
       for qb in range(qb_lo, f_lo):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, scale2,
-                           T, H, D, BQ, True)
+        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
+                           scale2, T, H, D, BQ, True, FUSED)
       for qb in range(f_lo, f_hi):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, scale2,
-                           T, H, D, BQ, False)
+        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
+                           scale2, T, H, D, BQ, False, FUSED)
       for qb in range(f_hi, qb_hi):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, scale2,
-                           T, H, D, BQ, True)
+        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
+                           scale2, T, H, D, BQ, True, FUSED)
   tl.store(DK + kv_offs, (dk * scale).to(DK.dtype.element_ty))
   tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty))
 
@@ -244,22 +247,30 @@ def _backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg: Config):
   jt = _jt()
   delta_HxT = (jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).T - dlse_HxT)
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0)
-  bq, bk = cfg.block_q_dq, cfg.block_k_dq
-  nq = T // bq
-  sch = query_schedule(tasks, T, bq, bk)
-  dq = jt.triton_call(
-      q, k, v, do, lse2_HxT, delta_HxT, sch.row_lo, sch.row_hi, _kb4(sch), kernel=_dq_kernel,
-      out_shape=jax.ShapeDtypeStruct((T, H, D), q.dtype), grid=(nq, H),
-      num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd,
-      scale=scale, T=T, NQ=nq, H=H, KH=K, D=D, BQ=bq, BK=bk)
+  if not cfg.fused_bwd:
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    nq = T // bq
+    sch = query_schedule(tasks, T, bq, bk)
+    dq = jt.triton_call(
+        q, k, v, do, lse2_HxT, delta_HxT, sch.row_lo, sch.row_hi, _kb4(sch), kernel=_dq_kernel,
+        out_shape=jax.ShapeDtypeStruct((T, H, D), q.dtype), grid=(nq, H),
+        num_warps=cfg.num_warps_dq or cfg.num_warps_bwd,
+        num_stages=cfg.num_stages_dq or cfg.num_stages_bwd,
+        scale=scale, T=T, NQ=nq, H=H, KH=K, D=D, BQ=bq, BK=bk)
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   t_lo, t_hi = key_task_ranges(tasks, S, bq, bk)
-  dk, dv = jt.triton_call(
+  # The fused variant's dQ buffer is float32 and zeroed by jax-triton before the launch.
+  dq_shape = (T, H, D) if cfg.fused_bwd else (1,)
+  dk, dv, dq32 = jt.triton_call(
       q, k, v, do, lse2_HxT, delta_HxT, t_lo, t_hi, *tasks, kernel=_dkv_kernel,
       out_shape=[jax.ShapeDtypeStruct((S, K, D), k.dtype),
-                 jax.ShapeDtypeStruct((S, K, D), v.dtype)],
+                 jax.ShapeDtypeStruct((S, K, D), v.dtype),
+                 jax.ShapeDtypeStruct(dq_shape, jnp.float32)],
       grid=(S // bk, K), num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd,
-      scale=scale, T=T, H=H, KH=K, D=D, BQ=bq, BK=bk)
+      zeroed_outputs=(2,) if cfg.fused_bwd else (),
+      scale=scale, T=T, H=H, KH=K, D=D, BQ=bq, BK=bk, FUSED=cfg.fused_bwd)
+  if cfg.fused_bwd:
+    dq = dq32.astype(q.dtype)
   return dq, dk, dv
 
 

@@ -107,21 +107,35 @@ def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
   return fms, (float("nan") if fwd_only else median_ms(fwdbwd, q, k, v, tasks, do))
 
 
-def tune_configs():
-  """Tile/launch variants of the Pallas and Triton kernels tried by --tune (name -> Config)."""
-  from distca_jax.kernels.pallas import Config
-  return {
-      "default": Config(),
-      "fwd128x128w8s2": Config(block_q=128, block_k=128, num_warps=8, num_stages=2),
-      "fwd64x64w4s3": Config(block_q=64, block_k=64, num_warps=4, num_stages=3),
-      "fwd128x64w4s3": Config(num_warps=4),
-      "bwd64x64w4s2": Config(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64,
-                             num_warps_bwd=4, num_stages_bwd=2),
-      "bwd128x32_32x128w4s3": Config(block_q_dq=128, block_k_dq=32, block_q_dkv=32,
-                                     block_k_dkv=128, num_warps_bwd=4, num_stages_bwd=3),
-      "bwd64x128_128x64w8s2": Config(block_q_dq=64, block_k_dq=128, block_q_dkv=128,
-                                     block_k_dkv=64),
+def tune_configs(backend):
+  """Tile/launch variants tried by --tune (name -> Config); Triton gets a short list because its
+  dK/dV kernel takes ~30 s to compile."""
+  from distca_jax.kernels.pallas import GPU_CONFIG as base
+  bwd64 = dict(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_warps_bwd=4,
+               num_stages_bwd=2)
+  configs = {
+      "default": base,
+      "fused64x64w4s2": base._replace(fused_bwd=True, **bwd64),
   }
+  if backend == "pallas":
+    configs.update({
+        "fwd128x128w8s3": base._replace(block_k=128),
+        "bwd64x64w4s3": base._replace(**{**bwd64, "num_stages_bwd": 3}),
+        "bwd_dq128x64w8": base._replace(**{**bwd64, "block_q_dq": 128}, num_warps_dq=8),
+        "fused64x128w8s2": base._replace(fused_bwd=True, block_q_dkv=64, block_k_dkv=128,
+                                         num_warps_bwd=8, num_stages_bwd=2),
+        "fused128x64w8s2": base._replace(fused_bwd=True, block_q_dkv=128, block_k_dkv=64,
+                                         num_warps_bwd=8, num_stages_bwd=2),
+    })
+  return configs
+
+
+def best_config(tried):
+  """Forward fields from the fastest forward, backward fields from the fastest backward."""
+  fwd = min(tried, key=lambda r: r[1])[0]
+  bwd = min(tried, key=lambda r: r[2] - r[1])[0]
+  return bwd._replace(block_q=fwd.block_q, block_k=fwd.block_k, num_warps=fwd.num_warps,
+                      num_stages=fwd.num_stages)
 
 
 def time_dense_cudnn(T):
@@ -198,7 +212,8 @@ def main():
       name = f"{ds}-{ctx // 1024}K({len(lens)}docs)"
       for tb in (t for t in args.tune.split(",") if t):
         mod = __import__(f"distca_jax.kernels.{tb}", fromlist=["attention"])
-        for cname, cfg in tune_configs().items():
+        tried = []
+        for cname, cfg in tune_configs(tb).items():
           if over():
             break
           try:
@@ -209,8 +224,15 @@ def main():
                   flush=True)
             results.setdefault("tune", []).append(dict(backend=tb, config=cname, batch=name,
                                                        fwd_ms=fms, fwdbwd_ms=fbms))
+            tried.append((cfg, fms, fbms))
           except Exception as e:  # noqa: BLE001
             print(f"tune {tb} {cname}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if tried:
+          # The rest of the run (batches, sweep) uses the tuned tiles; the cudnn backend's
+          # backward is the Pallas one, so tuning pallas retunes it too.
+          mod.GPU_CONFIG = best_config(tried)
+          print(f"tune {tb}: using {mod.GPU_CONFIG}", flush=True)
+          results.setdefault("tuned", {})[tb] = mod.GPU_CONFIG._asdict()
       args.tune = ""  # first batch only
       for b in backends:
         if over():
