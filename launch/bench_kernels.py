@@ -266,12 +266,13 @@ def main():
     for r in results["batches"]:
       score.setdefault(r["backend"], []).append(r["fwdbwd_tflops"])
     args.table_backend = max(score, key=lambda b: np.mean(score[b])) if score else backends[0]
-  sweep = [int(x) for x in args.sweep.split(",")]
+  sweep = [int(x) for x in args.sweep.split(",") if x]
   table = {"device": device, "dtype": "bfloat16", "heads": H, "kv_heads": K, "head_dim": D,
            "backend": args.table_backend, "q": sweep, "kv": sweep,
            "fwd_ms": [[None] * len(sweep) for _ in sweep],
            "fwdbwd_ms": [[None] * len(sweep) for _ in sweep]}
-  print(f"\nsweep ({args.table_backend}); per-task ms and TF/s f / f+b", flush=True)
+  if sweep:
+    print(f"\nsweep ({args.table_backend}); per-task ms and TF/s f / f+b", flush=True)
   for i, q in enumerate(sweep):
     for j, kv in enumerate(sweep):
       if q > kv or over():
