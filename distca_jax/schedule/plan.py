@@ -37,6 +37,16 @@ plan does not.
 
 `simulate_dispatch` runs this exact data movement in numpy with reference attention and checks
 it against per-document causal attention on the packed layout: the executable specification.
+
+Use (host side, once per nano-batch; numpy only):
+
+  comm = CommModel.for_model(shape, tensor_parallel=tp)     # schedule/cost.py
+  plan = make_plan(layout, comm, epsilon=0.1)               # buckets chosen for this step, or
+  plan = make_plan(layout, comm, 0.1, Capacities(cq=T, ckv=T, skv=4 * T, ctask=64))
+  policy = CapacityPolicy(T); plan = policy.plan(layout, comm, 0.1)   # capacities only grow
+  a = plan.arrays            # PlanArrays: a.send_q_idx, ..., a.return_valid; a.cq, a.ckv, ...
+  colocated_plan(layout, comm)                              # nothing moves, same format
+  plan.tasks, plan.task_flops, plan.dump_json(path)         # the task list, documented JSON
 """
 
 from __future__ import annotations
