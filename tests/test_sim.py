@@ -1,7 +1,9 @@
 """Baselines and the simulator: conservation laws, the systems' known properties, the CLI."""
 
 import csv
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from distca_jax.sim.config import load_sim_config
 from distca_jax.sim.engine import Point, Simulator
 
 COMM = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=8)
+ROOT = Path(__file__).resolve().parent.parent
 N, T = 16, 131072
 
 
@@ -75,7 +78,9 @@ def test_config_overrides_and_errors(tmp_path):
     load_sim_config(None, ["hardware.bogus=1"])
   with pytest.raises(ConfigError, match="models"):
     load_sim_config(None, ["models=[gpt5]"])
-  for path in sorted(__import__("pathlib").Path("configs").glob("sim_*.yaml")):
+  paths = sorted((ROOT / "configs").glob("sim_*.yaml"))
+  assert paths
+  for path in paths:
     load_sim_config(path)
 
 
@@ -126,10 +131,13 @@ def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):
 
 
 def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
-  from launch.simulate import main
+  spec = importlib.util.spec_from_file_location("simulate_cli", ROOT / "launch" / "simulate.py")
+  cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cli)
+  main = cli.main
 
   out, plans = tmp_path / "out", tmp_path / "plans"
-  rc = main(["--config", "configs/sim_quick.yaml", f"out_dir={out}", "progress=false",
+  rc = main(["--config", str(ROOT / "configs" / "sim_quick.yaml"), f"out_dir={out}", "progress=false",
              "--dump-plans", str(plans)])
   assert rc == 0
   text = capsys.readouterr().out
