@@ -113,6 +113,20 @@ class TrainConfig:
   peak_tflops: float | None = None
   # Stop after this many seconds even if train.steps is not reached (None: no limit).
   max_seconds: float | None = None
+  # Stop once this many steps are done in total (a planned interruption; the learning-rate
+  # schedule still spans train.steps, so a resumed run continues exactly). None: no stop.
+  stop_at_step: int | None = None
+  # Seconds to wait for the jax.distributed coordinator and the other processes at start-up.
+  init_timeout_s: int = 300
+  # Profiling (distca_jax/train/profile.py): an xprof trace of `profile_steps` steps starting
+  # at step `profile_start` (1-based, after warm-up) into <out_dir>/trace, a per-phase breakdown
+  # and per-device attention load in <out_dir>/profile.json and attention_load.png.
+  profile: bool = False
+  profile_start: int = 3
+  profile_steps: int = 2
+  # Plan each colocated step with the CAD scheduler on the host (prefetch thread) to report the
+  # attention imbalance it would reach ("after"); distca steps report their own plan's.
+  imbalance_after: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
