@@ -25,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from distca_jax import kernels
 from distca_jax.data.packing import Layout
+from distca_jax.data.sources import Batch
 from distca_jax.kernels import TaskTable
 
 
@@ -117,10 +118,14 @@ def make_core_attention(attention_config, mesh: Mesh) -> Callable:
   return dispatch.make_distca_attention(attention_config, mesh)
 
 
-def host_context(attention_config, layout: Layout, model_shape=None) -> Any:
-  """The per-step `ctx` for the configured attention, computed on the host from the layout."""
+def host_context(attention_config, batch: "Batch | Layout", model_shape=None) -> Any:
+  """The per-step context for the configured attention, computed on the host: a
+  `ColocatedContext` (colocated), or a `dispatch.StepContext` (distca: nano-batches and plans)."""
+  layout = batch if isinstance(batch, Layout) else batch.layout
   if attention_config.impl == "colocated":
     return colocated_context(layout)
   from distca_jax import dispatch
 
-  return dispatch.host_context(attention_config, layout, model_shape)
+  if isinstance(batch, Layout):
+    raise TypeError("distca attention plans from the whole batch (ping-pong re-packs its tokens)")
+  return dispatch.host_context(attention_config, batch, model_shape)

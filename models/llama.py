@@ -77,16 +77,21 @@ class Attention(nnx.Module):
     self.core_attention = core_attention
     self.constrain = constrain
 
-  def __call__(self, x_BxTxD, positions_BxT, attn_ctx):
+  def __call__(self, xs_BxTxD, positions_BxT, attn_ctxs):
+    """Tuples in, tuple out: one entry per nano-batch stream (see `Llama`)."""
     c = lambda w: w[...].astype(self.dtype)
-    q = jnp.einsum("btd,dhe->bthe", x_BxTxD, c(self.wq))
-    k = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wk))
-    v = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wv))
-    q = self.constrain(rope(q, positions_BxT, self.theta), ("batch", "seq", "heads", "head_dim"))
-    k = self.constrain(rope(k, positions_BxT, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
-    v = self.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-    o_BxTxHxE = self.core_attention(q, k, v, attn_ctx)
-    return jnp.einsum("bthe,hed->btd", o_BxTxHxE.astype(self.dtype), c(self.wo))
+    qkv = []
+    for x, pos in zip(xs_BxTxD, positions_BxT):
+      q = jnp.einsum("btd,dhe->bthe", x, c(self.wq))
+      k = jnp.einsum("btd,dke->btke", x, c(self.wk))
+      v = jnp.einsum("btd,dke->btke", x, c(self.wv))
+      q = self.constrain(rope(q, pos, self.theta), ("batch", "seq", "heads", "head_dim"))
+      k = self.constrain(rope(k, pos, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
+      qkv.append((q, k, self.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))))
+    # Core attention of every stream is issued after all projections, so that one stream's
+    # dispatch has independent work (the other stream's) to overlap with.
+    outs = [self.core_attention(q, k, v, ctx) for (q, k, v), ctx in zip(qkv, attn_ctxs)]
+    return tuple(jnp.einsum("bthe,hed->btd", o.astype(self.dtype), c(self.wo)) for o in outs)
 
 
 class MLP(nnx.Module):
@@ -114,10 +119,11 @@ class Block(nnx.Module):
     self.mlp = MLP(shape, dtype, rngs)
     self.constrain = constrain
 
-  def __call__(self, x_BxTxD, positions_BxT, attn_ctx):
-    x = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_BxT, attn_ctx)
-    x = x + self.mlp(self.mlp_norm(x))
-    return self.constrain(x, ("batch", "seq", "act_embed"))
+  def __call__(self, xs_BxTxD, positions_BxT, attn_ctxs):
+    attn_out = self.attn(tuple(self.attn_norm(x) for x in xs_BxTxD), positions_BxT, attn_ctxs)
+    xs = tuple(x + o for x, o in zip(xs_BxTxD, attn_out))
+    return tuple(self.constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", "act_embed"))
+                 for x in xs)
 
 
 class Llama(nnx.Module):
@@ -140,17 +146,27 @@ class Llama(nnx.Module):
     self.remat = remat
     self.constrain = constrain
 
-  def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, attn_ctx: Any) -> jax.Array:
-    """Final hidden states [B, T, D] in the compute dtype."""
-    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.dtype)
-    return self.from_embeddings(x, positions_BxT, attn_ctx)
+  def __call__(self, tokens_BxT, positions_BxT, attn_ctx):
+    """Final hidden states [B, T, D] in the compute dtype.
 
-  def from_embeddings(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, attn_ctx: Any) -> jax.Array:
-    """The decoder stack on already-embedded tokens (tests differentiate through it)."""
-    x = self.constrain(x_BxTxD.astype(self.dtype), ("batch", "seq", "act_embed"))
+    Ping-pong: `tokens_BxT`, `positions_BxT` and `attn_ctx` may be tuples, one entry per
+    nano-batch stream; then a tuple of hidden states comes back. Streams share the weights but no
+    data, so the compiler may run one stream's attention communication beside another's compute.
+    """
+    streams = isinstance(tokens_BxT, tuple)
+    tokens = tokens_BxT if streams else (tokens_BxT,)
+    xs = tuple(jnp.take(self.embed[...], t, axis=0) for t in tokens)
+    out = self.from_embeddings(xs, positions_BxT if streams else (positions_BxT,),
+                               attn_ctx if streams else (attn_ctx,))
+    return out if streams else out[0]
+
+  def from_embeddings(self, xs_BxTxD, positions_BxT, attn_ctxs) -> tuple[jax.Array, ...]:
+    """The decoder stack on already-embedded tokens, tuples of streams (tests differentiate
+    through it)."""
+    xs = tuple(self.constrain(x.astype(self.dtype), ("batch", "seq", "act_embed")) for x in xs_BxTxD)
     for block in self.blocks:
-      x = _maybe_remat(block, self.remat)(x, positions_BxT, attn_ctx)
-    return self.final_norm(x)
+      xs = _maybe_remat(block, self.remat)(xs, tuple(positions_BxT), tuple(attn_ctxs))
+    return tuple(self.final_norm(x) for x in xs)
 
 
 def _maybe_remat(block: Block, remat: str):

@@ -49,7 +49,8 @@ def test_gradient_isolation_causal_and_per_document():
   seg = batch.segment_ids[0]
   for i in (0, 39, 40, 65, 89, 90, 127):
     probe = jax.random.normal(jax.random.key(i), (trainer.shape.hidden,))
-    g = jax.grad(lambda x: jnp.dot(model.from_embeddings(x, arrays["positions"], ctx)[0, i], probe))(x)
+    hidden = lambda x: model.from_embeddings((x,), (arrays["positions"],), (ctx,))[0]
+    g = jax.grad(lambda x: jnp.dot(hidden(x)[0, i], probe))(x)
     norms = np.linalg.norm(np.asarray(g[0]), axis=-1)
     allowed = (np.arange(128) <= i) & (seg == seg[i])
     assert np.all(norms[~allowed] == 0.0), f"token {i} depends on tokens it must not see"

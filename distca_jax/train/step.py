@@ -104,12 +104,18 @@ class Trainer:
 
   # ------------------------------------------------------------------ step
 
-  def loss_fn(self, params, arrays: dict[str, jax.Array], ctx: Any):
-    """Mean next-token loss over real tokens, and the real-token count."""
+  def loss_fn(self, params, arrays: dict[str, Any], ctx: Any):
+    """Mean next-token loss over real tokens, and the real-token count. With ping-pong, every
+    entry of `arrays` and `ctx` is a tuple over nano-batches; the mean is over all of them."""
     model = nnx.merge(self.graphdef, params)
     h = model(arrays["tokens"], arrays["positions"], ctx)
-    total = chunked_cross_entropy(h, model.lm_head[...], arrays["targets"], arrays["loss_mask"])
-    count = jnp.sum(arrays["loss_mask"])
+    streams = isinstance(h, tuple)
+    hs = h if streams else (h,)
+    targets = arrays["targets"] if streams else (arrays["targets"],)
+    masks = arrays["loss_mask"] if streams else (arrays["loss_mask"],)
+    total = sum(chunked_cross_entropy(h_i, model.lm_head[...], t_i, m_i)
+                for h_i, t_i, m_i in zip(hs, targets, masks))
+    count = sum(jnp.sum(m_i) for m_i in masks)
     return total / jnp.maximum(count, 1.0), count
 
   def _train_step(self, state: TrainState, arrays, ctx):
@@ -137,4 +143,15 @@ class Trainer:
     return 0 if self._step_fn is None else self._step_fn._cache_size()
 
   def put_batch(self, batch: Batch, ctx_host: Any):
+    """Device arrays for one step. A distca `StepContext` brings its own nano-batches (ping-pong
+    re-packs the batch) and its dispatch plans; those become tuples over the streams."""
+    from distca_jax.dispatch import StepContext
+
+    if isinstance(ctx_host, StepContext):
+      batches, ctxs = ctx_host.batches, ctx_host.dispatch
+      if len(batches) == 1:
+        return put_global(device_batch_arrays(batches[0]), self.mesh), put_global(ctxs[0], self.mesh)
+      per_stream = [device_batch_arrays(b) for b in batches]
+      arrays = {k: tuple(a[k] for a in per_stream) for k in per_stream[0]}
+      return put_global(arrays, self.mesh), put_global(tuple(ctxs), self.mesh)
     return put_global(device_batch_arrays(batch), self.mesh), put_global(ctx_host, self.mesh)

@@ -1,0 +1,304 @@
+"""Core attention disaggregation (CAD): dispatch CA-tasks to attention servers and back.
+
+Every device of the `data` axis is both the home of a buffer of T tokens and an attention
+server. Per layer, inside one `shard_map` over (data, tensor) — each tensor rank serves its own
+heads among the devices that share its tensor rank — a device:
+
+  1. gathers the Q rows and the (deduplicated) K/V rows each server needs into per-server send
+     blocks of fixed capacity,
+  2. exchanges them with one tiled `all_to_all` over `data` (works on CPU and GPU),
+  3. as a server, gathers its K/V rows so every document prefix is contiguous and runs the
+     kernel over its fused task batch (`kernels.attention`),
+  4. returns O by the reverse `all_to_all`, and each home row picks its output.
+
+The plan (which task runs where, as static int32 arrays) comes from `distca_jax.schedule`; its
+format is defined in `distca_jax/schedule/plan.py`. Rows that stay home are copied locally rather
+than sent: the plan's diagonal block is taken out of the exchange (`compact_plan`), so the
+all_to_all carries only rows that really move, padded to a small bucket.
+
+Gradients come from JAX's transpose rules: all_to_all transposes to the reverse all_to_all, a
+gather to a scatter-add — which is exactly the summing of the gradients of K/V rows that several
+tasks of one document share on one server. Memory modes: `keep` lets autodiff keep what the
+server received for the backward; `resend` wraps the exchange and the kernel in `jax.checkpoint`
+so the server keeps nothing and the backward sends Q, K, V again (and recomputes the server's
+forward: one more attention forward per layer, traded for the memory).
+
+Ping-pong: with `attention.pingpong`, each micro-batch is split into two nano-batches (Ping and
+Pong, `schedule/pingpong.py`), each with its own plan; the model runs them as two data-independent
+streams (models/llama.py), so XLA can overlap one stream's all_to_all with the other's compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from distca_jax import kernels
+from distca_jax.data.packing import PAD_SEGMENT, Layout
+from distca_jax.data.sources import Batch, make_batch
+from distca_jax.kernels import TaskTable
+from distca_jax.schedule.cost import CommModel
+from distca_jax.schedule.pingpong import split_pingpong
+from distca_jax.schedule.plan import Plan, PlanArrays, make_plan, row_bucket
+
+_ARRAY_FIELDS = ("local_q_idx", "send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid",
+                 "server_kv_idx", "server_kv_valid", "q_start", "q_len", "kv_start", "kv_len",
+                 "return_idx", "return_valid")
+
+
+class PlanMismatchError(ValueError):
+  """A dispatch plan does not belong to the batch it is used with, or breaks its capacities."""
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_ARRAY_FIELDS), meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+  """One step's dispatch arrays, leading dim N (one row per device, sharded over `data`).
+
+  Server-side rows are laid out as [local rows (T) | rows received from each device (N * C)]:
+
+  local_q_idx   [N, T]       home rows kept for local tasks, in the order the tasks expect
+                             (padding rows 0; no task reads them)
+  send_q_idx    [N, N, C]    home rows sent to each server (the diagonal block is unused)
+  send_q_valid  [N, N, C]    bool
+  send_kv_idx   [N, N, Ckv]  home K/V rows sent to each server (diagonal unused)
+  send_kv_valid [N, N, Ckv]
+  server_kv_idx [N, Skv]     server-side K/V gather over [local T | received N*Ckv] rows
+  server_kv_valid [N, Skv]
+  q_start, q_len, kv_start, kv_len [N, Ctask]  the server's task table (kernels/tasks.py) over
+                             its [local T | received N*C] query rows and gathered K/V rows
+  return_idx    [N, T]       where home row r's output is in [local T | returned N*C] rows
+  return_valid  [N, T]       False for padding tokens (output zero)
+  """
+
+  local_q_idx: Any
+  send_q_idx: Any
+  send_q_valid: Any
+  send_kv_idx: Any
+  send_kv_valid: Any
+  server_kv_idx: Any
+  server_kv_valid: Any
+  q_start: Any
+  q_len: Any
+  kv_start: Any
+  kv_len: Any
+  return_idx: Any
+  return_valid: Any
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def compact_plan(arrays: PlanArrays, buffer_len: int) -> DispatchPlan:
+  """Rewrites the scheduler's arrays (plan.py format, stay-home rows in the diagonal block of the
+  all_to_all) into `DispatchPlan` (stay-home rows local, off-diagonal blocks padded to the
+  smallest bucket that holds the rows that really move). Pure index arithmetic, vectorised."""
+  a = arrays
+  N, T = a.send_q_idx.shape[0], buffer_len
+  cq, ckv = a.cq, a.ckv
+  eye = np.eye(N, dtype=bool)[:, :, None]
+  moved_q = int((a.send_q_valid & ~eye).sum(-1).max(initial=0))
+  moved_kv = int((a.send_kv_valid & ~eye).sum(-1).max(initial=0))
+  c = row_bucket(max(moved_q, 1), T)
+  ckv_new = row_bucket(max(moved_kv, 1), T)
+  if c > cq or ckv_new > ckv:
+    c, ckv_new = min(c, cq), min(ckv_new, ckv)
+
+  def remap(flat_idx, block, new_block, dev):
+    """Old flat row (src * block + j) on device `dev` -> new row in [local T | N * new_block]."""
+    src, j = flat_idx // block, flat_idx % block
+    return np.where(src == dev, j, T + src * new_block + j)
+
+  dev = np.arange(N)
+  # Stay-home rows are the diagonal block, packed from row 0; a buffer has at most T of them.
+  if (a.send_q_valid[dev, dev, min(cq, T):]).any():
+    raise PlanMismatchError("plan keeps more than T rows at home")
+  local_q_idx = np.zeros((N, T), np.int32)
+  local_q_idx[:, :min(cq, T)] = a.send_q_idx[dev, dev, :T]
+  off = ~eye[..., 0]
+  send_q_idx = np.where(off[..., None], a.send_q_idx, 0)[:, :, :c]
+  send_q_valid = (a.send_q_valid & off[..., None])[:, :, :c]
+  send_kv_idx = np.where(off[..., None], a.send_kv_idx, 0)[:, :, :ckv_new]
+  send_kv_valid = (a.send_kv_valid & off[..., None])[:, :, :ckv_new]
+  # The diagonal KV block: a server reads its own K/V rows directly from its buffer.
+  kv_src = a.server_kv_idx // ckv
+  kv_j = a.server_kv_idx % ckv
+  own_rows = a.send_kv_idx[dev[:, None], dev[:, None], kv_j]  # home row behind a diagonal entry
+  server_kv_idx = np.where(kv_src == dev[:, None], own_rows, T + kv_src * ckv_new + kv_j)
+  q_start = np.where(a.q_len > 0, remap(a.q_start, cq, c, dev[:, None]), 0)
+  return_idx = remap(a.return_idx, cq, c, dev[:, None])
+  return DispatchPlan(
+      local_q_idx=local_q_idx, send_q_idx=send_q_idx.astype(np.int32), send_q_valid=send_q_valid,
+      send_kv_idx=send_kv_idx.astype(np.int32), send_kv_valid=send_kv_valid,
+      server_kv_idx=np.where(a.server_kv_valid, server_kv_idx, 0).astype(np.int32),
+      server_kv_valid=a.server_kv_valid.copy(),
+      q_start=q_start.astype(np.int32), q_len=a.q_len.astype(np.int32),
+      kv_start=a.kv_start.astype(np.int32), kv_len=a.kv_len.astype(np.int32),
+      return_idx=np.where(a.return_valid, return_idx, 0).astype(np.int32),
+      return_valid=a.return_valid.copy())
+
+
+def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
+  """Refuses a plan that does not belong to `layout` or breaks its own capacities.
+
+  Checks, vectorised over every device: shapes match (N, T); exactly the real tokens return an
+  output; every real token's output row is produced by a query row that holds that same token
+  (local rows, or a block sent to a server and returned); task ranges lie inside the rows they
+  index. Raises PlanMismatchError naming what is wrong.
+  """
+  N, T = layout.num_buffers, layout.buffer_len
+  p = plan
+  if p.return_idx.shape != (N, T) or p.local_q_idx.shape != (N, T):
+    raise PlanMismatchError(f"plan is for buffers {p.return_idx.shape}, the batch has ({N}, {T})")
+  if p.send_q_idx.shape[:2] != (N, N) or p.q_start.shape[0] != N:
+    raise PlanMismatchError(f"plan is for {p.send_q_idx.shape[0]} devices, the batch has {N}")
+  real = layout.segment_ids() != PAD_SEGMENT
+  if not np.array_equal(p.return_valid, real):
+    bad = np.argwhere(p.return_valid != real)[0]
+    raise PlanMismatchError(f"plan does not match the batch: device {bad[0]} row {bad[1]} is "
+                            f"{'padding' if not real[tuple(bad)] else 'a real token'} in the batch")
+  c = p.send_q_idx.shape[-1]
+  rows = T + N * c
+  if (p.return_idx < 0).any() or (p.return_idx >= rows).any():
+    raise PlanMismatchError(f"plan return_idx outside the {rows} rows of a server's output")
+  # Follow each real token's output back to the query row that produced it.
+  d = np.broadcast_to(np.arange(N)[:, None], (N, T))
+  r = p.return_idx
+  is_local = r < T
+  srv = np.where(is_local, 0, (r - T) // c)
+  j = np.where(is_local, 0, (r - T) % c)
+  source_row = np.where(is_local, p.local_q_idx[d, np.minimum(r, T - 1)], p.send_q_idx[d, srv, j])
+  sent_ok = np.where(is_local, True, p.send_q_valid[d, srv, j])
+  want = np.broadcast_to(np.arange(T)[None, :], (N, T))
+  wrong = real & ((source_row != want) | ~sent_ok)
+  if wrong.any():
+    bad = np.argwhere(wrong)[0]
+    raise PlanMismatchError(f"plan does not match the batch: the output for device {bad[0]} row "
+                            f"{bad[1]} would come from another token")
+  ends = p.q_start + p.q_len
+  if (ends > rows).any() or (p.kv_start + p.kv_len > p.server_kv_idx.shape[-1]).any():
+    raise PlanMismatchError("plan task table indexes rows past its capacities")
+  if (p.q_len > p.kv_len).any():
+    raise PlanMismatchError("plan has a task with more queries than keys")
+
+
+def comm_model(shape, attention_config) -> CommModel:
+  return CommModel.for_model(shape, resend=attention_config.memory_mode == "resend")
+
+
+def plan_for_layout(attention_config, layout: Layout, shape) -> tuple[Plan, DispatchPlan]:
+  """Schedules one nano-batch and returns the scheduler's plan and its dispatch arrays."""
+  plan = make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon)
+  dispatch = compact_plan(plan.arrays, layout.buffer_len)
+  validate_plan(dispatch, layout)
+  return plan, dispatch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+  """Host-side inputs of one CAD step (not a pytree): the nano-batches the step trains on (one,
+  or Ping and Pong), their dispatch plans, and the scheduler's plans for reporting."""
+
+  batches: tuple[Batch, ...]
+  dispatch: tuple[DispatchPlan, ...]
+  plans: tuple[Plan, ...]
+
+  def imbalance(self) -> tuple[float, float]:
+    """Attention-area imbalance (max/mean over servers) before and after scheduling, summed
+    over nano-batches."""
+    before = sum(p.stats.load_before for p in self.plans)
+    after = sum(p.stats.load_after for p in self.plans)
+    ratio = lambda x: float(np.max(x) / np.mean(x)) if np.mean(x) > 0 else 1.0
+    return ratio(before), ratio(after)
+
+
+def host_context(attention_config, batch: Batch, shape) -> StepContext:
+  """Splits the batch into nano-batches (if ping-pong) and plans each; runs on the host, in the
+  trainer's prefetch thread, one step ahead of the devices."""
+  if attention_config.pingpong:
+    batches = split_pingpong_batch(batch)
+  else:
+    batches = (batch,)
+  planned = [plan_for_layout(attention_config, b.layout, shape) for b in batches]
+  return StepContext(batches=batches, dispatch=tuple(d for _, d in planned),
+                     plans=tuple(p for p, _ in planned))
+
+
+def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
+  """Ping and Pong: the batch's documents split into two halves of equal tokens and balanced
+  sum of squared lengths (schedule/pingpong.py), each packed into buffers of half the length."""
+  layout = batch.layout
+  N, T = layout.num_buffers, layout.buffer_len
+  if T % 2:
+    raise ValueError(f"ping-pong needs an even buffer length, got {T}")
+  doc_lens = layout.doc_lens
+  tokens_flat = batch.tokens.reshape(-1)
+  doc_start = np.cumsum(doc_lens) - doc_lens
+  split = split_pingpong(doc_lens)
+  halves = []
+  for lens, source in zip(split.lens, split.source):
+    starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)
+    idx = (np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum())))
+    halves.append(make_batch(lens, tokens_flat[idx], N, T // 2))
+  return tuple(halves)
+
+
+# ----------------------------------------------------------------------------- device side
+
+
+def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
+  """Steps 1-4 for one device (inside shard_map; plan arrays without their leading N)."""
+  N, C = p.send_q_idx.shape[0], p.send_q_idx.shape[1]
+  T = q_TxHxE.shape[0]
+
+  def send(x_TxKxE, idx_NxC, valid_NxC):
+    blocks = jnp.take(x_TxKxE, idx_NxC.reshape(-1), axis=0).reshape(idx_NxC.shape + x_TxKxE.shape[1:])
+    blocks = jnp.where(valid_NxC[..., None, None], blocks, 0)
+    with jax.named_scope("dispatch"):
+      recv = jax.lax.all_to_all(blocks, "data", 0, 0, tiled=True)
+    return recv.reshape((-1,) + x_TxKxE.shape[1:])
+
+  q_rows = jnp.concatenate([jnp.take(q_TxHxE, p.local_q_idx, axis=0),
+                            send(q_TxHxE, p.send_q_idx, p.send_q_valid)])
+  k_rows = jnp.concatenate([k_TxKxE, send(k_TxKxE, p.send_kv_idx, p.send_kv_valid)])
+  v_rows = jnp.concatenate([v_TxKxE, send(v_TxKxE, p.send_kv_idx, p.send_kv_valid)])
+  kv_mask = p.server_kv_valid[:, None, None]
+  k_srv = jnp.where(kv_mask, jnp.take(k_rows, p.server_kv_idx, axis=0), 0)
+  v_srv = jnp.where(kv_mask, jnp.take(v_rows, p.server_kv_idx, axis=0), 0)
+  tasks = TaskTable(p.q_start, p.q_len, p.kv_start, p.kv_len)
+  with jax.named_scope("core_attention"):
+    o_rows, _ = kernels.attention(q_rows, k_srv, v_srv, tasks, backend=backend)
+  o_local, o_sent = o_rows[:T], o_rows[T:].reshape((N, C) + o_rows.shape[1:])
+  with jax.named_scope("return"):
+    o_back = jax.lax.all_to_all(o_sent, "data", 0, 0, tiled=True).reshape((-1,) + o_rows.shape[1:])
+  o_all = jnp.concatenate([o_local, o_back])
+  out = jnp.take(o_all, p.return_idx, axis=0)
+  return jnp.where(p.return_valid[:, None, None], out, 0)
+
+
+def make_distca_attention(attention_config, mesh: Mesh):
+  """The model's `core_attention` for `attention.impl: distca` under `mesh`."""
+  backend = kernels.resolve_backend(attention_config.kernel)
+  qkv_spec = P("data", None, "tensor", None)
+  plan_spec = P("data")
+  exchange = functools.partial(_server_exchange, backend=backend)
+  if attention_config.memory_mode == "resend":
+    exchange = jax.checkpoint(exchange, policy=jax.checkpoint_policies.nothing_saveable)
+
+  def local(q, k, v, plan):
+    plan = jax.tree.map(lambda x: x[0], plan)
+    return exchange(q[0], k[0], v[0], plan)[None]
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, plan_spec),
+                          out_specs=qkv_spec, check_vma=False)
+
+  def core_attention(q, k, v, ctx: DispatchPlan):
+    return sharded(q, k, v, ctx)
+
+  return core_attention
