@@ -77,6 +77,12 @@ def test_int_accepted_where_float_expected():
   assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
 
 
+@pytest.mark.xfail(reason="config.py promises `1e-4` parses as a number, but PyYAML (YAML 1.1) "
+                   "reads an exponent without a dot as a string: write 1.0e-4", strict=False)
+def test_exponent_without_dot_parses():
+  assert load_config(None, ["optim.lr=1e-4"]).optim.lr == 1e-4
+
+
 @pytest.mark.parametrize("tokens", [100, 1000, 129])
 def test_tokens_per_device_multiple_of_128(tokens):
   msg = _error(f"data.tokens_per_device={tokens}")
