@@ -193,7 +193,7 @@ def main():
 
   print(f"{'batch':24s} {'backend':8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'f+b TF/s':>9s} "
         f"{'dense f':>8s} {'dense f+b':>9s} {'ratio f+b':>9s}", flush=True)
-  for ds in args.datasets.split(","):
+  for ds in (d for d in args.datasets.split(",") if d):
     for ctx in (int(c) for c in args.contexts.split(",")):
       sampler = LengthSampler(load_lengths(ds), full_context_replacement=(ds == "prolong"),
                               seed=1)
