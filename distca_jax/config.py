@@ -127,6 +127,9 @@ class TrainConfig:
   # Plan each colocated step with the CAD scheduler on the host (prefetch thread) to report the
   # attention imbalance it would reach ("after"); distca steps report their own plan's.
   imbalance_after: bool = True
+  # JAX persistent compilation cache directory (None: off). A resumed run loads its compiled
+  # step from here instead of compiling again.
+  compile_cache_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,16 +109,73 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P("data"))
 
 
-def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
-  """Starts `jax.distributed` when running on several hosts (SLURM is detected by JAX itself).
+class DistributedInitError(RuntimeError):
+  """jax.distributed could not start: the coordinator is unreachable or a process is missing."""
 
-  Does nothing for a single process with no coordinator given.
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, timeout_s: int = 300) -> None:
+  """Starts `jax.distributed` when running on several hosts or processes.
+
+  Explicit: `coordinator` ("host:port", served by process 0), `num_processes` and `process_id`.
+  Automatic: under SLURM with several tasks (SLURM_NTASKS > 1) and nothing given, JAX reads the
+  job's environment itself (coordinator = first node, one process per task; with one task per
+  GPU, each process takes the GPU of its SLURM_LOCALID). Does nothing for a single process with
+  no coordinator.
+
+  `timeout_s` bounds the start-up: a process other than 0 first waits up to `timeout_s` for the
+  coordinator's port to accept connections and raises DistributedInitError naming it if it never
+  does; then every process waits up to `timeout_s` for all `num_processes` to register. (XLA
+  ends a process that misses that second deadline with a fatal DEADLINE_EXCEEDED error rather
+  than an exception; the line printed before the call says what it was waiting for.)
   """
+  import sys
+
   if coordinator is None and num_processes in (None, 1) and not _under_cluster():
     return
-  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                             process_id=process_id)
+  if coordinator is not None and (num_processes is None or process_id is None):
+    raise DistributedInitError(
+        f"--coordinator {coordinator} needs --num-processes and --process-id as well")
+  if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+    raise DistributedInitError(f"--process-id {process_id} is outside [0, {num_processes})")
+  if coordinator is not None and process_id != 0:
+    _wait_for_port(coordinator, timeout_s, process_id, num_processes)
+  print(f"jax.distributed: process {process_id if process_id is not None else '(auto)'} of "
+        f"{num_processes if num_processes is not None else '(auto)'}, coordinator "
+        f"{coordinator or '(from the cluster environment)'}; waiting up to {timeout_s} s for all "
+        f"processes to join", file=sys.stderr, flush=True)
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=int(timeout_s))
+  except Exception as e:  # jaxlib raises XlaRuntimeError / ValueError / RuntimeError
+    raise DistributedInitError(
+        f"jax.distributed.initialize failed (coordinator {coordinator or 'auto'}, process "
+        f"{process_id} of {num_processes}, timeout {timeout_s} s): {e}") from e
+
+
+def _wait_for_port(address: str, timeout_s: float, process_id, num_processes) -> None:
+  """Polls until `host:port` accepts a TCP connection; DistributedInitError after `timeout_s`."""
+  import socket
+  import time
+
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise DistributedInitError(f"coordinator address {address!r}: expected host:port")
+  deadline = time.monotonic() + timeout_s
+  last = None
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)):
+        return
+    except OSError as e:
+      last = e
+    if time.monotonic() >= deadline:
+      break
+    time.sleep(0.25)
+  raise DistributedInitError(
+      f"coordinator {address} unreachable after {timeout_s:g} s (process {process_id} of "
+      f"{num_processes}; last error: {last}). Is process 0 running on that host and port, and "
+      f"does the firewall let it through? Raise the wait with train.init_timeout_s.")
 
 
 def _under_cluster() -> bool:

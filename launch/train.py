@@ -40,7 +40,12 @@ def main(argv=None) -> int:
   from distca_jax import mesh as mesh_lib
   from distca_jax.train import loop
 
-  mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+  try:
+    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                    timeout_s=config.train.init_timeout_s)
+  except mesh_lib.DistributedInitError as e:
+    print(f"distributed start-up failed: {e}", file=sys.stderr)
+    return 3
   try:
     summary = loop.run(config)
   except ConfigError as e:

@@ -3,6 +3,17 @@
 Host work for step k+1 (sampling documents, packing, the attention context — for CAD the
 scheduler's plan) runs in a background thread while the devices run step k; `host_wait_s` in the
 summary is the total time the loop waited for it (0 means the host never stalled the devices).
+
+Resuming. The data source is a pure function of the step (`source.batch(step)`), so the data
+iterator's state is the step counter, saved in each checkpoint's `extra` with the model shape.
+A run resumed from step s therefore trains on exactly the batches and learning rates the
+uninterrupted run would have, and its losses are identical. `train.stop_at_step` (and
+`train.max_seconds`) end a run early with a final checkpoint.
+
+Multi-process. Every process runs this loop on the same global batch (each supplies the shards
+its devices hold); metrics are replicated scalars, so every process reads the same values. Only
+process 0 writes files (config.json, summary.json, TensorBoard, profile); all processes take part
+in checkpoint saves (each writes its own shards).
 """
 
 from __future__ import annotations
@@ -21,9 +32,10 @@ import numpy as np
 
 from distca_jax import attention as attention_lib
 from distca_jax import mesh as mesh_lib
-from distca_jax.config import Config, to_dict
+from distca_jax.config import Config, ConfigError, to_dict
 from distca_jax.models.presets import resolve
 from distca_jax.train import metrics as metrics_lib
+from distca_jax.train import profile as profile_lib
 from distca_jax.train.step import Trainer
 
 
@@ -44,6 +56,15 @@ class Summary:
   attention_imbalance: float
   devices: int
   mesh_shape: dict[str, int]
+  # First global step this invocation ran (0, or the step a checkpoint resumed from).
+  start_step: int = 0
+  # Mean max/mean attention imbalance the CAD scheduler reaches (None: not planned).
+  attention_imbalance_after: float | None = None
+  # Steady-state step time (s): median and 90th percentile, profiled steps excluded.
+  step_time_median_s: float = float("nan")
+  step_time_p90_s: float = float("nan")
+  # Peak bytes in use per local device (None where the backend keeps no statistics, e.g. CPU).
+  peak_memory_bytes: list[int] | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -98,14 +119,26 @@ class Prefetcher:
 
 def run(config: Config, *, devices=None, log=print) -> Summary:
   """Trains for `config.train.steps` steps (resuming from the latest checkpoint if any)."""
+  if config.train.compile_cache_dir:
+    from distca_jax.launch_env import enable_compile_cache
+
+    enable_compile_cache(config.train.compile_cache_dir)
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   shape = resolve(config.model)
   num_buffers = mesh.shape["data"]
   trainer = Trainer(config, mesh)
   source = make_source(config, num_buffers)
   out_dir = Path(config.train.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+  main = jax.process_index() == 0
+  if main:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+  last_step = config.train.steps
+  if config.train.stop_at_step is not None:
+    last_step = min(last_step, config.train.stop_at_step)
+  profiling = config.train.profile and main
+  if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
+    raise ConfigError("train.profile_start and train.profile_steps: must be >= 1")
 
   t0 = time.perf_counter()
   state = trainer.init_state(config.train.seed)
@@ -122,34 +155,58 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
                                           expect={"model": dataclasses.asdict(shape)})
       start_step = int(extra["step"])
       log(f"resumed from checkpoint at step {start_step}")
+    elif config.checkpoint.resume and main:
+      log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")
   init_s = time.perf_counter() - t0
 
   def make_item(step):
     batch = source.batch(step)
-    return batch, attention_lib.host_context(config.attention, batch, shape)
+    ctx = attention_lib.host_context(config.attention, batch, shape)
+    loads = profile_lib.attention_loads(ctx, batch.layout, shape, config.attention,
+                                        tensor_parallel=mesh.shape["tensor"],
+                                        plan_after=config.train.imbalance_after)
+    return batch, ctx, loads
 
   device_kind = mesh.devices.flat[0].device_kind
   peak = metrics_lib.peak_flops_per_device(device_kind, config.train.peak_tflops)
-  writer = _tensorboard(out_dir, config.train.tensorboard)
-  bar = _progress(config.train.progress, start_step, config.train.steps)
-  prefetch = Prefetcher(make_item, start_step, config.train.steps)
+  writer = _tensorboard(out_dir, config.train.tensorboard and main)
+  bar = _progress(config.train.progress and main, start_step, last_step)
+  prefetch = Prefetcher(make_item, start_step, last_step)
   losses, times, flops_done, tokens_done = [], [], 0.0, 0.0
   host_wait = 0.0
   compile_s = 0.0
-  imbalances = []
+  imbalances, imbalances_after = [], []
+  load_sum = [None, None]  # per-device attention load summed over the run, before / after
+  trace_dir = out_dir / "trace"
+  tracing = False
+  traced_steps = 0
+  last_args = None
+  saved_step = None
   run_start = time.perf_counter()
+  local_devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   try:
-    for _ in range(start_step, config.train.steps):
+    for _ in range(start_step, last_step):
       t_wait = time.perf_counter()
-      step, batch, ctx = prefetch.get()
+      step, batch, ctx, (load_before, load_after) = prefetch.get()
       host_wait += time.perf_counter() - t_wait if step > start_step else 0.0
+      if profiling and step + 1 == config.train.profile_start:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(trace_dir), profiler_options=profile_lib.trace_options())
+        tracing = True
       t_step = time.perf_counter()
       arrays, ctx_dev = trainer.put_batch(batch, ctx)
       compiles_before = trainer.compile_count()
       state, m = trainer.step(state, arrays, ctx_dev)
-      m = jax.device_get(m)
+      m = jax.device_get(m)  # replicated scalars: every process holds them
       dt = time.perf_counter() - t_step
-      if trainer.compile_count() != compiles_before:
+      compiled = trainer.compile_count() != compiles_before
+      if tracing:
+        traced_steps += 1
+        last_args = (state, arrays, ctx_dev)
+        if traced_steps == config.train.profile_steps:
+          jax.profiler.stop_trace()
+          tracing = False
+      elif compiled:
         compile_s += dt  # this step's time is dominated by compilation
       else:
         times.append(dt)
@@ -157,31 +214,48 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       loss = float(m["loss"])
       losses.append(loss)
       flops = metrics_lib.step_flops(shape, batch.layout)
-      imb = metrics_lib.imbalance(metrics_lib.attention_load_per_device(batch.layout))
+      imb = metrics_lib.imbalance(load_before)
       imbalances.append(imb)
+      load_sum[0] = load_before if load_sum[0] is None else load_sum[0] + load_before
       record = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
                 "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
                 "compile_count": trainer.compile_count()}
+      if load_after is not None:
+        imbalances_after.append(metrics_lib.imbalance(load_after))
+        record["attention_imbalance_after"] = imbalances_after[-1]
+        load_sum[1] = load_after if load_sum[1] is None else load_sum[1] + load_after
       if peak is not None:
         record["mfu"] = flops / dt / (peak * mesh.size)
-      if trainer.compile_count() == compiles_before:
+      if not compiled:
         flops_done += flops
         tokens_done += float(m["tokens"])
+      memory = _peak_memory(local_devices)
+      if memory is not None:
+        record["peak_memory_gib"] = max(memory) / 2**30
       if writer is not None and (step % config.train.log_every == 0):
         for key, value in record.items():
           writer.add_scalar(f"train/{key}", value, step + 1)
+        for d, b in zip(local_devices, memory or ()):
+          writer.add_scalar(f"memory/peak_gib/device{d.id}", b / 2**30, step + 1)
       if bar is not None:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
-      elif step % config.train.log_every == 0:
+      elif main and step % config.train.log_every == 0:
         log(f"step {step + 1}: " + " ".join(f"{k}={v:.4g}" for k, v in record.items()))
-      if checkpointer is not None:
-        checkpointer.maybe_save(step + 1, state, {"step": step + 1, "model": dataclasses.asdict(shape)})
+      if checkpointer is not None and checkpointer.maybe_save(step + 1, state, _extra(step + 1, shape)):
+        saved_step = step + 1
       if config.train.max_seconds is not None and time.perf_counter() - run_start > config.train.max_seconds:
-        log(f"stopping at step {step + 1}: train.max_seconds={config.train.max_seconds} reached")
+        if main:
+          log(f"stopping at step {step + 1}: train.max_seconds={config.train.max_seconds} reached")
         break
+    done = start_step + len(losses)
+    if checkpointer is not None and losses and saved_step != done and done < config.train.steps:
+      # An early stop (stop_at_step, max_seconds) keeps its progress: checkpoint where it ended.
+      checkpointer.maybe_save(done, state, _extra(done, shape), force=True)
   finally:
     prefetch.close()
+    if tracing:
+      jax.profiler.stop_trace()
     if bar is not None:
       bar.close()
     if checkpointer is not None:
@@ -191,15 +265,69 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       writer.close()
 
   steady = sum(times)
+  stats = profile_lib.step_time_stats(times)
+  memory = _peak_memory(local_devices)
   summary = Summary(
       steps=len(losses), losses=losses, step_times_s=times, compile_s=compile_s + init_s,
       compile_count=trainer.compile_count(),
       tokens_per_s=tokens_done / steady if steady else float("nan"),
       mfu=(flops_done / steady / (peak * mesh.size)) if (peak and steady) else None,
       host_wait_s=host_wait, attention_imbalance=float(np.mean(imbalances)) if imbalances else 1.0,
-      devices=mesh.size, mesh_shape=dict(mesh.shape))
-  (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
+      devices=mesh.size, mesh_shape=dict(mesh.shape), start_step=start_step,
+      attention_imbalance_after=float(np.mean(imbalances_after)) if imbalances_after else None,
+      step_time_median_s=stats["median_s"], step_time_p90_s=stats["p90_s"],
+      peak_memory_bytes=memory)
+  if main:
+    (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
+    if config.train.profile:
+      _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, trace_dir, load_sum)
   return summary
+
+
+def _extra(step: int, shape) -> dict[str, Any]:
+  """Checkpoint `extra`: the data iterator's state (the step) and the model shape it belongs to."""
+  return {"step": step, "model": dataclasses.asdict(shape)}
+
+
+def _peak_memory(devices) -> list[int] | None:
+  """Peak bytes in use per device since start (None where the backend keeps no statistics)."""
+  out = []
+  for d in devices:
+    try:
+      stats = d.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+      stats = None
+    if not stats or "peak_bytes_in_use" not in stats:
+      return None
+    out.append(int(stats["peak_bytes_in_use"]))
+  return out
+
+
+def _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, trace_dir, load_sum):
+  """profile.json (compile time, step-time stats, per-phase breakdown, attention load) and the
+  per-device load PNG."""
+  report: dict[str, Any] = {
+      "compile_s": summary.compile_s, "compile_count": summary.compile_count,
+      "step_time": profile_lib.step_time_stats(summary.step_times_s),
+      "trace_dir": None, "traced_steps": traced_steps, "phases": None, "attention_load": None,
+      "peak_memory_bytes": summary.peak_memory_bytes}
+  xplane = profile_lib.find_xplane(trace_dir) if traced_steps else None
+  if xplane is not None and last_args is not None:
+    state, arrays, ctx = last_args
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    # Same shapes as the traced step: served from the jit cache, not recompiled.
+    hlo = trainer._step_fn.lower(abstract, arrays, ctx).compile().as_text()
+    report["trace_dir"] = str(trace_dir)
+    report["phases"] = profile_lib.phase_breakdown(xplane, hlo, module="train_step", steps=traced_steps)
+  before, after = load_sum
+  if before is not None:
+    png = profile_lib.plot_loads(before, after, out_dir / "attention_load.png",
+                                 title=f"attention load per device, {summary.steps} steps summed")
+    report["attention_load"] = {
+        "before": [float(x) for x in before], "after": None if after is None else [float(x) for x in after],
+        "imbalance_before": metrics_lib.imbalance(before),
+        "imbalance_after": None if after is None else metrics_lib.imbalance(after), "png": str(png)}
+  profile_lib.write_report(out_dir, report)
 
 
 def _check_finite(step: int, m) -> None:
@@ -232,6 +360,10 @@ def format_summary(s: Summary) -> str:
       f"loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}" if s.losses else "no steps run",
       f"compile+init {s.compile_s:.1f}s; median step {med * 1e3:.1f} ms; {s.tokens_per_s:,.0f} tokens/s",
       f"MFU {s.mfu * 100:.1f}%" if s.mfu is not None else "MFU n/a (unknown peak: set train.peak_tflops)",
-      f"attention imbalance (max/mean, colocated layout) {s.attention_imbalance:.2f}; host wait {s.host_wait_s:.2f}s",
+      f"attention imbalance (max/mean) colocated {s.attention_imbalance:.2f}"
+      + (f", scheduled {s.attention_imbalance_after:.2f}" if s.attention_imbalance_after is not None else "")
+      + f"; host wait {s.host_wait_s:.2f}s",
   ]
+  if s.peak_memory_bytes:
+    lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")
   return "\n".join(lines)
