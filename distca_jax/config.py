@@ -124,6 +124,8 @@ class TrainConfig:
   profile: bool = False
   profile_start: int = 3
   profile_steps: int = 2
+  # Steady-state steps (after compilation) left out of the profile's step-time statistics.
+  profile_warmup: int = 1
   # Plan each colocated step with the CAD scheduler on the host (prefetch thread) to report the
   # attention imbalance it would reach ("after"); distca steps report their own plan's.
   imbalance_after: bool = True

@@ -308,7 +308,7 @@ def _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, t
   per-device load PNG."""
   report: dict[str, Any] = {
       "compile_s": summary.compile_s, "compile_count": summary.compile_count,
-      "step_time": profile_lib.step_time_stats(summary.step_times_s),
+      "step_time": profile_lib.step_time_stats(summary.step_times_s[config.train.profile_warmup:]),
       "trace_dir": None, "traced_steps": traced_steps, "phases": None, "attention_load": None,
       "peak_memory_bytes": summary.peak_memory_bytes}
   xplane = profile_lib.find_xplane(trace_dir) if traced_steps else None
