@@ -1,0 +1,107 @@
+"""Profiling: phase attribution by named scope from a real xprof trace, step-time statistics, and
+`launch/profile.py` end to end (compile time, step times, trace, phases, attention load PNG)."""
+
+import importlib.util
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distca_jax.launch_env import enable_compile_cache
+from distca_jax.train import profile as profile_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_phase_of_follows_the_named_scope_contract():
+  p = profile_lib.phase_of
+  assert p("jit(_train_step)/jvp()/Llama/blocks/0/attn/core_attention/dot_general") == "attention"
+  assert p("jit(_train_step)/transpose(jvp(core_attention))/dot_general") == "attention"
+  assert p("jit(_train_step)/jvp()/core_attention/dispatch/all_to_all") == "dispatch"
+  assert p("jit(_train_step)/transpose(jvp())/return/all_to_all") == "return"
+  assert p("jit(_train_step)/jvp()/mlp/returns/dot_general") == "other"  # whole components only
+  assert p("jit(_train_step)/jvp()/core_attention_helper/add") == "other"
+  assert p("") == "other"
+
+
+def test_op_names_and_leaf_events():
+  hlo = ('  %fusion.3 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fc, '
+         'metadata={op_name="jit(f)/core_attention/mul" source_file="x.py" source_line=3}\n'
+         '  ROOT %all-to-all.1 = f32[8]{0} all-to-all(f32[8]{0} %a), dimensions={0}, '
+         'metadata={op_name="jit(f)/dispatch/all_to_all"}\n'
+         '  %p = f32[4]{0} parameter(0)\n')
+  assert profile_lib.op_names(hlo) == {"fusion.3": "jit(f)/core_attention/mul",
+                                       "all-to-all.1": "jit(f)/dispatch/all_to_all"}
+  # A while loop (0..100) containing two ops: only the inner ops count.
+  events = [(0, 100, "while"), (10, 20, "a"), (40, 50, "b"), (200, 5, "c")]
+  assert [e[2] for e in profile_lib._leaf_events(events)] == ["a", "b", "c"]
+
+
+def test_step_time_stats():
+  st = profile_lib.step_time_stats([0.1, 0.2, 0.3, 0.4, 1.0])
+  assert st["median_s"] == pytest.approx(0.3) and st["p90_s"] == pytest.approx(0.76) and st["count"] == 5
+  assert np.isnan(profile_lib.step_time_stats([])["median_s"])
+
+
+def test_phase_breakdown_of_a_traced_program(tmp_path):
+  """Three matmul chains in the three scopes, forward and backward, traced on this backend."""
+
+  def f(x):
+    with jax.named_scope("dispatch"):
+      x = jnp.sin(x @ x)
+    with jax.named_scope("core_attention"):
+      x = jnp.tanh(x @ x) @ x
+    with jax.named_scope("return"):
+      x = jnp.cos(x @ x)
+    return jnp.sum(x * x)
+
+  step = jax.jit(jax.value_and_grad(f))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(256, 256)), jnp.float32) / 16
+  jax.block_until_ready(step(x))  # compile outside the trace
+  with jax.profiler.trace(str(tmp_path), profiler_options=profile_lib.trace_options()):
+    for _ in range(2):
+      jax.block_until_ready(step(x))
+  xplane = profile_lib.find_xplane(tmp_path)
+  assert xplane is not None
+  hlo = step.lower(x).compile().as_text()
+  ph = profile_lib.phase_breakdown(xplane, hlo, module="jit_f", steps=2)
+  assert ph["scoped"] and ph["ops"] > 0
+  ms = ph["ms_per_step"]
+  assert ms["attention"] > 0 and ms["dispatch"] > 0 and ms["return"] > 0
+  assert sum(ph["fraction"].values()) == pytest.approx(1.0)
+
+
+def test_profile_cli_end_to_end(tmp_path, capsys):
+  """`launch/profile.py` in this process (8 CPU devices): seed 6 keeps the three steps on one
+  compiled program, the one tests/test_multihost.py compiles too."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
+  enable_compile_cache(os.environ.setdefault("DISTCA_TEST_COMPILE_CACHE",
+                                             tempfile.mkdtemp(prefix="distca_compile_cache_")))
+  spec = importlib.util.spec_from_file_location("launch_profile", ROOT / "launch" / "profile.py")
+  cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cli)
+  rc = cli.main(["--warmup", "0", "--measure", "1", "--trace", "1",
+                 "model.dtype=float32", "model.remat=none", "model.layers=1", "model.hidden=64",
+                 "model.ffn=128", "model.vocab_size=256", "data.tokens_per_device=256",
+                 "data.length_scale=64", "data.seed=6", "train.tensorboard=false",
+                 f"train.out_dir={tmp_path}"])
+  assert rc == 0
+  report = json.loads((tmp_path / "profile.json").read_text())
+  assert report["compile_count"] == 1 and report["compile_s"] > 0
+  assert report["step_time"]["count"] == 1 and report["step_time"]["median_s"] > 0
+  assert report["traced_steps"] == 1
+  assert profile_lib.find_xplane(tmp_path / "trace") is not None
+  assert report["phases"]["ops"] > 0 and report["phases"]["devices"] == 8
+  load = report["attention_load"]
+  assert len(load["before"]) == 8 and len(load["after"]) == 8
+  assert sum(load["after"]) == pytest.approx(sum(load["before"]))  # moved, not lost
+  assert load["imbalance_after"] <= load["imbalance_before"]
+  assert Path(load["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  out = capsys.readouterr().out
+  assert "median" in out and "p90" in out and "per-phase" in out and "attention_load.png" in out
