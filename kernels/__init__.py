@@ -16,14 +16,26 @@ from __future__ import annotations
 
 import jax
 
-from .tasks import TaskTable, causal_area, make_task_table, row_bounds
+from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owner
 
 BACKENDS = ("reference", "pallas", "triton", "cudnn")
 
 
-# The fastest backend measured per platform (launch/bench_kernels.py; docs/PERFORMANCE.md,
-# section Kernels). On CPU only the reference is fast enough to matter (Pallas runs interpreted).
-FASTEST = {"cpu": "reference", "gpu": "pallas"}
+# Backends per platform, fastest measured forward+backward first (launch/bench_kernels.py on an
+# H200: triton 397, cudnn 369, pallas 355 TF/s on Pretrain 128K batches; docs/PERFORMANCE.md,
+# section Kernels). `auto` takes the first one that is installed. On CPU only the reference is
+# fast enough to matter (Pallas runs interpreted).
+FASTEST = {"cpu": ("reference",), "gpu": ("triton", "cudnn", "pallas")}
+
+
+def _installed(backend: str) -> bool:
+  if backend != "triton":
+    return True
+  try:
+    import jax_triton  # noqa: F401
+    return True
+  except Exception:  # ImportError, or jax-triton refusing this JAX
+    return False
 
 
 def resolve_backend(backend: str) -> str:
@@ -32,7 +44,10 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
       raise ValueError(f"kernel backend {backend!r}: choose one of {('auto',) + BACKENDS}")
     return backend
-  return FASTEST.get(jax.default_backend(), "reference")
+  for b in FASTEST.get(jax.default_backend(), ("reference",)):
+    if _installed(b):
+      return b
+  return "reference"
 
 
 def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "auto",
@@ -51,4 +66,4 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "au
 
 
 __all__ = ["BACKENDS", "TaskTable", "attention", "causal_area", "make_task_table",
-           "resolve_backend", "row_bounds"]
+           "resolve_backend", "row_bounds", "row_owner"]

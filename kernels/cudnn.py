@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from . import pallas
-from .tasks import TaskTable
+from .tasks import TaskTable, row_owner
 
 NEG_INF = float("-inf")
 
@@ -38,11 +38,8 @@ def _fa():
 
 def _owner(tasks: TaskTable, T: int):
   """Per row: owning task index (0 if none), covered flag, row index within the task."""
-  rows = jnp.arange(T, dtype=jnp.int32)
-  in_task = (rows[None, :] >= tasks.q_start[:, None]) & (
-      rows[None, :] < (tasks.q_start + tasks.q_len)[:, None])
-  owner = jnp.argmax(in_task, axis=0)
-  return owner, jnp.any(in_task, axis=0), rows - tasks.q_start[owner]
+  owner, covered = row_owner(tasks, T)
+  return owner, covered, jnp.arange(T, dtype=jnp.int32) - tasks.q_start[owner]
 
 
 def _segments(tasks: TaskTable, part: str):

@@ -76,16 +76,31 @@ def causal_area(tasks: TaskTable) -> np.ndarray:
   return q * kv - q * (q - 1) / 2
 
 
+def row_owner(tasks: TaskTable, num_q_rows: int):
+  """Per query row: (index of the task that owns it, whether any task does). jnp, traceable,
+  O(capacity + num_q_rows): each live task marks its first row, and a running max carries the
+  latest mark forward (query ranges are disjoint, so the latest start at or before a row is the
+  only candidate owner)."""
+  tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
+  T = num_q_rows
+  C = tasks.q_start.shape[0]
+  rows = jnp.arange(T, dtype=jnp.int32)
+  live = (tasks.q_len > 0) & (tasks.q_start < T)
+  # Dead tasks write to the spare slot T, which is cut off.
+  marks = jnp.full((T + 1,), -1, jnp.int32).at[jnp.where(live, tasks.q_start, T)].set(
+      jnp.arange(C, dtype=jnp.int32))[:T]
+  last_start = jax.lax.cummax(jnp.where(marks >= 0, rows, -1), axis=0)
+  owner = jnp.where(last_start >= 0, marks[jnp.maximum(last_start, 0)], 0)
+  covered = (last_start >= 0) & (rows < tasks.q_start[owner] + tasks.q_len[owner])
+  return owner, covered
+
+
 def row_bounds(tasks: TaskTable, num_q_rows: int):
   """Per query row: (first visible key row, last visible key row + 1); (0, 0) for rows outside
-  every task. jnp, traceable; O(capacity * num_q_rows)."""
-  # Host (numpy) tables must become jnp before a traced `owner` indexes them.
+  every task. jnp, traceable; O(capacity + num_q_rows)."""
   tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
   rows = jnp.arange(num_q_rows, dtype=jnp.int32)
-  in_task = (rows[None, :] >= tasks.q_start[:, None]) & (
-      rows[None, :] < (tasks.q_start + tasks.q_len)[:, None])
-  owner = jnp.argmax(in_task, axis=0)
-  covered = jnp.any(in_task, axis=0)
+  owner, covered = row_owner(tasks, num_q_rows)
   lo = tasks.kv_start[owner]
   hi = lo + tasks.kv_len[owner] - tasks.q_len[owner] + (rows - tasks.q_start[owner]) + 1
   return jnp.where(covered, lo, 0), jnp.where(covered, hi, 0)

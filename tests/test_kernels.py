@@ -300,6 +300,25 @@ def test_block_schedule(case, bq, bk):
   assert (count == vis).all(), "key-side walk misses or repeats a visible pair"
 
 
+def test_row_bounds_random_tables():
+  """The O(T + C) row -> task map against a brute-force loop: unsorted tasks, gaps, empty tasks."""
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    T = int(rng.integers(1, 60))
+    cuts = np.sort(rng.choice(T + 1, size=min(2 * int(rng.integers(0, 6)), T + 1), replace=False))
+    pairs = list(zip(cuts[0::2], cuts[1::2]))
+    qs = [int(a) for a, _ in pairs]
+    ql = [int(b - a) if rng.random() > 0.2 else 0 for a, b in pairs]
+    order = rng.permutation(len(qs))
+    qs, ql = [qs[i] for i in order], [ql[i] for i in order]
+    kl = [x + int(rng.integers(0, 5)) for x in ql]
+    ks = [int(rng.integers(0, 5)) for _ in ql]
+    tasks = make_task_table(qs, ql, ks, kl, capacity=len(qs) + 2, num_q_rows=T)
+    lo, hi = kernels.row_bounds(tasks, T)
+    want_lo, want_hi = _row_bounds_np(tasks, T)
+    assert (np.asarray(lo) == want_lo).all() and (np.asarray(hi) == want_hi).all()
+
+
 def test_auto_backend_on_cpu():
   if ON_GPU:
     pytest.skip("CPU rule")
