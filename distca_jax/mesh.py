@@ -146,11 +146,23 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
         f"processes to join", file=sys.stderr, flush=True)
   try:
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id, initialization_timeout=int(timeout_s))
+                               process_id=process_id, local_device_ids=_slurm_local_device_ids(),
+                               initialization_timeout=int(timeout_s))
   except Exception as e:  # jaxlib raises XlaRuntimeError / ValueError / RuntimeError
     raise DistributedInitError(
         f"jax.distributed.initialize failed (coordinator {coordinator or 'auto'}, process "
         f"{process_id} of {num_processes}, timeout {timeout_s} s): {e}") from e
+
+
+def _slurm_local_device_ids() -> list[int] | None:
+  """Under SLURM JAX gives each process only the GPU of its SLURM_LOCALID (one task per GPU).
+  With one task per node, hand it every GPU of the node instead."""
+  import os
+
+  gpus = os.environ.get("SLURM_GPUS_ON_NODE")
+  if os.environ.get("SLURM_NTASKS_PER_NODE") == "1" and gpus and gpus.isdigit() and _under_cluster():
+    return list(range(int(gpus)))
+  return None
 
 
 def _wait_for_port(address: str, timeout_s: float, process_id, num_processes) -> None:
