@@ -56,11 +56,12 @@ class Config(NamedTuple):
 
 
 # H200, d = 128, bf16, measured by launch/bench_kernels.py --tune (docs/PERFORMANCE.md, Kernels):
-# forward 128 x 64 tiles, 8 warps, 3 stages; backward 64 x 64 tiles, 4 warps, 2 stages (twice
-# the backward throughput of 128 x 64 / 64 x 128 at 8 warps). Small tiles on CPU keep interpret
-# mode cheap and exercise the multi-block paths on small test shapes.
-GPU_CONFIG = Config(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64,
-                    num_warps_bwd=4, num_stages_bwd=2)
+# forward 128 x 128 tiles, 8 warps, 3 stages (3% over 128 x 64); backward 64 x 64 tiles, 4 warps,
+# 2 stages (twice the backward throughput of 128 x 64 / 64 x 128 at 8 warps; the fused backward
+# with atomic dQ was 1.5-6x slower). Small tiles on CPU keep interpret mode cheap and exercise the
+# multi-block paths on small test shapes.
+GPU_CONFIG = Config(block_q=128, block_k=128, block_q_dq=64, block_k_dq=64, block_q_dkv=64,
+                    block_k_dkv=64, num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=2)
 CPU_CONFIG = Config(16, 16, 16, 16, 16, 16, 4, 1, 4, 1)
 
 
