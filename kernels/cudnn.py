@@ -117,6 +117,8 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   """O [T, H, D] in q's dtype and LSE [T, H] float32. GPU (Hopper+) only; bf16/fp16 inputs."""
   if jax.default_backend() != "gpu":
     raise RuntimeError("the cudnn kernel backend needs a GPU")
+  if q_TxHxD.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"the cudnn kernel backend takes bf16 or fp16, not {q_TxHxD.dtype}")
   T, H, D = q_TxHxD.shape
   scale = D ** -0.5 if scale is None else float(scale)
   tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
