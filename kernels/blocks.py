@@ -114,7 +114,7 @@ def visited_tiles(tasks: TaskTable, num_q_rows: int, num_kv_rows: int, block_q: 
                   block_k: int):
   """Dense bool masks [nq, nk] (visited, visited-without-mask) from the query-side schedule.
 
-  For tests and for the benchmark's efficiency figure; O(nq * nk).
+  For tests; O(nq * nk).
   """
   s = query_schedule(tasks, num_q_rows, block_q, block_k)
   nk = cdiv(num_kv_rows, block_k)

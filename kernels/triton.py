@@ -25,7 +25,6 @@ from .pallas import GPU_CONFIG, Config, _pad_rows, _pow2
 from .tasks import TaskTable
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 def _jt():

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 
 H, K, D = 32, 8, 128
-SHARD = 128
 
 
 def median_ms(fn, *args, warmup=2, iters=7):
