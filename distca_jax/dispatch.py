@@ -147,10 +147,11 @@ def compact_plan(arrays: PlanArrays, buffer_len: int) -> DispatchPlan:
 def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
   """Refuses a plan that does not belong to `layout` or breaks its own capacities.
 
-  Checks, vectorised over every device: shapes match (N, T); exactly the real tokens return an
-  output; every real token's output row is produced by a query row that holds that same token
-  (local rows, or a block sent to a server and returned); task ranges lie inside the rows they
-  index. Raises PlanMismatchError naming what is wrong.
+  Follows every row through the plan, vectorised: each real token's output must come from a
+  query row holding that same token; each task's query rows must be consecutive positions of one
+  document ending at position kv_len - 1, and its key rows exactly that document's positions
+  0 .. kv_len - 1. A plan made for another batch (other document boundaries) therefore fails even
+  when its shapes fit. Raises PlanMismatchError naming what is wrong.
   """
   N, T = layout.num_buffers, layout.buffer_len
   p = plan
@@ -158,34 +159,82 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
     raise PlanMismatchError(f"plan is for buffers {p.return_idx.shape}, the batch has ({N}, {T})")
   if p.send_q_idx.shape[:2] != (N, N) or p.q_start.shape[0] != N:
     raise PlanMismatchError(f"plan is for {p.send_q_idx.shape[0]} devices, the batch has {N}")
-  real = layout.segment_ids() != PAD_SEGMENT
+  seg = layout.segment_ids()
+  pos = layout.positions()
+  real = seg != PAD_SEGMENT
   if not np.array_equal(p.return_valid, real):
     bad = np.argwhere(p.return_valid != real)[0]
     raise PlanMismatchError(f"plan does not match the batch: device {bad[0]} row {bad[1]} is "
                             f"{'padding' if not real[tuple(bad)] else 'a real token'} in the batch")
-  c = p.send_q_idx.shape[-1]
+  c, ckv = p.send_q_idx.shape[-1], p.send_kv_idx.shape[-1]
   rows = T + N * c
   if (p.return_idx < 0).any() or (p.return_idx >= rows).any():
     raise PlanMismatchError(f"plan return_idx outside the {rows} rows of a server's output")
-  # Follow each real token's output back to the query row that produced it.
-  d = np.broadcast_to(np.arange(N)[:, None], (N, T))
-  r = p.return_idx
-  is_local = r < T
-  srv = np.where(is_local, 0, (r - T) // c)
-  j = np.where(is_local, 0, (r - T) % c)
-  source_row = np.where(is_local, p.local_q_idx[d, np.minimum(r, T - 1)], p.send_q_idx[d, srv, j])
-  sent_ok = np.where(is_local, True, p.send_q_valid[d, srv, j])
-  want = np.broadcast_to(np.arange(T)[None, :], (N, T))
-  wrong = real & ((source_row != want) | ~sent_ok)
-  if wrong.any():
-    bad = np.argwhere(wrong)[0]
-    raise PlanMismatchError(f"plan does not match the batch: the output for device {bad[0]} row "
-                            f"{bad[1]} would come from another token")
   ends = p.q_start + p.q_len
   if (ends > rows).any() or (p.kv_start + p.kv_len > p.server_kv_idx.shape[-1]).any():
     raise PlanMismatchError("plan task table indexes rows past its capacities")
   if (p.q_len > p.kv_len).any():
     raise PlanMismatchError("plan has a task with more queries than keys")
+  if (p.server_kv_idx < 0).any() or (p.server_kv_idx >= T + N * ckv).any():
+    raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
+
+  # Identity (home device, home row, valid) of every server-side query row and K/V row.
+  dev = np.arange(N)
+  src = np.broadcast_to(dev[None, :, None], (N, N, c))       # [server, src, j]
+  q_home_dev = np.concatenate([np.broadcast_to(dev[:, None], (N, T)), src.reshape(N, -1)], 1)
+  q_home_row = np.concatenate([p.local_q_idx, p.send_q_idx.transpose(1, 0, 2).reshape(N, -1)], 1)
+  q_ok = np.concatenate([np.ones((N, T), bool), p.send_q_valid.transpose(1, 0, 2).reshape(N, -1)], 1)
+  srck = np.broadcast_to(dev[None, :, None], (N, N, ckv))
+  kv_dev_all = np.concatenate([np.broadcast_to(dev[:, None], (N, T)), srck.reshape(N, -1)], 1)
+  kv_row_all = np.concatenate([np.broadcast_to(np.arange(T)[None], (N, T)),
+                               p.send_kv_idx.transpose(1, 0, 2).reshape(N, -1)], 1)
+  kv_ok_all = np.concatenate([np.ones((N, T), bool), p.send_kv_valid.transpose(1, 0, 2).reshape(N, -1)], 1)
+  srv = dev[:, None]
+  kv_dev = kv_dev_all[srv, p.server_kv_idx]
+  kv_row = kv_row_all[srv, p.server_kv_idx]
+  kv_ok = kv_ok_all[srv, p.server_kv_idx] & p.server_kv_valid
+
+  # Outputs: each real token's output row holds that token. Home d's returned row T + s*c + j
+  # is server s's query row T + d*c + j; rows below T are d's own local rows.
+  r = p.return_idx
+  d_home = np.broadcast_to(dev[:, None], (N, T))
+  from_srv = np.where(r < T, d_home, (r - T) // c)
+  srv_row = np.where(r < T, r, T + d_home * c + (r - T) % c)
+  wrong = real & ((q_home_dev[from_srv, srv_row] != d_home)
+                  | (q_home_row[from_srv, srv_row] != np.arange(T)[None]) | ~q_ok[from_srv, srv_row])
+  if wrong.any():
+    bad = np.argwhere(wrong)[0]
+    raise PlanMismatchError(f"plan does not match the batch: the output for device {bad[0]} row "
+                            f"{bad[1]} would come from another token")
+
+  # Tasks: rows expanded per task (vectorised), checked against the layout's documents.
+  live = p.q_len > 0
+  t_srv, t_idx = np.nonzero(live)
+  qs, ql = p.q_start[live].astype(np.int64), p.q_len[live].astype(np.int64)
+  ks, kl = p.kv_start[live].astype(np.int64), p.kv_len[live].astype(np.int64)
+
+  def expand(start, length):
+    owner = np.repeat(np.arange(length.size), length)
+    offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    return owner, np.repeat(start, length) + offset, offset
+
+  o, row, off = expand(qs, ql)
+  s_ = t_srv[o]
+  qd, qr = q_home_dev[s_, row], q_home_row[s_, row]
+  q_doc, q_pos = seg[qd, qr], pos[qd, qr]
+  task_doc = np.full(ql.size, -2, np.int64)
+  task_doc[o[::-1]] = q_doc[::-1]  # document of each task's first query row
+  bad_q = ~q_ok[s_, row] | (q_doc != task_doc[o]) | (q_pos != (kl - ql)[o] + off)
+  o2, row2, off2 = expand(ks, kl)
+  s2 = t_srv[o2]
+  k_doc = seg[kv_dev[s2, row2], kv_row[s2, row2]]
+  k_pos = pos[kv_dev[s2, row2], kv_row[s2, row2]]
+  bad_k = ~kv_ok[s2, row2] | (k_doc != task_doc[o2]) | (k_pos != off2)
+  if bad_q.any() or bad_k.any() or (task_doc == PAD_SEGMENT).any():
+    t = int(o[np.argmax(bad_q)]) if bad_q.any() else int(o2[np.argmax(bad_k)]) if bad_k.any() else 0
+    raise PlanMismatchError(
+        f"plan does not match the batch: task {int(t_idx[t])} on server {int(t_srv[t])} does not "
+        f"cover one document's queries with exactly that document's prefix")
 
 
 def comm_model(shape, attention_config) -> CommModel:

@@ -1,0 +1,160 @@
+"""Step-time benchmark of whole training steps: colocated vs distca on chosen batches, one table.
+
+    python launch/bench_train.py --suite mfu        # 1 device: model tokens/s and MFU, colocated
+    python launch/bench_train.py --suite cad        # all devices: colocated vs distca (ping-pong
+                                                    # on/off) on sampled, skewed and uniform batches
+
+Each variant: build the trainer, place a fixed batch, run `--warmup` steps (compilation), then
+time `--steps` steps (each synchronised) and report the median. Every ratio in the table is
+against the colocated run of the same batch in the same process. Overrides (`key=value`, the
+train.py schema) apply to every variant, e.g. `model.layers=4 data.tokens_per_device=65536`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _batches(kind: str, num_buffers: int, T: int, config, vocab: int):
+  import numpy as np
+
+  from distca_jax.data.sources import make_batch, synthetic_from_config
+
+  rng = np.random.default_rng(0)
+  if kind in ("pretrain", "prolong"):
+    import dataclasses
+
+    data = dataclasses.replace(config.data, distribution=kind)
+    return synthetic_from_config(data, vocab, num_buffers).batch(0)
+  if kind == "skewed":  # device 0: one long document; the others: many short ones
+    short = 2048
+    lens = np.concatenate([[T], np.full((num_buffers - 1) * T // short, short)])
+  elif kind == "uniform":  # nothing to balance: equal documents everywhere
+    lens = np.full(num_buffers * T // 8192, 8192)
+  else:
+    raise ValueError(kind)
+  return make_batch(lens, rng.integers(0, vocab, int(lens.sum())).astype(np.int32), num_buffers, T)
+
+
+def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None = None):
+  import jax
+  import numpy as np
+
+  from distca_jax import attention as attention_lib
+  from distca_jax import mesh as mesh_lib
+  from distca_jax.train.step import Trainer
+
+  mesh = mesh_lib.make_mesh(config.mesh)
+  trainer = Trainer(config, mesh)
+  state = trainer.init_state(0)
+  t0 = time.perf_counter()
+  ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
+  host_ms = (time.perf_counter() - t0) * 1e3
+  arrays, dctx = trainer.put_batch(batch, ctx)
+  t0 = time.perf_counter()
+  for _ in range(warmup):
+    state, m = trainer.step(state, arrays, dctx)
+    jax.block_until_ready(m)
+  compile_s = time.perf_counter() - t0
+  times = []
+  for i in range(steps):
+    if trace_dir and i == steps - 1:
+      jax.profiler.start_trace(trace_dir)
+    t0 = time.perf_counter()
+    state, m = trainer.step(state, arrays, dctx)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+    if trace_dir and i == steps - 1:
+      jax.profiler.stop_trace()
+  peak = []
+  for d in mesh.devices.flat:
+    stats = d.memory_stats() or {}
+    peak.append(stats.get("peak_bytes_in_use", 0) / 2**30)
+  imb = None
+  if hasattr(ctx, "imbalance"):
+    imb = ctx.imbalance()
+  loss = float(m["loss"])
+  del state
+  return {"median_s": float(np.median(times)), "host_ms": host_ms, "compile_s": compile_s,
+          "peak_gib": peak, "imbalance": imb, "loss": loss, "compiles": trainer.compile_count()}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--suite", choices=["mfu", "cad"], required=True)
+  parser.add_argument("--config", default=None)
+  parser.add_argument("--batches", nargs="+", default=["pretrain", "prolong", "skewed", "uniform"])
+  parser.add_argument("--tokens", nargs="+", type=int, default=None, help="mfu: tokens per device")
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--pingpong-ablation", default="pretrain",
+                      help="batch on which distca also runs with ping-pong off ('' for none)")
+  parser.add_argument("--trace-dir", default=None, help="xprof trace of the last distca step")
+  parser.add_argument("--json", default=None, help="write all results here")
+  parser.add_argument("overrides", nargs="*")
+  args = parser.parse_args(argv)
+
+  from distca_jax.launch_env import configure_xla
+
+  configure_xla(cpu_devices=int(os.environ.get("DISTCA_CPU_DEVICES", "8")))
+  import jax
+
+  from distca_jax.config import load_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics as metrics_lib
+
+  rows = []
+  if args.suite == "mfu":
+    for T in args.tokens or [32768, 65536]:
+      config = load_config(args.config, ["mesh.data=1", f"data.tokens_per_device={T}"] + args.overrides)
+      shape = resolve(config.model)
+      batch = _batches("pretrain", 1, T, config, shape.vocab_size)
+      r = _time_variant(config, batch, args.warmup, args.steps)
+      flops = metrics_lib.step_flops(shape, batch.layout)
+      peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops)
+      r.update(tokens=T, tokens_per_s=T / r["median_s"],
+               mfu=flops / r["median_s"] / peak if peak else None, kernel=config.attention.kernel)
+      rows.append(r)
+      print(f"T={T}: {r['median_s']*1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tok/s, "
+            f"MFU {r['mfu'] * 100 if r['mfu'] else float('nan'):.1f}%, peak {max(r['peak_gib']):.1f} GiB, "
+            f"compile {r['compile_s']:.1f}s", flush=True)
+  else:
+    n = len(jax.devices())
+    for kind in args.batches:
+      base = load_config(args.config, args.overrides)
+      T = base.data.tokens_per_device
+      shape = resolve(base.model)
+      batch = _batches(kind, n, T, base, shape.vocab_size)
+      variants = [("colocated", ["attention.impl=colocated"]), ("distca", ["attention.impl=distca", "attention.pingpong=true"])]
+      if kind == args.pingpong_ablation:
+        variants.append(("distca-single", ["attention.impl=distca", "attention.pingpong=false"]))
+      base_time = None
+      for name, ov in variants:
+        config = load_config(args.config, args.overrides + ov)
+        trace = args.trace_dir if (args.trace_dir and name == "distca" and kind == args.batches[0]) else None
+        r = _time_variant(config, batch, args.warmup, args.steps, trace)
+        if name == "colocated":
+          base_time = r["median_s"]
+          load = metrics_lib.attention_load_per_device(batch.layout)
+          r["imbalance"] = (metrics_lib.imbalance(load), metrics_lib.imbalance(load))
+        r.update(batch=kind, variant=name, speedup=base_time / r["median_s"])
+        rows.append(r)
+        print(f"{kind:9s} {name:14s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
+              f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  host {r['host_ms']:.0f} ms  "
+              f"peak {max(r['peak_gib']):.1f} GiB  compile {r['compile_s']:.0f}s", flush=True)
+  print("\n| " + " | ".join(k for k in rows[0] if k not in ("peak_gib",)) + " | peak GiB |")
+  for r in rows:
+    cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in r.items() if k != "peak_gib"]
+    print("| " + " | ".join(cells) + f" | {max(r['peak_gib']):.1f} |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(rows, f, indent=1, default=str)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
