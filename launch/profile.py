@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
     return 2
   from distca_jax.launch_env import configure_xla
 
+  # GPU command buffers (CUDA graphs) hide which HLO op each kernel belongs to from the
+  # profiler; run without them (costs some launch overhead: step times are slightly high).
+  if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   configure_xla(cpu_devices=config.train.cpu_devices)
   from distca_jax import mesh as mesh_lib
   from distca_jax.train import loop

@@ -107,6 +107,8 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
   from jax.profiler import ProfileData
 
   names = op_names(hlo_text)
+  # GPU kernels are named after their HLO instruction with '.' -> '_' (loop_add_fusion_3).
+  kernel_names = {k.replace(".", "_"): v for k, v in names.items()}
   data = ProfileData.from_file(str(xplane_path))
   busy = collections.defaultdict(float)  # phase -> ns summed over devices
   devices = set()
@@ -114,20 +116,20 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
   for plane in data.planes:
     device_plane = plane.name.startswith("/device:")
     for line in plane.lines:
-      if device_plane and line.name not in ("XLA Ops", "Ops"):
+      # GPU: kernels on the "Stream #N" lines (raw trace) or the derived "XLA Ops" line; not both.
+      if device_plane and not (line.name.startswith("Stream") or line.name == "XLA Ops"):
         continue
       per_device: dict[str, list] = collections.defaultdict(list)
       for ev in line.events:
         stats = dict(ev.stats)
-        op = stats.get("hlo_op") or (ev.name if device_plane else None)
+        op = stats.get("hlo_op")
         if op is None:
           continue
         mod = str(stats.get("hlo_module", module))
         if module not in mod:
           continue
         device = plane.name if device_plane else f"cpu:{stats.get('device_ordinal', 0)}"
-        op_name = str(stats.get("tf_op") or stats.get("long_name") or names.get(str(op), ""))
-        per_device[device].append((ev.start_ns, ev.duration_ns, op_name))
+        per_device[device].append((ev.start_ns, ev.duration_ns, _op_name(ev.name, stats, names, kernel_names)))
       for device, events in per_device.items():
         devices.add(device)
         for _, dur, op_name in _leaf_events(events):
@@ -138,6 +140,20 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
   total = sum(ms.values())
   return {"ms_per_step": ms, "fraction": {p: (ms[p] / total if total else 0.0) for p in PHASES},
           "devices": len(devices), "ops": ops, "scoped": any(busy.get(p) for p in PHASES if p != "other")}
+
+
+def _op_name(event_name: str, stats: dict, names: dict, kernel_names: dict) -> str:
+  """The name stack of a traced op: the event's own `tf_op` where the profiler recorded one,
+  else its HLO op's metadata; a kernel inside a GPU command buffer (whose `hlo_op` is the
+  buffer) by its kernel name. Library kernels in a command buffer (cuBLAS) stay unattributed;
+  launch/profile.py turns command buffers off for that reason."""
+  tf_op = str(stats.get("tf_op") or "")
+  if "/" in tf_op:
+    return tf_op
+  op = str(stats.get("hlo_op"))
+  if op in names:
+    return names[op]
+  return kernel_names.get(event_name, names.get(event_name, ""))
 
 
 # ----------------------------------------------------------------------------- attention load
