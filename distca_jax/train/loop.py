@@ -322,11 +322,13 @@ def _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, t
   before, after = load_sum
   if before is not None:
     png = profile_lib.plot_loads(before, after, out_dir / "attention_load.png",
-                                 title=f"attention load per device, {summary.steps} steps summed")
+                                 title=f"attention load per device, {summary.steps} steps summed",
+                                 step_imbalance=(summary.attention_imbalance, summary.attention_imbalance_after))
     report["attention_load"] = {
         "before": [float(x) for x in before], "after": None if after is None else [float(x) for x in after],
-        "imbalance_before": metrics_lib.imbalance(before),
-        "imbalance_after": None if after is None else metrics_lib.imbalance(after), "png": str(png)}
+        # Mean over steps of each step's max/mean (the sums above even out over steps).
+        "imbalance_before": summary.attention_imbalance,
+        "imbalance_after": summary.attention_imbalance_after, "png": str(png)}
   profile_lib.write_report(out_dir, report)
 
 

@@ -184,9 +184,12 @@ def attention_loads(ctx: Any, layout, shape, attention_config, tensor_parallel: 
   return before, np.asarray(plan.stats.load_after, np.float64)
 
 
-def plot_loads(before: np.ndarray, after: np.ndarray | None, path: str | Path, title: str = "") -> Path:
+def plot_loads(before: np.ndarray, after: np.ndarray | None, path: str | Path, title: str = "",
+               step_imbalance: tuple[float, float | None] | None = None) -> Path:
   """Bar chart of per-device attention load (query-key pairs, summed over the steps given),
-  colocated vs scheduled, with max/mean imbalance in the legend. Writes a PNG."""
+  colocated vs scheduled, with max/mean imbalance in the legend: of the bars, or, if given,
+  `step_imbalance` (the mean over steps of each step's imbalance, before and after: what sets
+  step time, since a sum over steps evens out). Writes a PNG."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -196,12 +199,19 @@ def plot_loads(before: np.ndarray, after: np.ndarray | None, path: str | Path, t
   x = np.arange(before.size)
   fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * before.size + 2), 3.5), dpi=100)
   width = 0.4 if after is not None else 0.8
+  if step_imbalance is not None and (after is None or step_imbalance[1] is not None):
+    imb_before, imb_after = step_imbalance
+    what = "mean per-step imbalance"
+  else:
+    imb_before = metrics_lib.imbalance(before)
+    imb_after = None if after is None else metrics_lib.imbalance(np.asarray(after, np.float64))
+    what = "imbalance"
   ax.bar(x - (width / 2 if after is not None else 0), before, width,
-         label=f"without scheduler (imbalance {metrics_lib.imbalance(before):.2f})", color="tab:red")
+         label=f"without scheduler ({what} {imb_before:.2f})", color="tab:red")
   if after is not None:
     after = np.asarray(after, np.float64)
     ax.bar(x + width / 2, after, width,
-           label=f"with scheduler (imbalance {metrics_lib.imbalance(after):.2f})", color="tab:blue")
+           label=f"with scheduler ({what} {imb_after:.2f})", color="tab:blue")
   ax.axhline(float(before.mean()), color="gray", lw=0.8, ls="--")
   ax.set_xlabel("device (data rank)")
   ax.set_ylabel("attention load (query-key pairs)")
