@@ -22,7 +22,7 @@ from helpers import small_config
 
 # Same programs as tests/test_resume.py (4 data ranks, train.steps=4): shared compilation cache.
 TINY = ("model.layers=1", "model.hidden=64", "model.ffn=128", "model.vocab_size=256",
-        "data.length_scale=64", "train.steps=4")
+        "data.length_scale=64", "data.seed=4", "train.steps=4")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,5 +1,5 @@
 """Profiling: phase attribution by named scope from a real xprof trace, step-time statistics, and
-`launch/profile.py` end to end (compile time, step times, trace, phases, attention load PNG)."""
+`launch/profile_steps.py` end to end (compile time, step times, trace, phases, attention load PNG)."""
 
 import importlib.util
 import json
@@ -77,13 +77,13 @@ def test_phase_breakdown_of_a_traced_program(tmp_path):
 
 
 def test_profile_cli_end_to_end(tmp_path, capsys):
-  """`launch/profile.py` in this process (8 CPU devices): seed 6 keeps the three steps on one
+  """`launch/profile_steps.py` in this process (8 CPU devices): seed 6 keeps the three steps on one
   compiled program, the one tests/test_multihost.py compiles too."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
   enable_compile_cache(os.environ.setdefault("DISTCA_TEST_COMPILE_CACHE",
                                              tempfile.mkdtemp(prefix="distca_compile_cache_")))
-  spec = importlib.util.spec_from_file_location("launch_profile", ROOT / "launch" / "profile.py")
+  spec = importlib.util.spec_from_file_location("launch_profile", ROOT / "launch" / "profile_steps.py")
   cli = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(cli)
   rc = cli.main(["--warmup", "0", "--measure", "1", "--trace", "1",

@@ -1,8 +1,8 @@
 """Profile training steps: compile time, step-time median and p90, an xprof trace, the per-phase
 breakdown (core attention, dispatch, return, other) and per-device attention load.
 
-    python launch/profile.py                                   # tiny default model, CPU ok
-    python launch/profile.py --config configs/llama_1b.yaml attention.impl=distca --measure 10
+    python launch/profile_steps.py                                   # tiny default model, CPU ok
+    python launch/profile_steps.py --config configs/llama_1b.yaml attention.impl=distca --measure 10
     tensorboard --logdir runs/profile/trace                    # Profile tab: the trace
 
 Runs `train.steps = warmup + measure + trace` steps of the normal training loop with
@@ -11,6 +11,9 @@ are left out of the statistics, `--measure` are timed, and the last `--trace` st
 into <train.out_dir>/trace. Writes <train.out_dir>/profile.json and attention_load.png (per-device
 attention load without and with the CAD scheduler) and prints the report. Same config and
 multi-host arguments as launch/train.py; overrides given here win over the ones it sets.
+
+(Not `launch/profile.py`: a script's folder comes first on sys.path, so that file would shadow
+the standard library's `profile`, which cProfile imports, for every script in launch/.)
 """
 
 from __future__ import annotations
