@@ -146,7 +146,7 @@ def _op_name(event_name: str, stats: dict, names: dict, kernel_names: dict) -> s
   """The name stack of a traced op: the event's own `tf_op` where the profiler recorded one,
   else its HLO op's metadata; a kernel inside a GPU command buffer (whose `hlo_op` is the
   buffer) by its kernel name. Library kernels in a command buffer (cuBLAS) stay unattributed;
-  launch/profile.py turns command buffers off for that reason."""
+  launch/profile_steps.py turns command buffers off for that reason."""
   tf_op = str(stats.get("tf_op") or "")
   if "/" in tf_op:
     return tf_op
