@@ -63,7 +63,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   times = []
   for i in range(steps):
     if trace_dir and i == steps - 1:
-      jax.profiler.start_trace(trace_dir)
+      jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
     state, m = trainer.step(state, arrays, dctx)
     jax.block_until_ready(m)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs the GPU benchmarks on a lent machine that has JAX but not this package or jax-triton
+# (the device tool's machines). Usage: bash launch/gpu_session.sh SUITE [SUITE...]
+#   mfu    1 GPU: llama_1b tokens/s and MFU, colocated, 32K and 64K tokens per device
+#   cad    all GPUs: colocated vs distca (ping-pong on/off), llama3_8b shape with 4 layers
+#   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
+# Logs and tables go to $OUT (or ./gpu_out).
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+# The package as an installed wheel would lay it out: models/ and kernels/ inside distca_jax.
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r distca_jax /tmp/pkg/ && cp -r kernels /tmp/pkg/distca_jax/kernels \
+  && cp -r models /tmp/pkg/distca_jax/models
+export PYTHONPATH=/tmp/pkg:/tmp/site:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpus.txt"
+for suite in "$@"; do
+  case $suite in
+    mfu) CUDA_VISIBLE_DEVICES=0 timeout 230 python3 -P launch/bench_train.py --suite mfu --tokens 32768 65536 \
+           --warmup 1 --steps 3 --json "$OUT/mfu.json" model.preset=llama_1b 2>&1 | grep -v -i warn | tee "$OUT/mfu.log" ;;
+    cad) timeout 330 python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
+           --trace-dir /tmp/trace model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 \
+           2>&1 | grep -v -i warn | tee "$OUT/cad.log"
+         find /tmp/trace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
+         python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log" ;;
+    train) timeout 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 \
+           attention.impl=distca train.steps=8 train.progress=false train.out_dir=/tmp/run 2>&1 \
+           | grep -v -i warn | tee "$OUT/train.log" ;;
+    *) echo "unknown suite $suite" ;;
+  esac
+done
