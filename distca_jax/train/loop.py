@@ -242,9 +242,11 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
         bar.update(1)
       elif main and step % config.train.log_every == 0:
         log(f"step {step + 1}: " + " ".join(f"{k}={v:.4g}" for k, v in record.items()))
-      if checkpointer is not None and checkpointer.maybe_save(step + 1, state, _extra(step + 1, shape)):
+      # Checked here too: orbax's should_save also saves the first step a manager sees.
+      if (checkpointer is not None and (step + 1) % config.checkpoint.every == 0
+          and checkpointer.maybe_save(step + 1, state, _extra(step + 1, shape))):
         saved_step = step + 1
-      if config.train.max_seconds is not None and time.perf_counter() - run_start > config.train.max_seconds:
+      if config.train.max_seconds is not None and _out_of_time(run_start, config.train.max_seconds):
         if main:
           log(f"stopping at step {step + 1}: train.max_seconds={config.train.max_seconds} reached")
         break
@@ -282,6 +284,17 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
     if config.train.profile:
       _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, trace_dir, load_sum)
   return summary
+
+
+def _out_of_time(run_start: float, max_seconds: float) -> bool:
+  """Whether the run has used its time. Every process decides by process 0's clock: processes
+  that stopped at different steps would leave the others blocked in the next step's collectives."""
+  out = time.perf_counter() - run_start > max_seconds
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    out = bool(multihost_utils.broadcast_one_to_all(np.asarray(out)))
+  return out
 
 
 def _extra(step: int, shape) -> dict[str, Any]:
