@@ -58,7 +58,9 @@ class DataConfig:
   source: Literal["synthetic", "corpus"] = "synthetic"
   # `pretrain`, `prolong`, or a path to a JSON list of document lengths.
   distribution: str = "pretrain"
-  tokens_per_device: int = 1024
+  # The defaults are the built-in CPU job (8 simulated devices, tiny model, under a minute on
+  # 2 cores); configs/*.yaml set real sizes.
+  tokens_per_device: int = 256
   long_threshold: int = 10_000
   upsample_long_factor: int = 2
   elongate_factor: int = 1
@@ -66,7 +68,7 @@ class DataConfig:
   full_context_replacement: bool | None = None
   # Divides every sampled length (after elongation) so small test runs keep the distribution's
   # shape at a fraction of its size. 1 = the paper's lengths.
-  length_scale: float = 1.0
+  length_scale: float = 32.0
   seed: int = 0
   # For `source: corpus`: token file and document-offsets file built by `launch/build_corpus.py`.
   corpus_tokens: str | None = None
@@ -189,6 +191,12 @@ def _check_value(path: str, annotation: Any, value: Any) -> Any:
   if annotation is float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    if isinstance(value, str):
+      # YAML 1.1 reads `1e-4` (no dot) as a string; accept any float literal.
+      try:
+        return float(value)
+      except ValueError:
+        pass
     raise ConfigError(f"{path}: expected a number, got {value!r}")
   if annotation is str:
     if isinstance(value, str):

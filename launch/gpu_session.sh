@@ -20,13 +20,13 @@ python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gp
 for suite in "$@"; do
   case $suite in
     mfu) CUDA_VISIBLE_DEVICES=0 timeout 230 python3 -P launch/bench_train.py --suite mfu --tokens 32768 65536 \
-           --warmup 1 --steps 3 --json "$OUT/mfu.json" model.preset=llama_1b 2>&1 | grep -v -i warn | tee "$OUT/mfu.log" ;;
+           --warmup 1 --steps 3 --json "$OUT/mfu.json" model.preset=llama_1b data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/mfu.log" ;;
     cad) timeout 330 python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
-           --trace-dir /tmp/trace model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 \
+           --trace-dir /tmp/trace model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
            2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          find /tmp/trace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
          python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log" ;;
-    train) timeout 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 \
+    train) timeout 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
            attention.impl=distca train.steps=8 train.progress=false train.out_dir=/tmp/run 2>&1 \
            | grep -v -i warn | tee "$OUT/train.log" ;;
     *) echo "unknown suite $suite" ;;

@@ -329,7 +329,7 @@ def _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, t
     state, arrays, ctx = last_args
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     # Same shapes as the traced step: served from the jit cache, not recompiled.
-    hlo = trainer._step_fn.lower(abstract, arrays, ctx).compile().as_text()
+    hlo = trainer.compiled_text(abstract, arrays, ctx)
     report["trace_dir"] = str(trace_dir)
     report["phases"] = profile_lib.phase_breakdown(xplane, hlo, module="train_step", steps=traced_steps)
   before, after = load_sum

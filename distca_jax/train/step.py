@@ -139,6 +139,13 @@ class Trainer:
                               out_shardings=(shardings, None), donate_argnums=(0,))
     return self._step_fn(state, arrays, ctx)
 
+  def compiled_text(self, state: TrainState, arrays, ctx) -> str:
+    """HLO text of the compiled step for these shapes (from the jit cache: no recompilation when
+    the step already ran with them). The profiler maps kernels to named scopes with it."""
+    if self._step_fn is None:
+      raise RuntimeError("compiled_text: run a step first")
+    return self._step_fn.lower(state, arrays, ctx).compile().as_text()
+
   def compile_count(self) -> int:
     return 0 if self._step_fn is None else self._step_fn._cache_size()
 
