@@ -21,8 +21,12 @@ def _one_device_trainer(cfg):
 
 def _hidden(trainer, params, batch):
   arrays, ctx = trainer.put_batch(batch, attn.host_context(trainer.config.attention, batch.layout))
-  model = nnx.merge(trainer.graphdef, params)
-  return model(arrays["tokens"], arrays["positions"], ctx)
+
+  @jax.jit
+  def forward(params, arrays, ctx):
+    return nnx.merge(trainer.graphdef, params)(arrays["tokens"], arrays["positions"], ctx)
+
+  return forward(params, arrays, ctx)
 
 
 def test_forward_matches_plain_jnp_reference():
@@ -81,5 +85,5 @@ def test_loss_matches_reference_on_one_device():
   state = trainer.init_state(0)
   batch = synthetic_from_config(cfg.data, 512, 1).batch(5)
   arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch.layout))
-  loss, _ = trainer.loss_fn(state.params, arrays, ctx)
+  loss, _ = jax.jit(trainer.loss_fn)(state.params, arrays, ctx)
   assert abs(float(loss) - float(reference_loss(pure_params(state.params), trainer.shape, batch))) < 1e-5
