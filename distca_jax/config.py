@@ -241,19 +241,30 @@ def parse_override(text: str) -> dict[str, Any]:
   return _nest(key.strip(), yaml.safe_load(raw) if raw.strip() else None)
 
 
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+  """The top-level mapping of a YAML config file; ConfigError if missing or not a mapping."""
+  path = Path(path)
+  if not path.exists():
+    raise ConfigError(f"config file {path} does not exist")
+  data = yaml.safe_load(path.read_text()) or {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file {path}: expected a mapping at the top level")
+  return data
+
+
+def layered(config, path, overrides, merge):
+  """`config`, then the YAML file at `path` (if any), then each `key=value` override, each
+  applied by `merge(config, nested_dict, prefix)`."""
+  if path is not None:
+    config = merge(config, read_yaml_mapping(path), "")
+  for text in overrides:
+    config = merge(config, parse_override(text), "")
+  return config
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
   """Defaults, then the YAML file at `path`, then each `key=value` override; then validation."""
-  config = Config()
-  if path is not None:
-    path = Path(path)
-    if not path.exists():
-      raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-      raise ConfigError(f"config file {path}: expected a mapping at the top level")
-    config = _merge(config, data, "")
-  for text in overrides:
-    config = _merge(config, parse_override(text), "")
+  config = layered(Config(), path, overrides, _merge)
   validate(config)
   return config
 

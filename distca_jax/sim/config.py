@@ -12,9 +12,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from distca_jax.config import ConfigError, parse_override
+from distca_jax.config import ConfigError, layered
 
 MODELS = ("llama3_8b", "llama_34b", "llama_1b")
 
@@ -100,17 +99,7 @@ def _merge(obj, updates: dict, prefix: str):
 
 def load_sim_config(path: str | Path | None = None, overrides=()) -> SimConfig:
   """Defaults, then the YAML file, then `key=value` overrides (lists: `gpus=[64,128]`)."""
-  config = SimConfig()
-  if path is not None:
-    path = Path(path)
-    if not path.exists():
-      raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-      raise ConfigError(f"config file {path}: expected a mapping at the top level")
-    config = _merge(config, data, "")
-  for text in overrides:
-    config = _merge(config, parse_override(text), "")
+  config = layered(SimConfig(), path, overrides, _merge)
   validate(config)
   return config
 
