@@ -3,7 +3,9 @@
 Same style as `distca_jax/config.py`: a frozen schema with defaults, YAML files under
 `configs/sim_*.yaml` that only override it, `key=value` overrides on the command line, and
 validation that names the bad field. Sweep axes (`models`, `gpus`, `tokens_per_rank`,
-`distributions`) are lists; the simulator runs their cartesian product.
+`distributions`, `pipeline_parallel`) are lists; the simulator runs their cartesian product, or,
+when `sweeps` is given, the union of one product per entry (an entry overrides some axes and
+inherits the rest: "8B at 64-256 GPUs and 34B at 128-512" is two entries).
 """
 
 from __future__ import annotations
@@ -33,11 +35,32 @@ class HardwareConfig:
   network_gbps: float = 50.0  # GB/s per GPU across nodes (the paper's setting)
 
 
+# The sweep axes: the fields a `sweeps` entry may override.
+AXES = ("models", "gpus", "tokens_per_rank", "distributions", "pipeline_parallel")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """One entry of `SimConfig.sweeps`: axes it sets (None: the top-level value)."""
+
+  models: tuple | None = None
+  gpus: tuple | None = None
+  tokens_per_rank: tuple | None = None
+  distributions: tuple | None = None
+  pipeline_parallel: tuple | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
   models: tuple = ("llama3_8b",)
   gpus: tuple = (64, 128, 256)
   tensor_parallel: int = 8
+  # Pipeline stages (4D). GPUs = DP x PP x TP; every stage holds layers / PP layers. 1: the 3D
+  # model, unchanged (distca_jax/sim/pipeline.py has the 4D one).
+  pipeline_parallel: tuple = (1,)
+  # Micro-batches per DP replica per step (each of tokens_per_rank tokens). 0: 1 without a
+  # pipeline (the 3D step), 2 x PP with one.
+  microbatches: int = 0
   tokens_per_rank: tuple = (131072,)
   # `pretrain`, `prolong`, or a path to a JSON list of document lengths.
   distributions: tuple = ("pretrain",)
@@ -58,11 +81,28 @@ class SimConfig:
   # other nano-batch's compute is long enough).
   pingpong_overlap: float = 1.0
   hardware: HardwareConfig = HardwareConfig()
+  # Optional list of sub-sweeps (`Sweep`); empty: the product of the top-level axes.
+  sweeps: tuple = ()
   out_dir: str = "runs/sim"
   progress: bool = True
 
+  def microbatches_for(self, pp: int) -> int:
+    """Micro-batches per replica per step at `pp` stages (resolves the 0 = auto default)."""
+    if self.microbatches:
+      return self.microbatches
+    return 1 if pp == 1 else 2 * pp
 
-_LISTS = {"models": str, "gpus": int, "tokens_per_rank": int, "distributions": str, "cp_sizes": int}
+  def sweep_axes(self) -> list[dict]:
+    """One dict of the five axes per sub-sweep (the top-level axes when `sweeps` is empty)."""
+    top = {a: getattr(self, a) for a in AXES}
+    if not self.sweeps:
+      return [top]
+    return [{a: getattr(s, a) if getattr(s, a) is not None else top[a] for a in AXES}
+            for s in self.sweeps]
+
+
+_LISTS = {"models": str, "gpus": int, "tokens_per_rank": int, "distributions": str, "cp_sizes": int,
+          "pipeline_parallel": int}
 
 
 def _coerce(path: str, kind: type, value: Any) -> Any:
@@ -87,7 +127,9 @@ def _merge(obj, updates: dict, prefix: str):
       if not isinstance(value, dict):
         raise ConfigError(f"{path}: expected a mapping")
       changes[key] = _merge(current, value, f"{path}.")
-    elif key in _LISTS and not prefix:
+    elif key == "sweeps" and not prefix:
+      changes[key] = _sweeps(path, value)
+    elif key in _LISTS and (not prefix or prefix.startswith("sweeps[")):
       items = value if isinstance(value, (list, tuple)) else [value]
       changes[key] = tuple(_coerce(f"{path}[{i}]", _LISTS[key], v) for i, v in enumerate(items))
     elif key == "time_table":
@@ -95,6 +137,17 @@ def _merge(obj, updates: dict, prefix: str):
     else:
       changes[key] = _coerce(path, type(current), value)
   return dataclasses.replace(obj, **changes)
+
+
+def _sweeps(path: str, value: Any) -> tuple:
+  if not isinstance(value, (list, tuple)):
+    raise ConfigError(f"{path}: expected a list of mappings of {list(AXES)}")
+  out = []
+  for i, entry in enumerate(value):
+    if not isinstance(entry, dict):
+      raise ConfigError(f"{path}[{i}]: expected a mapping of {list(AXES)}")
+    out.append(_merge(Sweep(), entry, f"{path}[{i}]."))
+  return tuple(out)
 
 
 def load_sim_config(path: str | Path | None = None, overrides=()) -> SimConfig:
@@ -105,17 +158,35 @@ def load_sim_config(path: str | Path | None = None, overrides=()) -> SimConfig:
 
 
 def validate(c: SimConfig) -> None:
-  for m in c.models:
-    if m not in MODELS:
-      raise ConfigError(f"models: {m!r} is not allowed; choose from {list(MODELS)}")
-  for g in c.gpus:
-    if g < 1 or g % c.tensor_parallel:
-      raise ConfigError(f"gpus: {g} must be a positive multiple of tensor_parallel ({c.tensor_parallel})")
+  from distca_jax.models.presets import PRESETS  # lazy: keeps the schema importable alone
+
   if c.tensor_parallel < 1:
     raise ConfigError(f"tensor_parallel: must be >= 1, got {c.tensor_parallel}")
-  for t in c.tokens_per_rank:
-    if t < 128 or t % 128:
-      raise ConfigError(f"tokens_per_rank: {t} must be a positive multiple of 128")
+  if c.microbatches < 0:
+    raise ConfigError(f"microbatches: must be >= 1, or 0 for 2 x pipeline_parallel, got {c.microbatches}")
+  for k, axes in enumerate(c.sweep_axes()):
+    at = f"sweeps[{k}]." if c.sweeps else ""
+    for name in AXES:
+      if not axes[name]:
+        raise ConfigError(f"{at}{name}: must not be empty")
+    for m in axes["models"]:
+      if m not in MODELS:
+        raise ConfigError(f"{at}models: {m!r} is not allowed; choose from {list(MODELS)}")
+    for pp in axes["pipeline_parallel"]:
+      if pp < 1:
+        raise ConfigError(f"{at}pipeline_parallel: {pp} must be >= 1")
+      for m in axes["models"]:
+        if PRESETS[m].layers % pp:
+          raise ConfigError(f"{at}pipeline_parallel: {pp} must divide the {PRESETS[m].layers} "
+                            f"layers of {m}")
+    for g in axes["gpus"]:
+      for pp in axes["pipeline_parallel"]:
+        if g < 1 or g % (c.tensor_parallel * pp):
+          raise ConfigError(f"{at}gpus: {g} must be a positive multiple of tensor_parallel x "
+                            f"pipeline_parallel ({c.tensor_parallel} x {pp})")
+    for t in axes["tokens_per_rank"]:
+      if t < 128 or t % 128:
+        raise ConfigError(f"{at}tokens_per_rank: {t} must be a positive multiple of 128")
   if c.batches < 1:
     raise ConfigError(f"batches: must be >= 1, got {c.batches}")
   if not 0 <= c.epsilon < 1:

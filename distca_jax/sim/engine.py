@@ -18,9 +18,25 @@ tensor-parallel group of `tensor_parallel` GPUs holding `tokens_per_rank` tokens
 * step time = layers × max over ranks (compute + exposed communication): every layer's
   all-to-all (CAD) or the step's gradient all-reduce (baselines) waits for the slowest rank.
 
+With pipeline parallelism (4D, `pipeline_parallel` > 1; `distca_jax/sim/pipeline.py`): GPUs =
+DP × PP × TP, each stage holds layers / PP layers, and each DP replica runs M micro-batches
+(`microbatches`) of `tokens_per_rank` tokens per step through the paper's lock-step 1F1B: every
+stage runs forward in the same tick, or every stage runs backward, so a step is M + PP − 1
+forward ticks and M + PP − 1 backward ticks; in tick t stage s holds micro-batch t − s (forward)
+or t − (PP − 1 − s) (backward), so forward tick t and backward tick t hold the same micro-batches
+and are costed together, fwd + bwd per rank as above. A tick lasts layers / PP × the slowest
+rank of the tick (lock-step: DP and PP stragglers both show); idle stages in warm-up and drain
+compute nothing. Baselines: each (replica, stage) runs its own micro-batch's stage, costed as
+one 3D rank. CAD: the attention of every active (replica, stage) of the tick is balanced by the
+real scheduler over all DP × PP ranks (the tick's micro-batches laid side by side as buffers,
+idle stages as empty buffers that only serve attention), linear work stays with its stage, and
+the backward re-sends Q, K, V (DESIGN.md "Backward": resend mode, used with pipelines). Step =
+Σ over ticks. The schedule's bubble fraction is (PP − 1) / (M + PP − 1). PP = 1 with one
+micro-batch is exactly the 3D model above (a test checks it).
+
 Not modelled (the same for every system, so they only dilute speedups): embedding and LM head
-beyond their FLOPs, the gradient all-reduce, the optimizer, TP collectives, pipeline
-parallelism (the paper's 4D results), and the smaller-matmul efficiency loss of ping-pong.
+beyond their FLOPs, the gradient all-reduce, the optimizer, TP collectives, the pipeline's
+stage-to-stage activation sends, and the smaller-matmul efficiency loss of ping-pong.
 """
 
 from __future__ import annotations
@@ -60,6 +76,9 @@ class SystemResult:
   hidden: bool  # communication fully overlapped on every rank
   iter_s: float  # predicted step time, seconds
   shards_max: int = 0  # CAD: most remote CA-tasks one server computes per nano-batch
+  # Fraction of GPU time in the step not spent computing (waiting for the slowest rank, exposed
+  # communication, pipeline bubbles).
+  idle_frac: float = 0.0
 
 
 @dataclasses.dataclass
@@ -68,11 +87,27 @@ class Point:
   gpus: int
   tokens_per_rank: int
   distribution: str
+  pipeline: int = 1  # pipeline stages (PP)
 
 
 def points(cfg: SimConfig) -> list[Point]:
-  return [Point(m, g, t, d) for m, g, t, d in itertools.product(
-      cfg.models, cfg.gpus, cfg.tokens_per_rank, cfg.distributions)]
+  """The sweep's points in order: per sub-sweep, the product of models, gpus, tokens_per_rank,
+  distributions and pipeline_parallel (duplicates across sub-sweeps dropped)."""
+  out = []
+  for axes in cfg.sweep_axes():
+    for m, g, t, d, pp in itertools.product(axes["models"], axes["gpus"], axes["tokens_per_rank"],
+                                            axes["distributions"], axes["pipeline_parallel"]):
+      if Point(m, g, t, d, pp) not in out:
+        out.append(Point(m, g, t, d, pp))
+  return out
+
+
+def make_simulator(cfg: SimConfig, point: Point):
+  """The 3D `Simulator` for one stage and one micro-batch, else the pipeline model."""
+  if point.pipeline == 1 and cfg.microbatches_for(1) == 1:
+    return Simulator(cfg, point)
+  from distca_jax.sim.pipeline import PipelineSimulator  # it builds on this module
+  return PipelineSimulator(cfg, point)
 
 
 class Simulator:
@@ -115,10 +150,13 @@ class Simulator:
 
   # -------------------------------------------------------------------------- helpers
 
-  def _comm_ms_pairwise(self, pair_bytes: np.ndarray) -> np.ndarray:
-    """Per rank: ms to move the per-GPU bytes of pair_bytes [src, dst] (NVLink ∥ network)."""
+  def _comm_ms_pairwise(self, pair_bytes: np.ndarray, node: np.ndarray | None = None) -> np.ndarray:
+    """Per rank: ms to move the per-GPU bytes of pair_bytes [src, dst] (NVLink ∥ network).
+
+    node: the node of each rank of pair_bytes (default: ranks 0..N-1 of this point)."""
     h = self.cfg.hardware
-    same = self.node[:, None] == self.node[None, :]
+    node = self.node if node is None else node
+    same = node[:, None] == node[None, :]
     intra_out = np.where(same, pair_bytes, 0.0).sum(1)
     inter_out = np.where(same, 0.0, pair_bytes).sum(1)
     intra_in = np.where(same, pair_bytes, 0.0).sum(0)
@@ -141,7 +179,9 @@ class Simulator:
         memory_imbalance=ratio(tokens), total_compute_imbalance=ratio(compute),
         bytes_per_layer=float(bytes_.max(initial=0.0)), comm_ms=float(comm_ms.max(initial=0.0)),
         compute_ms=float(compute.max()), hidden=hidden,
-        iter_s=float(per_rank.max()) * self.shape.layers / 1e3)
+        iter_s=float(per_rank.max()) * self.shape.layers / 1e3,
+        idle_frac=1.0 - float(compute.sum()) / (compute.size * float(per_rank.max()))
+        if per_rank.max() > 0 else 0.0)
 
   def _baseline(self, load: SystemLoad, overlap: float, name: str | None = None) -> SystemResult:
     h = self.cfg.hardware
@@ -257,6 +297,7 @@ def summarize(results: list[dict[str, SystemResult]]) -> dict[str, dict]:
         "hidden_frac": float(np.mean([r.hidden for r in rs])),
         "iter_s": float(np.mean([r.iter_s for r in rs])),
         "shards_max": int(max(r.shards_max for r in rs)),
+        "idle_frac": float(np.mean([r.idle_frac for r in rs])),
     }
   cad = out["cad"]["iter_s"]
   for name in SYSTEMS:
