@@ -2,13 +2,15 @@
 
   python launch/simulate.py [--config configs/sim_X.yaml] [key=value ...] [--dump-plans DIR]
 
-Runs every point of the sweep (models × gpus × tokens_per_rank × distributions) on `batches`
-sampled batches and prints one table row per point and system: compute (attention) imbalance,
-memory imbalance, bytes per device per layer, the fraction of batches whose communication hides
-under compute, for CAD the most remote shards one server computes next to the Appendix-A bound
-on shards in flight with communication hidden, predicted step time, and CAD's speedup over the
-system. Writes `out_dir/sim.csv`, `out_dir/loads.png` (per-rank attention load before/after
-scheduling, first point, first batch) and `out_dir/speedup.png` (speedup against GPU count).
+Runs every point of the sweep (models × gpus × tokens_per_rank × distributions ×
+pipeline_parallel, or the union of `sweeps`) on `batches` sampled batches and prints one table
+row per point and system: pipeline stages and micro-batches with the schedule's bubble fraction
+(4D), compute (attention) imbalance, memory imbalance, bytes per device per layer, the fraction
+of batches whose communication hides under compute, for CAD the most remote shards one server
+computes next to the Appendix-A bound on shards in flight with communication hidden, the
+fraction of GPU time not computing, predicted step time, and CAD's speedup over the system.
+Writes `out_dir/sim.csv`, `out_dir/loads.png` (per-rank attention load before/after scheduling,
+first point, first batch) and `out_dir/speedup.png` (speedup against GPU count).
 The model behind the numbers: distca_jax/sim/engine.py; against the paper: docs/SIMULATOR.md.
 """
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from distca_jax.config import ConfigError
 from distca_jax.sim.config import load_sim_config
-from distca_jax.sim.engine import SYSTEMS, Simulator, points, summarize
+from distca_jax.sim.engine import SYSTEMS, make_simulator, points, summarize
 
 
 def main(argv=None) -> int:
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
     bar = tqdm(total=total, desc="simulate", unit="batch", file=sys.stderr)
   rows, first_loads, speedups = [], None, []
   for p in pts:
-    sim = Simulator(cfg, p)
+    sim = make_simulator(cfg, p)
+    pp = p.pipeline
     results = []
     for b in range(cfg.batches):
       res, loads = sim.batch(b, dump)
@@ -64,7 +67,8 @@ def main(argv=None) -> int:
     summary = summarize(results)
     for name in SYSTEMS:
       s = summary[name]
-      rows.append({"model": p.model, "gpus": p.gpus, "tp": cfg.tensor_parallel,
+      rows.append({"model": p.model, "gpus": p.gpus, "tp": cfg.tensor_parallel, "pp": pp,
+                   "microbatches": cfg.microbatches_for(pp), "bubble": getattr(sim, "bubble", 0.0),
                    "tokens_per_rank": p.tokens_per_rank, "distribution": Path(p.distribution).stem,
                    "system": name, **{k: s[k] for k in s}, "appendix_a_bound": sim.appendix_a_s})
     speedups.append((p, summary))
@@ -83,16 +87,18 @@ def main(argv=None) -> int:
 
 
 def _print_table(rows):
-  head = (f"{'model':<10} {'gpus':>5} {'T':>7} {'dist':<9} {'system':<11} {'cp':>3} {'attn-imb':>8} "
-          f"{'mem-imb':>7} {'MB/layer':>9} {'hidden':>6} {'shards':>9} {'step s':>7} {'CAD x':>6}")
+  head = (f"{'model':<10} {'gpus':>5} {'pp':>3} {'M':>3} {'bubble':>6} {'T':>7} {'dist':<9} "
+          f"{'system':<11} {'cp':>3} {'attn-imb':>8} {'mem-imb':>7} {'MB/layer':>9} {'hidden':>6} "
+          f"{'shards':>9} {'idle':>5} {'step s':>7} {'CAD x':>6}")
   print(head)
   print("-" * len(head))
   for r in rows:
     shards = f"{r['shards_max']}/{r['appendix_a_bound']:.0f}" if r["system"] == "cad" else ""
-    print(f"{r['model']:<10} {r['gpus']:>5} {r['tokens_per_rank']:>7} {r['distribution']:<9} "
+    print(f"{r['model']:<10} {r['gpus']:>5} {r['pp']:>3} {r['microbatches']:>3} {r['bubble']:>6.3f} "
+          f"{r['tokens_per_rank']:>7} {r['distribution']:<9} "
           f"{r['system']:<11} {r['cp']:>3} {r['compute_imbalance']:>8.3f} {r['memory_imbalance']:>7.3f} "
-          f"{r['bytes_per_layer_mb']:>9.1f} {r['hidden_frac']:>6.2f} {shards:>9} {r['iter_s']:>7.3f} "
-          f"{r['cad_speedup']:>6.3f}")
+          f"{r['bytes_per_layer_mb']:>9.1f} {r['hidden_frac']:>6.2f} {shards:>9} {r['idle_frac']:>5.2f} "
+          f"{r['iter_s']:>7.3f} {r['cad_speedup']:>6.3f}")
 
 
 def _plots(out_dir: Path, first_loads, speedups):
@@ -109,7 +115,8 @@ def _plots(out_dir: Path, first_loads, speedups):
   ax.axhline(1.0, color="k", lw=0.8, ls="--")
   ax.set_xlabel("rank (attention server)")
   ax.set_ylabel("attention load / mean")
-  ax.set_title(f"{p.model}, {p.gpus} GPUs, {p.tokens_per_rank} tokens/rank, {Path(p.distribution).stem}")
+  pp = f", PP {p.pipeline}" if p.pipeline > 1 else ""
+  ax.set_title(f"{p.model}, {p.gpus} GPUs{pp}, {p.tokens_per_rank} tokens/rank, {Path(p.distribution).stem}")
   ax.legend()
   fig.tight_layout()
   fig.savefig(out_dir / "loads.png", dpi=120)
@@ -118,13 +125,14 @@ def _plots(out_dir: Path, first_loads, speedups):
   fig, ax = plt.subplots(figsize=(6, 4))
   groups = {}
   for pt, s in speedups:
-    groups.setdefault((pt.model, pt.tokens_per_rank, Path(pt.distribution).stem), []).append((pt.gpus, s))
-  for (m, t, d), items in groups.items():
+    groups.setdefault((pt.model, pt.tokens_per_rank, Path(pt.distribution).stem, pt.pipeline),
+                      []).append((pt.gpus, s))
+  for (m, t, d, pp), items in groups.items():
     items.sort()
     g = [i[0] for i in items]
     for name, style in (("wlb_best", "o-"), ("per_doc_cp", "s--")):
       ax.plot(g, [i[1][name]["cad_speedup"] for i in items], style,
-              label=f"{m} {t // 1024}K {d} vs {name}")
+              label=f"{m} {t // 1024}K {d}{f' PP{pp}' if pp > 1 else ''} vs {name}")
   ax.axhline(1.0, color="k", lw=0.8)
   ax.set_xscale("log", base=2)
   ax.set_xlabel("GPUs")
