@@ -28,6 +28,7 @@ from distca_jax import kernels
 from distca_jax.data.packing import Layout
 from distca_jax.data.sources import Batch
 from distca_jax.kernels import TaskTable
+from distca_jax.mesh import ROW_AXES
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -70,8 +71,13 @@ def colocated_window(need: int, num_buffers: int, buffer_len: int) -> int:
   return min(buffer_len * (1 << max(0, math.ceil(math.log2(need / buffer_len)))), full)
 
 
-def colocated_context(layout: Layout, capacity: int | None = None) -> ColocatedContext:
-  """Host-side task tables for colocated attention: one task per shard of the layout."""
+def colocated_context(layout: Layout, capacity: int | None = None, window: int | None = None,
+                      group: int | None = None) -> ColocatedContext:
+  """Host-side task tables for colocated attention: one task per shard of the layout.
+
+  `group`: buffers that form one token stream (documents never cross groups; K/V of earlier
+  buffers are gathered within a group). Default: all buffers. `capacity` and `window` override
+  the computed ones (several layouts padded to one shape)."""
   N, T = layout.num_buffers, layout.buffer_len
   counts = np.bincount(layout.buffer, minlength=N)
   capacity = bucket(int(counts.max(initial=1)), minimum=32) if capacity is None else capacity
@@ -79,7 +85,10 @@ def colocated_context(layout: Layout, capacity: int | None = None) -> ColocatedC
     raise ValueError(f"colocated tasks: a buffer holds {counts.max()} shards > capacity {capacity}")
   # Only a buffer's first shard can continue a document from earlier buffers.
   need = int(layout.doc_offset[layout.buffer_offset == 0].max(initial=0))
-  window = colocated_window(need, N, T)
+  if window is None:
+    window = colocated_window(need, group or N, T)
+  elif need > window:
+    raise ValueError(f"colocated window {window} is shorter than the {need} rows a document needs")
   slot = np.arange(layout.num_shards) - np.repeat(np.cumsum(counts) - counts, counts)
   arrays = {name: np.zeros((N, capacity), np.int32) for name in ("q_start", "q_len", "kv_start", "kv_len")}
   arrays["q_start"][layout.buffer, slot] = layout.buffer_offset
@@ -89,11 +98,24 @@ def colocated_context(layout: Layout, capacity: int | None = None) -> ColocatedC
   return ColocatedContext(**arrays, window=window)
 
 
+def colocated_contexts(layouts, group: int) -> list[ColocatedContext]:
+  """Contexts of several layouts with one capacity and one window (stackable)."""
+  capacity = bucket(max(int(np.bincount(l.buffer, minlength=l.num_buffers).max(initial=1))
+                        for l in layouts), minimum=32)
+  T = layouts[0].buffer_len
+  need = max(int(l.doc_offset[l.buffer_offset == 0].max(initial=0)) for l in layouts)
+  window = colocated_window(need, group, T)
+  return [colocated_context(l, capacity, window) for l in layouts]
+
+
 def make_colocated_attention(mesh: Mesh, backend: str = "auto") -> Callable:
-  """Colocated core attention under `mesh`: shard_map over (data, tensor)."""
+  """Colocated core attention under `mesh`: shard_map over (pipe, data, tensor).
+
+  Rows (buffers) are spread over `ROW_AXES` = (pipe, data); documents never cross a pipeline
+  stage's rows, so earlier rows' K/V are gathered over `data` only."""
   backend = kernels.resolve_backend(backend)
-  qkv_spec = P("data", None, "tensor", None)
-  task_spec = P("data", None)
+  qkv_spec = P(ROW_AXES, None, "tensor", None)
+  task_spec = P(ROW_AXES, None)
 
   def local(window, q_1xTxHxE, k_1xTxKxE, v_1xTxKxE, q_start, q_len, kv_start, kv_len):
     T = q_1xTxHxE.shape[1]

@@ -1,12 +1,14 @@
 """Core attention disaggregation (CAD): dispatch CA-tasks to attention servers and back.
 
-Every device of the `data` axis is both the home of a buffer of T tokens and an attention
-server. Per layer, inside one `shard_map` over (data, tensor) — each tensor rank serves its own
-heads among the devices that share its tensor rank — a device:
+Every device of the server pool `ROW_AXES` = (pipe, data) is both the home of a buffer of T
+tokens and an attention server (without pipeline parallelism `pipe` has size 1: the pool is
+`data`; with it, every stage's rows are balanced together, idle stages only serve). Per layer,
+inside one `shard_map` over (pipe, data, tensor) — each tensor rank serves its own heads among
+the devices that share its tensor rank — a device:
 
   1. gathers the Q rows and the (deduplicated) K/V rows each server needs into per-server send
      blocks of fixed capacity,
-  2. exchanges them with one tiled `all_to_all` over `data` (works on CPU and GPU),
+  2. exchanges them with one tiled `all_to_all` over the pool (works on CPU and GPU),
   3. as a server, gathers its K/V rows so every document prefix is contiguous and runs the
      kernel over its fused task batch (`kernels.attention`),
   4. returns O by the reverse `all_to_all`, and each home row picks its output.
@@ -43,6 +45,7 @@ from distca_jax import kernels
 from distca_jax.data.packing import PAD_SEGMENT, Layout
 from distca_jax.data.sources import Batch, make_batch
 from distca_jax.kernels import TaskTable
+from distca_jax.mesh import ROW_AXES
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.plan import Plan, PlanArrays, make_plan, row_bucket
@@ -59,7 +62,7 @@ class PlanMismatchError(ValueError):
 @functools.partial(jax.tree_util.register_dataclass, data_fields=list(_ARRAY_FIELDS), meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
-  """One step's dispatch arrays, leading dim N (one row per device, sharded over `data`).
+  """One step's dispatch arrays, leading dim N (one row per device, sharded over `ROW_AXES`).
 
   Server-side rows are laid out as [local rows (T) | rows received from each device (N * C)]:
 
@@ -95,20 +98,35 @@ class DispatchPlan:
 # ----------------------------------------------------------------------------- host side
 
 
-def compact_plan(arrays: PlanArrays, buffer_len: int) -> DispatchPlan:
+def moved_rows(arrays: PlanArrays) -> tuple[int, int]:
+  """Most query rows, and most K/V rows, one device sends to one other device."""
+  a = arrays
+  eye = np.eye(a.send_q_idx.shape[0], dtype=bool)[:, :, None]
+  return (int((a.send_q_valid & ~eye).sum(-1).max(initial=0)),
+          int((a.send_kv_valid & ~eye).sum(-1).max(initial=0)))
+
+
+def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
+                 ckv: int | None = None) -> DispatchPlan:
   """Rewrites the scheduler's arrays (plan.py format, stay-home rows in the diagonal block of the
   all_to_all) into `DispatchPlan` (stay-home rows local, off-diagonal blocks padded to the
-  smallest bucket that holds the rows that really move). Pure index arithmetic, vectorised."""
+  smallest bucket that holds the rows that really move, or to `c` / `ckv` when given: several
+  plans of one shape). Pure index arithmetic, vectorised."""
   a = arrays
   N, T = a.send_q_idx.shape[0], buffer_len
-  cq, ckv = a.cq, a.ckv
+  cq, ckv_old = a.cq, a.ckv
   eye = np.eye(N, dtype=bool)[:, :, None]
-  moved_q = int((a.send_q_valid & ~eye).sum(-1).max(initial=0))
-  moved_kv = int((a.send_kv_valid & ~eye).sum(-1).max(initial=0))
-  c = row_bucket(max(moved_q, 1), T)
-  ckv_new = row_bucket(max(moved_kv, 1), T)
-  if c > cq or ckv_new > ckv:
-    c, ckv_new = min(c, cq), min(ckv_new, ckv)
+  moved_q, moved_kv = moved_rows(a)
+  if c is None:
+    c = min(row_bucket(max(moved_q, 1), T), cq)
+  if ckv is None:
+    ckv = min(row_bucket(max(moved_kv, 1), T), ckv_old)
+  if moved_q > c or moved_kv > ckv:
+    raise PlanMismatchError(f"plan moves {moved_q} query / {moved_kv} K/V rows between two "
+                            f"devices, more than the capacities {c} / {ckv}")
+  ckv_new = ckv
+  fit = lambda x, n: (x[..., :n] if x.shape[-1] >= n
+                      else np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])]))
 
   def remap(flat_idx, block, new_block, dev):
     """Old flat row (src * block + j) on device `dev` -> new row in [local T | N * new_block]."""
@@ -122,13 +140,13 @@ def compact_plan(arrays: PlanArrays, buffer_len: int) -> DispatchPlan:
   local_q_idx = np.zeros((N, T), np.int32)
   local_q_idx[:, :min(cq, T)] = a.send_q_idx[dev, dev, :T]
   off = ~eye[..., 0]
-  send_q_idx = np.where(off[..., None], a.send_q_idx, 0)[:, :, :c]
-  send_q_valid = (a.send_q_valid & off[..., None])[:, :, :c]
-  send_kv_idx = np.where(off[..., None], a.send_kv_idx, 0)[:, :, :ckv_new]
-  send_kv_valid = (a.send_kv_valid & off[..., None])[:, :, :ckv_new]
+  send_q_idx = fit(np.where(off[..., None], a.send_q_idx, 0), c)
+  send_q_valid = fit(a.send_q_valid & off[..., None], c)
+  send_kv_idx = fit(np.where(off[..., None], a.send_kv_idx, 0), ckv_new)
+  send_kv_valid = fit(a.send_kv_valid & off[..., None], ckv_new)
   # The diagonal KV block: a server reads its own K/V rows directly from its buffer.
-  kv_src = a.server_kv_idx // ckv
-  kv_j = a.server_kv_idx % ckv
+  kv_src = a.server_kv_idx // ckv_old
+  kv_j = a.server_kv_idx % ckv_old
   own_rows = a.send_kv_idx[dev[:, None], dev[:, None], kv_j]  # home row behind a diagonal entry
   server_kv_idx = np.where(kv_src == dev[:, None], own_rows, T + kv_src * ckv_new + kv_j)
   q_start = np.where(a.q_len > 0, remap(a.q_start, cq, c, dev[:, None]), 0)
@@ -249,6 +267,28 @@ def plan_for_layout(attention_config, layout: Layout, shape) -> tuple[Plan, Disp
   return plan, dispatch
 
 
+def plan_layouts(attention_config, layouts, shape) -> tuple[list[Plan], list[DispatchPlan]]:
+  """Plans several layouts of one shape (a pipelined step's ticks) into dispatch plans of one
+  shape: capacities are the largest any of them needs, so the plans stack and the step compiles
+  once per combination of buckets."""
+  plans = [make_plan(l, comm_model(shape, attention_config), epsilon=attention_config.epsilon)
+           for l in layouts]
+  T = layouts[0].buffer_len
+  moved = np.array([moved_rows(p.arrays) for p in plans]).max(0)
+  c, ckv = row_bucket(max(int(moved[0]), 1), T), row_bucket(max(int(moved[1]), 1), T)
+  dispatch = [compact_plan(p.arrays, T, c, ckv) for p in plans]
+  skv = max(d.server_kv_idx.shape[-1] for d in dispatch)
+  ctask = max(d.q_len.shape[-1] for d in dispatch)
+  pad = lambda x, n: np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+  dispatch = [dataclasses.replace(
+      d, server_kv_idx=pad(d.server_kv_idx, skv), server_kv_valid=pad(d.server_kv_valid, skv),
+      **{f: pad(getattr(d, f), ctask) for f in ("q_start", "q_len", "kv_start", "kv_len")})
+      for d in dispatch]
+  for d, l in zip(dispatch, layouts):
+    validate_plan(d, l)
+  return plans, dispatch
+
+
 @dataclasses.dataclass(frozen=True)
 class StepContext:
   """Host-side inputs of one CAD step (not a pytree): the nano-batches the step trains on (one,
@@ -310,7 +350,7 @@ def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
     blocks = jnp.take(x_TxKxE, idx_NxC.reshape(-1), axis=0).reshape(idx_NxC.shape + x_TxKxE.shape[1:])
     blocks = jnp.where(valid_NxC[..., None, None], blocks, 0)
     with jax.named_scope("dispatch"):
-      recv = jax.lax.all_to_all(blocks, "data", 0, 0, tiled=True)
+      recv = jax.lax.all_to_all(blocks, ROW_AXES, 0, 0, tiled=True)
     return recv.reshape((-1,) + x_TxKxE.shape[1:])
 
   q_rows = jnp.concatenate([jnp.take(q_TxHxE, p.local_q_idx, axis=0),
@@ -325,7 +365,7 @@ def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
     o_rows, _ = kernels.attention(q_rows, k_srv, v_srv, tasks, backend=backend)
   o_local, o_sent = o_rows[:T], o_rows[T:].reshape((N, C) + o_rows.shape[1:])
   with jax.named_scope("return"):
-    o_back = jax.lax.all_to_all(o_sent, "data", 0, 0, tiled=True).reshape((-1,) + o_rows.shape[1:])
+    o_back = jax.lax.all_to_all(o_sent, ROW_AXES, 0, 0, tiled=True).reshape((-1,) + o_rows.shape[1:])
   o_all = jnp.concatenate([o_local, o_back])
   out = jnp.take(o_all, p.return_idx, axis=0)
   return jnp.where(p.return_valid[:, None, None], out, 0)
@@ -334,8 +374,8 @@ def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
 def make_distca_attention(attention_config, mesh: Mesh):
   """The model's `core_attention` for `attention.impl: distca` under `mesh`."""
   backend = kernels.resolve_backend(attention_config.kernel)
-  qkv_spec = P("data", None, "tensor", None)
-  plan_spec = P("data")
+  qkv_spec = P(ROW_AXES, None, "tensor", None)
+  plan_spec = P(ROW_AXES)
   exchange = functools.partial(_server_exchange, backend=backend)
   if attention_config.memory_mode == "resend":
     exchange = jax.checkpoint(exchange, policy=jax.checkpoint_policies.nothing_saveable)

@@ -20,6 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distca_jax.config import ConfigError, MeshConfig
 
 AXES = ("data", "pipe", "tensor")
+# Rows of activations (one buffer of packed tokens each) are spread over (pipe, data), pipe-major:
+# row r is stage r // data, data rank r % data. Without pipelining pipe has size 1. Core attention
+# runs over these rows (the CAD server pool is every device of one tensor rank).
+ROW_AXES = ("pipe", "data")
 
 
 def make_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:

@@ -77,21 +77,26 @@ class Attention(nnx.Module):
     self.core_attention = core_attention
     self.constrain = constrain
 
+  def project(self, x_BxTxD, positions_BxT):
+    """Q, K, V of one stream, RoPE applied: the inputs of core attention."""
+    c = lambda w: w[...].astype(self.dtype)
+    q = jnp.einsum("btd,dhe->bthe", x_BxTxD, c(self.wq))
+    k = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wk))
+    v = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wv))
+    q = self.constrain(rope(q, positions_BxT, self.theta), ("batch", "seq", "heads", "head_dim"))
+    k = self.constrain(rope(k, positions_BxT, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
+    return q, k, self.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+
+  def output(self, o_BxTxHxE):
+    return jnp.einsum("bthe,hed->btd", o_BxTxHxE.astype(self.dtype), self.wo[...].astype(self.dtype))
+
   def __call__(self, xs_BxTxD, positions_BxT, attn_ctxs):
     """Tuples in, tuple out: one entry per nano-batch stream (see `Llama`)."""
-    c = lambda w: w[...].astype(self.dtype)
-    qkv = []
-    for x, pos in zip(xs_BxTxD, positions_BxT):
-      q = jnp.einsum("btd,dhe->bthe", x, c(self.wq))
-      k = jnp.einsum("btd,dke->btke", x, c(self.wk))
-      v = jnp.einsum("btd,dke->btke", x, c(self.wv))
-      q = self.constrain(rope(q, pos, self.theta), ("batch", "seq", "heads", "head_dim"))
-      k = self.constrain(rope(k, pos, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
-      qkv.append((q, k, self.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))))
+    qkv = [self.project(x, pos) for x, pos in zip(xs_BxTxD, positions_BxT)]
     # Core attention of every stream is issued after all projections, so that one stream's
     # dispatch has independent work (the other stream's) to overlap with.
     outs = [self.core_attention(q, k, v, ctx) for (q, k, v), ctx in zip(qkv, attn_ctxs)]
-    return tuple(jnp.einsum("bthe,hed->btd", o.astype(self.dtype), c(self.wo)) for o in outs)
+    return tuple(self.output(o) for o in outs)
 
 
 class MLP(nnx.Module):
@@ -121,9 +126,18 @@ class Block(nnx.Module):
 
   def __call__(self, xs_BxTxD, positions_BxT, attn_ctxs):
     attn_out = self.attn(tuple(self.attn_norm(x) for x in xs_BxTxD), positions_BxT, attn_ctxs)
-    xs = tuple(x + o for x, o in zip(xs_BxTxD, attn_out))
-    return tuple(self.constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", "act_embed"))
-                 for x in xs)
+    return tuple(self.finish(x, o) for x, o in zip(xs_BxTxD, attn_out))
+
+  # The block cut at the seam, for callers that run core attention themselves (the pipeline
+  # runs every stage's projections, then one core attention over all stages' rows):
+  # block(x) == finish(x, attn.output(core_attention(*attention_inputs(x))))
+  def attention_inputs(self, x_BxTxD, positions_BxT):
+    return self.attn.project(self.attn_norm(x_BxTxD), positions_BxT)
+
+  def finish(self, x_BxTxD, attn_out_BxTxD):
+    """Residual, MLP and residual after the attention's output projection."""
+    x = x_BxTxD + attn_out_BxTxD
+    return self.constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", "act_embed"))
 
 
 class Llama(nnx.Module):

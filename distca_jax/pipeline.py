@@ -1,0 +1,358 @@
+"""Pipeline parallelism over the `pipe` mesh axis, lock-step 1F1B, attention served by every stage.
+
+The model's L decoder blocks are split into S = mesh.pipe stages of L/S consecutive blocks; the
+block parameters are stacked `[S, L/S, ...]` with the stage dimension sharded over `pipe`. A step
+trains on M micro-batches (each a `Batch` of one buffer per data rank) and runs a static sequence
+of ticks. In a tick *every* stage runs forward, or every stage runs backward (the paper's modified
+1F1B, DESIGN.md §4D):
+
+  forward tick f:  stage s runs micro-batch f - s         (f = 0 .. M+S-2)
+  backward tick b: stage s runs micro-batch b - (S-1-s)   (b = 0 .. M+S-2)
+  order:           F0 .. F(S-1), B0, FS, B1, F(S+1), ..., then the remaining B ticks
+
+A stage without a micro-batch in a tick (warm-up and drain) computes on an empty buffer: its rows
+hold no tokens, so it only serves attention. The forward of a tick is one SPMD program over all
+stages: every block's projections run per stage (`vmap` over the stage dimension, sharded over
+`pipe`), then ONE core attention call over all S x data rows — so with `attention.impl=distca` a
+tick's CA-tasks from every stage and replica are balanced together over every device, with one
+plan per tick — then the rest of the block per stage. Stages pass activations forward, and
+gradients backward, with `ppermute` over `pipe` inside `shard_map`.
+
+Backward ticks recompute the stage's forward from its saved input (`jax.vjp` at the tick: full
+stage rematerialisation) and accumulate parameter gradients. A stage keeps the inputs of the
+micro-batches in flight — at most 2S-1 for the first stage in this lock-step order — and XLA frees
+each as soon as its backward has run. The embedding and the LM head + loss run outside the stage
+loop (first stage's input, last stage's output).
+
+Parameters: `to_pipeline` turns a `Llama`'s state into `{"embed", "final_norm", "lm_head",
+"blocks"}` plain arrays (blocks stacked), `from_pipeline` reverses it, so the pipelined model is
+numerically the same model as the unpipelined one (tests compare them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from distca_jax.data.packing import Layout
+from distca_jax.data.sources import Batch
+from distca_jax.mesh import ROW_AXES
+from distca_jax.train.loss import chunked_cross_entropy
+
+# ----------------------------------------------------------------------------- schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The lock-step 1F1B tick order for S stages and M micro-batches."""
+
+  stages: int
+  microbatches: int
+
+  def __post_init__(self):
+    if self.stages < 2 or self.microbatches < 1:
+      raise ValueError(f"pipeline schedule needs >= 2 stages and >= 1 micro-batch, got "
+                       f"{self.stages} stages, {self.microbatches} micro-batches")
+
+  @property
+  def num_ticks(self) -> int:
+    """Forward ticks (= backward ticks)."""
+    return self.microbatches + self.stages - 1
+
+  @property
+  def ticks(self) -> tuple[tuple[str, int], ...]:
+    S, n = self.stages, self.num_ticks
+    order = [("F", f) for f in range(min(S, n))]
+    for b in range(n):
+      order.append(("B", b))
+      if b + S < n:
+        order.append(("F", b + S))
+    return tuple(order)
+
+  def forward_mb(self, tick: int, stage: int) -> int | None:
+    m = tick - stage
+    return m if 0 <= m < self.microbatches else None
+
+  def backward_mb(self, tick: int, stage: int) -> int | None:
+    m = tick - (self.stages - 1 - stage)
+    return m if 0 <= m < self.microbatches else None
+
+  def forward_tick_of(self, mb: int, stage: int) -> int:
+    return mb + stage
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Share of stage-ticks without a micro-batch: (S-1)/(M+S-1), forward and backward alike."""
+    return (self.stages - 1) / self.num_ticks
+
+  @property
+  def max_in_flight(self) -> int:
+    """Most micro-batches whose stage input one stage holds at once (the first stage's)."""
+    return min(self.microbatches, 2 * self.stages - 1)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def split_blocks(params: Any, layers: int, stages: int) -> dict[str, Any]:
+  """`Llama` parameter state (nnx.State or its pure dict) -> pipeline layout, blocks stacked
+  [stages, layers / stages, ...]."""
+  pure = params.to_pure_dict() if hasattr(params, "to_pure_dict") else params
+  if layers % stages:
+    raise ValueError(f"{layers} layers do not split into {stages} pipeline stages")
+  per = layers // stages
+  blocks = [pure["blocks"][i] for i in range(layers)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((stages, per) + xs[0].shape), *blocks)
+  return {"embed": pure["embed"], "final_norm": pure["final_norm"], "lm_head": pure["lm_head"],
+          "blocks": stacked}
+
+
+def join_blocks(pipelined: dict[str, Any]) -> dict[str, Any]:
+  """The inverse of `split_blocks`: the pure-dict state of the unpipelined `Llama`."""
+  stacked = pipelined["blocks"]
+  S, per = jax.tree.leaves(stacked)[0].shape[:2]
+  flat = jax.tree.map(lambda x: x.reshape((S * per,) + x.shape[2:]), stacked)
+  blocks = {i: jax.tree.map(lambda x, i=i: x[i], flat) for i in range(S * per)}
+  return {"embed": pipelined["embed"], "final_norm": pipelined["final_norm"],
+          "lm_head": pipelined["lm_head"], "blocks": blocks}
+
+
+def pipeline_shardings(llama_shardings: Any, mesh: Mesh) -> dict[str, Any]:
+  """Shardings of the pipeline layout from the unpipelined model's (an nnx.State of
+  NamedSharding): block parameters gain (pipe, None) in front."""
+  pure = llama_shardings.to_pure_dict() if hasattr(llama_shardings, "to_pure_dict") else llama_shardings
+  stage = lambda s: NamedSharding(mesh, P("pipe", None, *s.spec))
+  return {"embed": pure["embed"], "final_norm": pure["final_norm"], "lm_head": pure["lm_head"],
+          "blocks": jax.tree.map(stage, pure["blocks"][0])}
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def tick_layout(layouts: list[Layout | None], num_buffers: int, buffer_len: int) -> Layout:
+  """One layout over S x num_buffers rows: stage s's rows hold micro-batch layout s (or nothing)."""
+  parts = {k: [] for k in ("doc_lens", "buffer", "buffer_offset", "doc", "doc_offset", "length")}
+  docs = 0
+  for s, lay in enumerate(layouts):
+    if lay is None:
+      continue
+    if (lay.num_buffers, lay.buffer_len) != (num_buffers, buffer_len):
+      raise ValueError(f"micro-batch layout is {lay.num_buffers} x {lay.buffer_len}, the "
+                       f"pipeline expects {num_buffers} x {buffer_len}")
+    parts["doc_lens"].append(lay.doc_lens)
+    parts["buffer"].append(lay.buffer + s * num_buffers)
+    parts["buffer_offset"].append(lay.buffer_offset)
+    parts["doc"].append(lay.doc + docs)
+    parts["doc_offset"].append(lay.doc_offset)
+    parts["length"].append(lay.length)
+    docs += lay.doc_lens.size
+  cat = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in parts.items()}
+  return Layout(num_buffers=len(layouts) * num_buffers, buffer_len=buffer_len, **cat)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+  """Host inputs of one pipelined step: the micro-batches and, per forward and per backward
+  tick, the layout over all stages' rows and its attention context (colocated tables or a CAD
+  plan), padded to common shapes across the step's ticks."""
+
+  schedule: Schedule
+  microbatches: tuple[Batch, ...]
+  forward: tuple[Layout, ...]
+  backward: tuple[Layout, ...]
+  forward_ctx: Any    # attention context, leaves stacked [num_ticks, S * data, ...]
+  backward_ctx: Any
+  plans: tuple = ()   # the scheduler's plans (distca), forward ticks then backward ticks
+
+  def imbalance(self) -> tuple[float, float]:
+    """Attention-area imbalance (max / mean over servers) before and after scheduling, summed
+    over the forward ticks."""
+    if not self.plans:
+      return 1.0, 1.0
+    fwd = self.plans[:self.schedule.num_ticks]
+    ratio = lambda x: float(np.max(x) / np.mean(x)) if np.mean(x) > 0 else 1.0
+    return (ratio(sum(p.stats.load_before for p in fwd)), ratio(sum(p.stats.load_after for p in fwd)))
+
+
+def host_context(attention_config, microbatches: list[Batch], stages: int, shape) -> StepContext:
+  """Plans one pipelined step on the host (runs in the trainer's prefetch thread)."""
+  schedule = Schedule(stages, len(microbatches))
+  N, T = microbatches[0].layout.num_buffers, microbatches[0].layout.buffer_len
+  lays = [b.layout for b in microbatches]
+  fwd = tuple(tick_layout([None if schedule.forward_mb(t, s) is None else lays[schedule.forward_mb(t, s)]
+                           for s in range(stages)], N, T) for t in range(schedule.num_ticks))
+  bwd = tuple(tick_layout([None if schedule.backward_mb(t, s) is None else lays[schedule.backward_mb(t, s)]
+                           for s in range(stages)], N, T) for t in range(schedule.num_ticks))
+  if attention_config.impl == "colocated":
+    from distca_jax import attention as attention_lib
+
+    ctxs, plans = attention_lib.colocated_contexts(fwd + bwd, group=N), ()
+  else:
+    from distca_jax import dispatch
+
+    plans, ctxs = dispatch.plan_layouts(attention_config, fwd + bwd, shape)
+  stack = lambda items: jax.tree.map(lambda *xs: np.stack(xs), *items)
+  n = schedule.num_ticks
+  return StepContext(schedule=schedule, microbatches=tuple(microbatches), forward=fwd, backward=bwd,
+                     forward_ctx=stack(ctxs[:n]), backward_ctx=stack(ctxs[n:]), plans=tuple(plans))
+
+
+def device_arrays(ctx: StepContext) -> dict[str, np.ndarray]:
+  """Per-micro-batch token arrays [M, data, T] and per-tick positions [ticks, S, data, T]."""
+  mbs = ctx.microbatches
+  S, N = ctx.schedule.stages, mbs[0].layout.num_buffers
+  rows = lambda lay: lay.positions().reshape(S, N, -1)
+  return {
+      "tokens": np.stack([b.tokens for b in mbs]),
+      "targets": np.stack([b.targets for b in mbs]),
+      "loss_mask": np.stack([b.loss_mask for b in mbs]),
+      "forward_positions": np.stack([rows(l) for l in ctx.forward]),
+      "backward_positions": np.stack([rows(l) for l in ctx.backward]),
+  }
+
+
+ARRAY_SPECS = {"tokens": P(None, "data"), "targets": P(None, "data"), "loss_mask": P(None, "data"),
+               "forward_positions": P(None, "pipe", "data"),
+               "backward_positions": P(None, "pipe", "data")}
+CTX_SPEC = P(None, ROW_AXES)
+
+
+# ----------------------------------------------------------------------------- device side
+
+
+def _merge(graphdef, abstract_state, pure):
+  state = jax.tree.map(lambda x: x, abstract_state)
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
+
+
+class PipelinedLlama:
+  """Loss and gradients of a `Llama` run as a pipeline (functional: parameters are the
+  `split_blocks` layout, plain arrays).
+
+  `model` is an (abstract) `Llama` built with the core attention and `constrain` to use; only its
+  structure is read.
+  """
+
+  def __init__(self, model, mesh: Mesh, core_attention: Callable, remat: str = "full"):
+    self.mesh = mesh
+    self.stages = mesh.shape["pipe"]
+    self.layers = len(model.blocks)
+    if self.layers % self.stages:
+      raise ValueError(f"model.layers = {self.layers} is not a multiple of mesh.pipe = {self.stages}")
+    self.per_stage = self.layers // self.stages
+    self.block_def, self.block_state = nnx.split(model.blocks[0], nnx.Param)
+    self.norm_def, self.norm_state = nnx.split(model.final_norm, nnx.Param)
+    self.dtype = model.dtype
+    self.core_attention = core_attention
+    self.remat = remat
+    row_spec = P("pipe", "data")
+    S = self.stages
+    self._send_forward = jax.shard_map(
+        lambda x: jax.lax.ppermute(x, "pipe", [(i, (i + 1) % S) for i in range(S)]),
+        mesh=mesh, in_specs=row_spec, out_specs=row_spec, check_vma=False)
+    self._send_backward = jax.shard_map(
+        lambda x: jax.lax.ppermute(x, "pipe", [((i + 1) % S, i) for i in range(S)]),
+        mesh=mesh, in_specs=row_spec, out_specs=row_spec, check_vma=False)
+
+  # One decoder layer of every stage at once: x [S, B, T, D], block params [S, ...].
+  def _layer(self, block_SxP, x_SxBxTxD, pos_SxBxT, attn_ctx):
+    S, B = x_SxBxTxD.shape[:2]
+    block = functools.partial(_merge, self.block_def, self.block_state)
+    per_stage = functools.partial(jax.vmap, spmd_axis_name="pipe")
+    q, k, v = per_stage(lambda p, x, pos: block(p).attention_inputs(x, pos))(block_SxP, x_SxBxTxD, pos_SxBxT)
+    rows = lambda a: a.reshape((S * B,) + a.shape[2:])
+    o = self.core_attention(rows(q), rows(k), rows(v), attn_ctx)
+    o = o.reshape((S, B) + o.shape[1:])
+    return per_stage(lambda p, x, o: (b := block(p)).finish(x, b.attn.output(o)))(block_SxP, x_SxBxTxD, o)
+
+  def stage_forward(self, blocks, x_SxBxTxD, pos_SxBxT, attn_ctx):
+    """Every stage's L/S blocks on its own input: [S, B, T, D] -> [S, B, T, D]."""
+    layer = self._layer
+    if self.remat != "none":
+      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                if self.remat == "save_dots" else None)
+      layer = jax.checkpoint(layer, policy=policy)
+    for i in range(self.per_stage):
+      x_SxBxTxD = layer(jax.tree.map(lambda a: a[:, i], blocks), x_SxBxTxD, pos_SxBxT, attn_ctx)
+    return x_SxBxTxD
+
+  def _head_loss(self, head, h_BxTxD, targets_BxT, mask_BxT):
+    h = _merge(self.norm_def, self.norm_state, head["final_norm"])(h_BxTxD)
+    return chunked_cross_entropy(h, head["lm_head"], targets_BxT, mask_BxT)
+
+  def value_and_grad(self, params, arrays, forward_ctx, backward_ctx, schedule: Schedule):
+    """(mean loss over real tokens, token count), gradients — the same values as
+    `jax.value_and_grad` of the unpipelined model's loss."""
+    S, M = self.stages, schedule.microbatches
+    tokens, targets, masks = arrays["tokens"], arrays["targets"], arrays["loss_mask"]
+    count = jnp.sum(masks)
+    norm = 1.0 / jnp.maximum(count, 1.0)
+    stage_id = jnp.arange(S).reshape(S, 1, 1, 1)
+    hidden = params["embed"].shape[1]
+    pick = lambda ctx, t: jax.tree.map(lambda a: a[t], ctx)
+
+    def embed(m):
+      return jnp.take(params["embed"], tokens[m], axis=0).astype(self.dtype)
+
+    head = {"final_norm": params["final_norm"], "lm_head": params["lm_head"]}
+    head_grad = jax.value_and_grad(
+        lambda hp, h, t, msk: self._head_loss(hp, h, t, msk) * norm, argnums=(0, 1))
+
+    grads = jax.tree.map(jnp.zeros_like, params)
+    loss = jnp.zeros((), jnp.float32)
+    inputs: dict[int, jax.Array] = {}      # forward tick -> every stage's input
+    last_out: dict[int, jax.Array] = {}    # micro-batch -> last stage's output
+    y = None                               # the previous forward tick's outputs
+    dx = None                              # the previous backward tick's input gradients
+    for kind, t in schedule.ticks:
+      if kind == "F":
+        with jax.named_scope(f"pipeline_forward_{t}"):
+          first = embed(t) if t < M else jnp.zeros(tokens.shape[1:] + (hidden,), self.dtype)
+          from_prev = jnp.zeros_like(first)[None] if y is None else self._send_forward(y)
+          x = jnp.where(stage_id == 0, first[None], from_prev)
+          inputs[t] = x
+          y = self.stage_forward(params["blocks"], x, arrays["forward_positions"][t],
+                                 pick(forward_ctx, t))
+          m_last = schedule.forward_mb(t, S - 1)
+          if m_last is not None:
+            last_out[m_last] = y[S - 1]
+        continue
+      with jax.named_scope(f"pipeline_backward_{t}"):
+        # Cotangent of every stage's output: the loss gradient for the last stage, the next
+        # stage's input gradient (sent back) for the others.
+        m_last = schedule.backward_mb(t, S - 1)
+        if m_last is not None:
+          l, (g_head, dy_last) = head_grad(head, last_out.pop(m_last), targets[m_last], masks[m_last])
+          loss = loss + l
+          grads["final_norm"] = jax.tree.map(jnp.add, grads["final_norm"], g_head["final_norm"])
+          grads["lm_head"] = grads["lm_head"] + g_head["lm_head"]
+        else:
+          dy_last = jnp.zeros(y.shape[1:], y.dtype)
+        back = jnp.zeros_like(y) if dx is None else self._send_backward(dx)
+        dy = jnp.where(stage_id == S - 1, dy_last[None].astype(y.dtype), back)
+        # Each stage's saved input: stage s runs micro-batch m, forwarded at tick m + s.
+        x_saved = jnp.zeros_like(y)
+        for s in range(S):
+          m = schedule.backward_mb(t, s)
+          if m is not None:
+            x_saved = jnp.where(stage_id == s, inputs[schedule.forward_tick_of(m, s)], x_saved)
+            if s == 0:
+              del inputs[m]  # the first stage is the last to need forward tick m's inputs
+        pos, ctx = arrays["backward_positions"][t], pick(backward_ctx, t)
+        _, vjp = jax.vjp(lambda b, x: self.stage_forward(b, x, pos, ctx), params["blocks"], x_saved)
+        g_blocks, dx = vjp(dy)
+        grads["blocks"] = jax.tree.map(jnp.add, grads["blocks"], g_blocks)
+        m_first = schedule.backward_mb(t, 0)
+        if m_first is not None:
+          _, embed_vjp = jax.vjp(lambda e: jnp.take(e, tokens[m_first], axis=0).astype(self.dtype),
+                                 params["embed"])
+          grads["embed"] = grads["embed"] + embed_vjp(dx[0])[0]
+    return (loss, count), grads
