@@ -105,6 +105,9 @@ class OptimConfig:
 class TrainConfig:
   steps: int = 30
   seed: int = 0
+  # Micro-batches per step per data rank, each one buffer of data.tokens_per_device tokens.
+  # With mesh.pipe > 1 they flow through the pipeline (distca_jax/pipeline.py); must be 1 otherwise.
+  microbatches: int = 1
   log_every: int = 1
   out_dir: str = "runs/default"
   tensorboard: bool = True
@@ -293,8 +296,17 @@ def validate(config: Config) -> None:
       raise ConfigError(f"mesh.{name}: must be >= 1, got {getattr(m, name)}")
   if m.data == 0 or m.data < -1:
     raise ConfigError(f"mesh.data: must be -1 (all remaining devices) or >= 1, got {m.data}")
-  if m.pipe != 1:
-    raise ConfigError("mesh.pipe: pipeline parallelism is not implemented yet; use 1")
+  if m.pipe > 1:
+    if shape.layers % m.pipe:
+      raise ConfigError(f"mesh.pipe: {m.pipe} stages must divide model.layers ({shape.layers})")
+    if config.attention.impl == "distca" and config.attention.pingpong:
+      raise ConfigError("attention.pingpong: not supported with mesh.pipe > 1 yet (one plan per "
+                        "pipeline tick); set attention.pingpong=false")
+  if config.train.microbatches < 1:
+    raise ConfigError(f"train.microbatches: must be >= 1, got {config.train.microbatches}")
+  if config.train.microbatches > 1 and m.pipe == 1:
+    raise ConfigError("train.microbatches: > 1 needs mesh.pipe > 1 (gradient accumulation "
+                      "without a pipeline is not implemented)")
   if shape.heads % m.tensor or shape.kv_heads % m.tensor:
     raise ConfigError(
         f"mesh.tensor: {m.tensor} must divide model.heads ({shape.heads}) and model.kv_heads ({shape.kv_heads})")

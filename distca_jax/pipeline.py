@@ -49,9 +49,12 @@ from distca_jax.train.loss import chunked_cross_entropy
 # ----------------------------------------------------------------------------- schedule
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
+                   meta_fields=["stages", "microbatches"])
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """The lock-step 1F1B tick order for S stages and M micro-batches."""
+  """The lock-step 1F1B tick order for S stages and M micro-batches (a pytree without leaves:
+  static under jit)."""
 
   stages: int
   microbatches: int
@@ -170,6 +173,27 @@ class StepContext:
   forward_ctx: Any    # attention context, leaves stacked [num_ticks, S * data, ...]
   backward_ctx: Any
   plans: tuple = ()   # the scheduler's plans (distca), forward ticks then backward ticks
+
+  def as_batch(self) -> Batch:
+    """The step's micro-batches as one batch of M x data buffers (for token and FLOP counts)."""
+    mbs = self.microbatches
+    N, T = mbs[0].layout.num_buffers, mbs[0].layout.buffer_len
+    cat = lambda name: np.concatenate([getattr(b, name) for b in mbs])
+    return Batch(tokens=cat("tokens"), targets=cat("targets"), loss_mask=cat("loss_mask"),
+                 segment_ids=cat("segment_ids"), positions=cat("positions"),
+                 layout=tick_layout([b.layout for b in mbs], N, T))
+
+  def attention_loads(self) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-device causal attention area (query-key pairs) summed over the forward ticks, before
+    scheduling (each stage computes its own rows) and after (the plans; None when colocated).
+    Devices in row order: stage-major, data rank minor."""
+    from distca_jax.train.metrics import attention_load_per_device
+
+    n = self.schedule.num_ticks
+    before = sum(attention_load_per_device(l).astype(np.float64) for l in self.forward)
+    if not self.plans:
+      return before, None
+    return before, sum(np.asarray(p.stats.load_after, np.float64) for p in self.plans[:n])
 
   def imbalance(self) -> tuple[float, float]:
     """Attention-area imbalance (max / mean over servers) before and after scheduling, summed

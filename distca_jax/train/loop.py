@@ -159,7 +159,15 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")
   init_s = time.perf_counter() - t0
 
+  microbatches = config.train.microbatches
+
   def make_item(step):
+    if trainer.pipeline is not None:
+      from distca_jax import pipeline
+
+      mbs = [source.batch(step * microbatches + i) for i in range(microbatches)]
+      ctx = pipeline.host_context(config.attention, mbs, mesh.shape["pipe"], shape)
+      return ctx.as_batch(), ctx, ctx.attention_loads()
     batch = source.batch(step)
     ctx = attention_lib.host_context(config.attention, batch, shape)
     loads = profile_lib.attention_loads(ctx, batch.layout, shape, config.attention,

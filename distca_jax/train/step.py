@@ -79,6 +79,15 @@ class Trainer:
     abstract_model = nnx.eval_shape(lambda: build(0))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     self.param_shardings = mesh_lib.param_shardings(abstract_params, mesh, self.rules)
+    # With mesh.pipe > 1 the parameters take the pipeline layout (blocks stacked per stage,
+    # pipeline.split_blocks) and the step runs the lock-step 1F1B schedule.
+    self.pipeline = None
+    if mesh.shape["pipe"] > 1:
+      from distca_jax import pipeline
+
+      self.pipeline = pipeline.PipelinedLlama(abstract_model, mesh, self.core_attention,
+                                              remat=config.model.remat)
+      self.param_shardings = pipeline.pipeline_shardings(self.param_shardings, mesh)
     self._step_fn = None
 
   # ------------------------------------------------------------------ state
@@ -89,7 +98,12 @@ class Trainer:
     build = self._build
 
     def init_params(seed_arr):
-      return nnx.state(build(jax.random.key(seed_arr)), nnx.Param)
+      params = nnx.state(build(jax.random.key(seed_arr)), nnx.Param)
+      if self.pipeline is None:
+        return params
+      from distca_jax import pipeline
+
+      return pipeline.split_blocks(params, self.shape.layers, self.pipeline.stages)
 
     seed_arr = jnp.asarray(seed, jnp.uint32)
     params = jax.jit(init_params, out_shardings=self.param_shardings)(seed_arr)
@@ -119,7 +133,11 @@ class Trainer:
     return total / jnp.maximum(count, 1.0), count
 
   def _train_step(self, state: TrainState, arrays, ctx):
-    (loss, count), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state.params, arrays, ctx)
+    if self.pipeline is None:
+      (loss, count), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state.params, arrays, ctx)
+    else:
+      (loss, count), grads = self.pipeline.value_and_grad(
+          state.params, arrays, ctx["forward"], ctx["backward"], ctx["schedule"])
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -152,8 +170,15 @@ class Trainer:
   def put_batch(self, batch: Batch, ctx_host: Any):
     """Device arrays for one step. A distca `StepContext` brings its own nano-batches (ping-pong
     re-packs the batch) and its dispatch plans; those become tuples over the streams."""
+    from distca_jax import pipeline
     from distca_jax.dispatch import StepContext
 
+    if isinstance(ctx_host, pipeline.StepContext):
+      arrays = {k: put_global(v, self.mesh, pipeline.ARRAY_SPECS[k])
+                for k, v in pipeline.device_arrays(ctx_host).items()}
+      return arrays, {"forward": put_global(ctx_host.forward_ctx, self.mesh, pipeline.CTX_SPEC),
+                      "backward": put_global(ctx_host.backward_ctx, self.mesh, pipeline.CTX_SPEC),
+                      "schedule": ctx_host.schedule}
     if isinstance(ctx_host, StepContext):
       batches, ctxs = ctx_host.batches, ctx_host.dispatch
       if len(batches) == 1:

@@ -1,0 +1,158 @@
+"""Pipeline parallelism (mesh.pipe > 1): the lock-step 1F1B schedule, and the pipelined model's
+loss and every parameter gradient equal to a single-device reference of the unpipelined model
+(fp32), with colocated and disaggregated attention, on several (pipe, data, tensor) meshes."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from distca_jax import mesh as mesh_lib
+from distca_jax import pipeline
+from distca_jax.config import ConfigError, load_config
+from distca_jax.data.sources import make_batch, synthetic_from_config
+from distca_jax.train.step import Trainer
+from helpers import reference_value_and_grad, small_config, tree_rel_err
+
+
+@pytest.mark.parametrize("stages,mbs", [(2, 1), (2, 3), (3, 5), (4, 4), (4, 9)])
+def test_schedule_is_lockstep_1f1b(stages, mbs):
+  s = pipeline.Schedule(stages, mbs)
+  fwd_done, bwd_done = set(), set()
+  for kind, t in s.ticks:
+    for stage in range(stages):
+      if kind == "F":
+        m = s.forward_mb(t, stage)
+        if m is None:
+          continue
+        # Its input was produced by the previous stage in an earlier forward tick.
+        assert stage == 0 or (m, stage - 1) in fwd_done
+        fwd_done.add((m, stage))
+      else:
+        m = s.backward_mb(t, stage)
+        if m is None:
+          continue
+        assert (m, stage) in fwd_done, "backward before forward"
+        assert stage == stages - 1 or (m, stage + 1) in bwd_done, "gradient not yet sent back"
+        bwd_done.add((m, stage))
+    # In flight on every stage: forwarded and not yet backwarded.
+    for stage in range(stages):
+      held = sum((m, stage) in fwd_done and (m, stage) not in bwd_done for m in range(mbs))
+      assert held <= s.max_in_flight
+  every = {(m, st) for m in range(mbs) for st in range(stages)}
+  assert fwd_done == every and bwd_done == every
+  assert len(s.ticks) == 2 * (mbs + stages - 1)
+  busy = sum(s.forward_mb(t, st) is not None for t in range(s.num_ticks) for st in range(stages))
+  assert 1 - busy / (s.num_ticks * stages) == pytest.approx(s.bubble_fraction)
+  assert s.bubble_fraction == pytest.approx((stages - 1) / (mbs + stages - 1))
+
+
+def test_split_and_join_blocks_round_trip():
+  rng = np.random.default_rng(0)
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  blocks = {i: {"w": f32(3, 2), "n": {"s": f32(2)}} for i in range(6)}
+  pure = {"embed": f32(5, 2), "final_norm": {"scale": np.ones(2, np.float32)},
+          "lm_head": f32(2, 5), "blocks": blocks}
+  split = pipeline.split_blocks(pure, 6, 3)
+  assert split["blocks"]["w"].shape == (3, 2, 3, 2)
+  np.testing.assert_array_equal(split["blocks"]["w"][1, 0], blocks[2]["w"])
+  back = pipeline.join_blocks(split)
+  assert tree_rel_err(back, pure) == 0.0
+  with pytest.raises(ValueError, match="do not split"):
+    pipeline.split_blocks(pure, 6, 4)
+
+
+def _microbatches(cfg, kind, data, M, vocab, seed):
+  T = cfg.data.tokens_per_device
+  if kind == "sampled":
+    src = synthetic_from_config(cfg.data, vocab, data)
+    return [src.batch(seed + i) for i in range(M)]
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(M):
+    if kind == "span_all" or i % 2 == 0:   # one document over every data rank of the micro-batch
+      lens = np.array([data * T - 40, 40])
+    else:                                   # many short documents
+      lens = np.full(data * T // 32, 32)
+    out.append(make_batch(lens, rng.integers(0, vocab, lens.sum()).astype(np.int32), data, T))
+  return out
+
+
+CASES = [
+    # pipe, data, tensor, micro-batches, attention, layout, remat
+    (2, 2, 2, 3, "colocated", "sampled", "none"),
+    (2, 2, 2, 3, "distca", "sampled", "full"),
+    (2, 1, 1, 2, "distca", "mixed", "none"),
+    (4, 2, 1, 3, "distca", "mixed", "none"),
+    (4, 1, 2, 4, "colocated", "span_all", "full"),
+]
+
+
+@pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,remat", CASES)
+def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, remat):
+  cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"mesh.tensor={tensor}",
+                     f"model.layers={pipe}", f"attention.impl={impl}", "attention.pingpong=false",
+                     f"train.microbatches={M}", "data.tokens_per_device=128", f"model.remat={remat}",
+                     "attention.epsilon=0.05")
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:pipe * data * tensor])
+  trainer = Trainer(cfg, mesh)
+  state = trainer.init_state(0)
+  mbs = _microbatches(cfg, layout, data, M, trainer.shape.vocab_size, seed=pipe * 10 + data)
+  ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
+  arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
+  step = jax.jit(lambda p, a, c: trainer.pipeline.value_and_grad(p, a, c["forward"], c["backward"],
+                                                                 c["schedule"]))
+  (loss, count), grads = step(state.params, arrays, dctx)
+
+  params = pipeline.join_blocks(jax.device_get(state.params))
+  counts = [float(b.loss_mask.sum()) for b in mbs]
+  outs = [reference_value_and_grad(params, trainer.shape, b) for b in mbs]
+  ref_loss = sum(l * c for (l, _), c in zip(outs, counts)) / sum(counts)
+  ref_grads = jax.tree.map(lambda *g: sum(x * c for x, c in zip(g, counts)) / sum(counts),
+                           *[g for _, g in outs])
+  assert float(count) == sum(counts)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+  got = pipeline.join_blocks(jax.device_get(grads))
+  for name in ("embed", "lm_head", "final_norm", "blocks"):
+    assert tree_rel_err(got[name], ref_grads[name]) <= 1e-5, name
+
+
+def test_cad_idle_stages_serve_attention():
+  """In warm-up only stage 0 holds tokens; with CAD its attention is spread over the idle stage's
+  devices too, and no tick's plan is worse balanced than its colocated layout."""
+  cfg = load_config(None, ["data.tokens_per_device=16384", "data.length_scale=1",
+                           "attention.impl=distca", "attention.pingpong=false", "model.preset=llama3_8b"])
+  from distca_jax.models.presets import resolve
+
+  src = synthetic_from_config(cfg.data, 512, 2)
+  ctx = pipeline.host_context(cfg.attention, [src.batch(i) for i in range(3)], 2, resolve(cfg.model))
+  first = ctx.plans[0].stats
+  assert first.load_before[2:].sum() == 0 and first.load_after[2:].min() > 0
+  ratio = lambda x: np.max(x) / np.mean(x)
+  for p in ctx.plans:
+    assert ratio(p.stats.load_after) <= ratio(p.stats.load_before) + 1e-9
+  before, after = ctx.attention_loads()
+  assert before.shape == after.shape == (4,)
+
+
+def test_pipeline_trains_end_to_end(tmp_path):
+  from distca_jax.train import loop
+
+  cfg = small_config("mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", "train.microbatches=2",
+                     "attention.pingpong=false", "train.steps=3", "data.tokens_per_device=128",
+                     f"train.out_dir={tmp_path}", "optim.lr=3e-3", "optim.warmup_steps=0")
+  summary = loop.run(cfg, log=lambda *_: None)
+  assert summary.steps == 3 and summary.compile_count == 1
+  assert summary.losses[-1] < summary.losses[0]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["mesh.pipe=3", "model.layers=4"], "divide model.layers"),
+    (["mesh.pipe=2", "attention.impl=distca", "attention.pingpong=true"], "pingpong"),
+    (["mesh.pipe=1", "train.microbatches=2"], "microbatches"),
+    (["mesh.pipe=2", "attention.pingpong=false", "train.microbatches=0"], "microbatches"),
+])
+def test_pipeline_config_errors(overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    load_config(None, ["model.layers=4"] + overrides)
