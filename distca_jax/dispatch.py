@@ -106,6 +106,15 @@ def moved_rows(arrays: PlanArrays) -> tuple[int, int]:
           int((a.send_kv_valid & ~eye).sum(-1).max(initial=0)))
 
 
+def exchange_capacity(moved: int, buffer_len: int, limit: int | None = None) -> int:
+  """Rows per (device, server) block of the all_to_all: 0 when no row moves (the exchange is
+  skipped: a balanced batch costs what colocated attention costs), else a bucket."""
+  if moved == 0:
+    return 0
+  c = row_bucket(moved, buffer_len)
+  return c if limit is None else min(c, limit)
+
+
 def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
                  ckv: int | None = None) -> DispatchPlan:
   """Rewrites the scheduler's arrays (plan.py format, stay-home rows in the diagonal block of the
@@ -118,9 +127,9 @@ def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
   eye = np.eye(N, dtype=bool)[:, :, None]
   moved_q, moved_kv = moved_rows(a)
   if c is None:
-    c = min(row_bucket(max(moved_q, 1), T), cq)
+    c = exchange_capacity(moved_q, T, cq)
   if ckv is None:
-    ckv = min(row_bucket(max(moved_kv, 1), T), ckv_old)
+    ckv = exchange_capacity(moved_kv, T, ckv_old)
   if moved_q > c or moved_kv > ckv:
     raise PlanMismatchError(f"plan moves {moved_q} query / {moved_kv} K/V rows between two "
                             f"devices, more than the capacities {c} / {ckv}")
@@ -216,8 +225,9 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
   # is server s's query row T + d*c + j; rows below T are d's own local rows.
   r = p.return_idx
   d_home = np.broadcast_to(dev[:, None], (N, T))
-  from_srv = np.where(r < T, d_home, (r - T) // c)
-  srv_row = np.where(r < T, r, T + d_home * c + (r - T) % c)
+  c1 = max(c, 1)  # c = 0: nothing is exchanged, every row is local (r < T)
+  from_srv = np.where(r < T, d_home, (r - T) // c1)
+  srv_row = np.where(r < T, r, T + d_home * c + (r - T) % c1)
   wrong = real & ((q_home_dev[from_srv, srv_row] != d_home)
                   | (q_home_row[from_srv, srv_row] != np.arange(T)[None]) | ~q_ok[from_srv, srv_row])
   if wrong.any():
@@ -275,7 +285,7 @@ def plan_layouts(attention_config, layouts, shape) -> tuple[list[Plan], list[Dis
            for l in layouts]
   T = layouts[0].buffer_len
   moved = np.array([moved_rows(p.arrays) for p in plans]).max(0)
-  c, ckv = row_bucket(max(int(moved[0]), 1), T), row_bucket(max(int(moved[1]), 1), T)
+  c, ckv = exchange_capacity(int(moved[0]), T), exchange_capacity(int(moved[1]), T)
   dispatch = [compact_plan(p.arrays, T, c, ckv) for p in plans]
   skv = max(d.server_kv_idx.shape[-1] for d in dispatch)
   ctask = max(d.q_len.shape[-1] for d in dispatch)
@@ -347,6 +357,8 @@ def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
   T = q_TxHxE.shape[0]
 
   def send(x_TxKxE, idx_NxC, valid_NxC):
+    if idx_NxC.shape[-1] == 0:  # nothing moves: no exchange at all
+      return jnp.zeros((0,) + x_TxKxE.shape[1:], x_TxKxE.dtype)
     blocks = jnp.take(x_TxKxE, idx_NxC.reshape(-1), axis=0).reshape(idx_NxC.shape + x_TxKxE.shape[1:])
     blocks = jnp.where(valid_NxC[..., None, None], blocks, 0)
     with jax.named_scope("dispatch"):
@@ -364,9 +376,12 @@ def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
   with jax.named_scope("core_attention"):
     o_rows, _ = kernels.attention(q_rows, k_srv, v_srv, tasks, backend=backend)
   o_local, o_sent = o_rows[:T], o_rows[T:].reshape((N, C) + o_rows.shape[1:])
-  with jax.named_scope("return"):
-    o_back = jax.lax.all_to_all(o_sent, ROW_AXES, 0, 0, tiled=True).reshape((-1,) + o_rows.shape[1:])
-  o_all = jnp.concatenate([o_local, o_back])
+  if C == 0:
+    o_all = o_local
+  else:
+    with jax.named_scope("return"):
+      o_back = jax.lax.all_to_all(o_sent, ROW_AXES, 0, 0, tiled=True).reshape((-1,) + o_rows.shape[1:])
+    o_all = jnp.concatenate([o_local, o_back])
   out = jnp.take(o_all, p.return_idx, axis=0)
   return jnp.where(p.return_valid[:, None, None], out, 0)
 

@@ -116,3 +116,29 @@ def test_plan_for_another_batch_is_refused():
   swapped[0, [0, 1]] = swapped[0, [1, 0]]
   with pytest.raises(dispatch.PlanMismatchError, match="another token"):
     dispatch.validate_plan(dataclasses.replace(plan_a, local_q_idx=swapped), a.layout)
+
+
+def test_balanced_batch_skips_the_exchange():
+  """When the plan keeps every row home (nothing to balance), the step has no all-to-all at all
+  (a balanced batch costs what colocated costs) and still equals the reference."""
+  # fsdp off: the FSDP embedding gather would bring its own all-to-all into the step.
+  cfg = small_config("mesh.data=4", "attention.impl=distca", "attention.pingpong=false",
+                     "model.layers=1", "data.tokens_per_device=128", "mesh.fsdp=false")
+  batch = _layout_batch("equal", 4, seed=3, T=128)
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])
+  trainer = Trainer(cfg, mesh)
+  state = trainer.init_state(0)
+  ctx = attn.host_context(cfg.attention, batch, trainer.shape)
+  assert ctx.dispatch[0].send_q_idx.shape[-1] == 0 and ctx.dispatch[0].send_kv_idx.shape[-1] == 0
+  arrays, dctx = trainer.put_batch(batch, ctx)
+  step = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))
+  hlo = step.lower(state.params, arrays, dctx).compile().as_text()
+  assert "all-to-all" not in hlo
+  (loss, _), grads = step(state.params, arrays, dctx)
+  ref_loss, ref_grads = _reference(pure_params(state.params), trainer.shape, ctx.batches)
+  assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+  assert tree_rel_err(pure_params(grads), ref_grads) <= 1e-5
+  # A batch with the long documents on device 0 does exchange, in the same compiled step shape.
+  skewed = _layout_batch("long_on_one", 4, seed=3, T=128)
+  arrays, dctx = trainer.put_batch(skewed, attn.host_context(cfg.attention, skewed, trainer.shape))
+  assert "all-to-all" in step.lower(state.params, arrays, dctx).compile().as_text()
