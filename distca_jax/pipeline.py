@@ -196,13 +196,16 @@ class StepContext:
     return before, sum(np.asarray(p.stats.load_after, np.float64) for p in self.plans[:n])
 
   def imbalance(self) -> tuple[float, float]:
-    """Attention-area imbalance (max / mean over servers) before and after scheduling, summed
-    over the forward ticks."""
+    """Attention-area imbalance (max / mean over devices) before and after scheduling: the mean
+    over forward ticks of each tick's (a tick waits for its slowest device). Colocated: after =
+    before."""
+    from distca_jax.train.metrics import attention_load_per_device, imbalance
+
+    before = [imbalance(attention_load_per_device(l)) for l in self.forward]
     if not self.plans:
-      return 1.0, 1.0
-    fwd = self.plans[:self.schedule.num_ticks]
-    ratio = lambda x: float(np.max(x) / np.mean(x)) if np.mean(x) > 0 else 1.0
-    return (ratio(sum(p.stats.load_before for p in fwd)), ratio(sum(p.stats.load_after for p in fwd)))
+      return float(np.mean(before)), float(np.mean(before))
+    after = [imbalance(np.asarray(p.stats.load_after)) for p in self.plans[:self.schedule.num_ticks]]
+    return float(np.mean(before)), float(np.mean(after))
 
 
 def host_context(attention_config, microbatches: list[Batch], stages: int, shape) -> StepContext:

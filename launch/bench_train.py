@@ -3,6 +3,9 @@
     python launch/bench_train.py --suite mfu        # 1 device: model tokens/s and MFU, colocated
     python launch/bench_train.py --suite cad        # all devices: colocated vs distca (ping-pong
                                                     # on/off) on sampled, skewed and uniform batches
+    python launch/bench_train.py --suite pp --batches skewed pretrain
+                                                    # every device a pipeline stage: colocated vs
+                                                    # distca attention in the lock-step pipeline
 
 Each variant: build the trainer, place a fixed batch, run `--warmup` steps (compilation), then
 time `--steps` steps (each synchronised) and report the median. Every ratio in the table is
@@ -40,19 +43,48 @@ def _batches(kind: str, num_buffers: int, T: int, config, vocab: int):
   return make_batch(lens, rng.integers(0, vocab, int(lens.sum())).astype(np.int32), num_buffers, T)
 
 
+def _microbatches(kind: str, M: int, T: int, config, vocab: int):
+  """M micro-batches of one buffer each (one data rank) for the pipeline suite. `skewed`: even
+  micro-batches hold one document of T tokens, odd ones documents of 2048 (in every steady tick
+  one stage has the long document, the other the short ones)."""
+  import dataclasses
+
+  import numpy as np
+
+  from distca_jax.data.sources import make_batch, synthetic_from_config
+
+  if kind in ("pretrain", "prolong"):
+    source = synthetic_from_config(dataclasses.replace(config.data, distribution=kind), vocab, 1)
+    return [source.batch(i) for i in range(M)]
+  if kind != "skewed":
+    raise ValueError(f"pipeline suite: unknown batch {kind!r}")
+  rng = np.random.default_rng(0)
+  out = []
+  for i in range(M):
+    lens = np.array([T]) if i % 2 == 0 else np.full(T // 2048, 2048)
+    out.append(make_batch(lens, rng.integers(0, vocab, int(lens.sum())).astype(np.int32), 1, T))
+  return out
+
+
 def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None = None):
+  """`batch`: a Batch, or (pipeline) a list of micro-batches."""
   import jax
   import numpy as np
 
   from distca_jax import attention as attention_lib
   from distca_jax import mesh as mesh_lib
+  from distca_jax import pipeline
   from distca_jax.train.step import Trainer
 
   mesh = mesh_lib.make_mesh(config.mesh)
   trainer = Trainer(config, mesh)
   state = trainer.init_state(0)
   t0 = time.perf_counter()
-  ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
+  if isinstance(batch, list):
+    ctx = pipeline.host_context(config.attention, batch, mesh.shape["pipe"], trainer.shape)
+    batch = ctx.as_batch()
+  else:
+    ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
   host_ms = (time.perf_counter() - t0) * 1e3
   arrays, dctx = trainer.put_batch(batch, ctx)
   t0 = time.perf_counter()
@@ -85,7 +117,8 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--suite", choices=["mfu", "cad"], required=True)
+  parser.add_argument("--suite", choices=["mfu", "cad", "pp"], required=True)
+  parser.add_argument("--microbatches", type=int, default=4, help="pp: micro-batches per step")
   parser.add_argument("--config", default=None)
   parser.add_argument("--batches", nargs="+", default=["pretrain", "prolong", "skewed", "uniform"])
   parser.add_argument("--tokens", nargs="+", type=int, default=None, help="mfu: tokens per device")
@@ -122,6 +155,29 @@ def main(argv=None) -> int:
       print(f"T={T}: {r['median_s']*1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tok/s, "
             f"MFU {r['mfu'] * 100 if r['mfu'] else float('nan'):.1f}%, peak {max(r['peak_gib']):.1f} GiB, "
             f"compile {r['compile_s']:.1f}s", flush=True)
+  elif args.suite == "pp":
+    from distca_jax import pipeline
+
+    # Every device is a pipeline stage (data = 1); colocated vs CAD attention in the pipeline.
+    n = len(jax.devices())
+    pp = [f"mesh.pipe={n}", "mesh.data=1", f"train.microbatches={args.microbatches}",
+          "attention.pingpong=false"]
+    for kind in args.batches:
+      base = load_config(args.config, args.overrides + pp)
+      shape = resolve(base.model)
+      mbs = _microbatches(kind, args.microbatches, base.data.tokens_per_device, base, shape.vocab_size)
+      base_time = None
+      for name in ("colocated", "distca"):
+        config = load_config(args.config, args.overrides + pp + [f"attention.impl={name}"])
+        r = _time_variant(config, mbs, args.warmup, args.steps)
+        if name == "colocated":
+          base_time = r["median_s"]
+        bubble = pipeline.Schedule(n, args.microbatches).bubble_fraction
+        r.update(batch=kind, variant=f"pp{n}-{name}", speedup=base_time / r["median_s"], bubble=bubble)
+        rows.append(r)
+        print(f"{kind:9s} pp{n}-{name:10s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
+              f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  bubble {bubble:.2f}  "
+              f"peak {max(r['peak_gib']):.1f} GiB  compile {r['compile_s']:.0f}s", flush=True)
   else:
     n = len(jax.devices())
     for kind in args.batches:

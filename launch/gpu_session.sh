@@ -4,6 +4,9 @@
 #   mfu    1 GPU: llama_1b tokens/s and MFU, colocated, 32K and 64K tokens per device
 #   cad    all GPUs: colocated vs distca (ping-pong on/off), llama3_8b shape with 4 layers
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
+#   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
+#          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
+#   uniform128  all GPUs: colocated vs distca on the uniform batch at 128K tokens per device
 # Logs and tables go to $OUT (or ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -26,6 +29,12 @@ for suite in "$@"; do
            2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          find /tmp/trace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
          python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log" ;;
+    pp) timeout 420 python3 -P launch/bench_train.py --suite pp --batches skewed pretrain --microbatches 4 \
+           --warmup 1 --steps 2 --json "$OUT/pp.json" model.preset=llama3_8b model.layers=4 \
+           data.tokens_per_device=65536 data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/pp.log" ;;
+    uniform128) timeout 150 python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
+           --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
+           data.tokens_per_device=131072 data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/uniform128.log" ;;
     train) timeout 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
            attention.impl=distca train.steps=8 train.progress=false train.out_dir=/tmp/run 2>&1 \
            | grep -v -i warn | tee "$OUT/train.log" ;;

@@ -222,14 +222,17 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       loss = float(m["loss"])
       losses.append(loss)
       flops = metrics_lib.step_flops(shape, batch.layout)
-      imb = metrics_lib.imbalance(load_before)
+      # A pipelined step's loads are summed over its ticks; each tick waits for its slowest
+      # device, so its imbalance is the mean over ticks of each tick's.
+      tick_imbalance = ctx.imbalance() if trainer.pipeline is not None else None
+      imb = tick_imbalance[0] if tick_imbalance else metrics_lib.imbalance(load_before)
       imbalances.append(imb)
       load_sum[0] = load_before if load_sum[0] is None else load_sum[0] + load_before
       record = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
                 "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
                 "compile_count": trainer.compile_count()}
       if load_after is not None:
-        imbalances_after.append(metrics_lib.imbalance(load_after))
+        imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
         record["attention_imbalance_after"] = imbalances_after[-1]
         load_sum[1] = load_after if load_sum[1] is None else load_sum[1] + load_after
       if peak is not None:
