@@ -260,6 +260,14 @@ def _merge(graphdef, abstract_state, pure):
   return nnx.merge(graphdef, state)
 
 
+def _tick_barrier(*carry):
+  """Ends a tick. Everything a later tick reads passes through here, so it becomes available only
+  once this whole tick is computed: the compiler cannot move work between ticks of the unrolled
+  schedule (it would, e.g., run every micro-batch's LM head early and keep all their logits
+  alive at once)."""
+  return jax.lax.optimization_barrier(carry)
+
+
 class PipelinedLlama:
   """Loss and gradients of a `Llama` run as a pipeline (functional: parameters are the
   `split_blocks` layout, plain arrays).
@@ -351,6 +359,7 @@ class PipelinedLlama:
           m_last = schedule.forward_mb(t, S - 1)
           if m_last is not None:
             last_out[m_last] = y[S - 1]
+        y, dx, grads, loss, inputs, last_out = _tick_barrier(y, dx, grads, loss, inputs, last_out)
         continue
       with jax.named_scope(f"pipeline_backward_{t}"):
         # Cotangent of every stage's output: the loss gradient for the last stage, the next
@@ -382,4 +391,5 @@ class PipelinedLlama:
           _, embed_vjp = jax.vjp(lambda e: jnp.take(e, tokens[m_first], axis=0).astype(self.dtype),
                                  params["embed"])
           grads["embed"] = grads["embed"] + embed_vjp(dx[0])[0]
+      y, dx, grads, loss, inputs, last_out = _tick_barrier(y, dx, grads, loss, inputs, last_out)
     return (loss, count), grads

@@ -66,7 +66,8 @@ def _microbatches(kind: str, M: int, T: int, config, vocab: int):
   return out
 
 
-def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None = None):
+def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None = None,
+                  compile_only: bool = False):
   """`batch`: a Batch, or (pipeline) a list of micro-batches."""
   import jax
   import numpy as np
@@ -87,6 +88,13 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
     ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
   host_ms = (time.perf_counter() - t0) * 1e3
   arrays, dctx = trainer.put_batch(batch, ctx)
+  if compile_only:
+    t0 = time.perf_counter()
+    mem = trainer.compile(state, arrays, dctx).memory_analysis()
+    return {"median_s": float("nan"), "host_ms": host_ms, "compile_s": time.perf_counter() - t0,
+            "peak_gib": [0.0], "imbalance": (float("nan"), float("nan")), "loss": float("nan"),
+            "compiles": 1, "temp_gib": mem.temp_size_in_bytes / 2**30,
+            "args_gib": mem.argument_size_in_bytes / 2**30}
   t0 = time.perf_counter()
   for _ in range(warmup):
     state, m = trainer.step(state, arrays, dctx)
@@ -106,19 +114,28 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   for d in mesh.devices.flat:
     stats = d.memory_stats() or {}
     peak.append(stats.get("peak_bytes_in_use", 0) / 2**30)
+  # XLA's own accounting of the compiled step (per device): its temporaries, and the
+  # arguments (parameters, optimizer state, batch) — the memory each variant needs, independent
+  # of the allocator's running peak across variants of one process.
+  mem = trainer.compile(state, arrays, dctx).memory_analysis()
+  temp_gib = getattr(mem, "temp_size_in_bytes", 0) / 2**30
+  args_gib = getattr(mem, "argument_size_in_bytes", 0) / 2**30
   imb = None
   if hasattr(ctx, "imbalance"):
     imb = ctx.imbalance()
   loss = float(m["loss"])
   del state
   return {"median_s": float(np.median(times)), "host_ms": host_ms, "compile_s": compile_s,
-          "peak_gib": peak, "imbalance": imb, "loss": loss, "compiles": trainer.compile_count()}
+          "peak_gib": peak, "imbalance": imb, "loss": loss, "compiles": trainer.compile_count(),
+          "temp_gib": temp_gib, "args_gib": args_gib}
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--suite", choices=["mfu", "cad", "pp"], required=True)
   parser.add_argument("--microbatches", type=int, default=4, help="pp: micro-batches per step")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="compile each variant and report XLA's memory analysis, no steps")
   parser.add_argument("--config", default=None)
   parser.add_argument("--batches", nargs="+", default=["pretrain", "prolong", "skewed", "uniform"])
   parser.add_argument("--tokens", nargs="+", type=int, default=None, help="mfu: tokens per device")
@@ -169,7 +186,7 @@ def main(argv=None) -> int:
       base_time = None
       for name in ("colocated", "distca"):
         config = load_config(args.config, args.overrides + pp + [f"attention.impl={name}"])
-        r = _time_variant(config, mbs, args.warmup, args.steps)
+        r = _time_variant(config, mbs, args.warmup, args.steps, compile_only=args.compile_only)
         if name == "colocated":
           base_time = r["median_s"]
         bubble = pipeline.Schedule(n, args.microbatches).bubble_fraction
@@ -177,7 +194,8 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"{kind:9s} pp{n}-{name:10s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
               f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  bubble {bubble:.2f}  "
-              f"peak {max(r['peak_gib']):.1f} GiB  compile {r['compile_s']:.0f}s", flush=True)
+              f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
+              flush=True)
   else:
     n = len(jax.devices())
     for kind in args.batches:

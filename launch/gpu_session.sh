@@ -29,9 +29,10 @@ for suite in "$@"; do
            2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          find /tmp/trace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
          python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log" ;;
-    pp) timeout 420 python3 -P launch/bench_train.py --suite pp --batches skewed pretrain --microbatches 4 \
-           --warmup 1 --steps 2 --json "$OUT/pp.json" model.preset=llama3_8b model.layers=4 \
-           data.tokens_per_device=65536 data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/pp.log" ;;
+    pp) timeout ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
+           --microbatches 4 --warmup 1 --steps 2 --json "$OUT/pp.json" model.preset=llama3_8b \
+           model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
+           | grep -v -i warn | tee -a "$OUT/pp.log" ;;
     uniform128) timeout 150 python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
            --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=131072 data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/uniform128.log" ;;

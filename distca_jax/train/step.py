@@ -149,13 +149,21 @@ class Trainer:
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-  def step(self, state: TrainState, arrays, ctx):
-    """One optimizer step (jitted once per distinct shape of `ctx`)."""
+  def _jitted_step(self, state: TrainState):
     if self._step_fn is None:
       shardings = jax.tree.map(lambda x: x.sharding, state)
       self._step_fn = jax.jit(self._train_step, in_shardings=(shardings, None, None),
                               out_shardings=(shardings, None), donate_argnums=(0,))
-    return self._step_fn(state, arrays, ctx)
+    return self._step_fn
+
+  def step(self, state: TrainState, arrays, ctx):
+    """One optimizer step (jitted once per distinct shape of `ctx`)."""
+    return self._jitted_step(state)(state, arrays, ctx)
+
+  def compile(self, state: TrainState, arrays, ctx):
+    """The compiled step for these shapes without running it (memory planning:
+    `.memory_analysis()`)."""
+    return self._jitted_step(state).lower(state, arrays, ctx).compile()
 
   def compiled_text(self, state: TrainState, arrays, ctx) -> str:
     """HLO text of the compiled step for these shapes (from the jit cache: no recompilation when
