@@ -33,9 +33,9 @@ for suite in "$@"; do
            --microbatches 4 --warmup 1 --steps 2 --json "$OUT/pp.json" model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/pp.log" ;;
-    uniform128) timeout 150 python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
+    uniform128) timeout ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
            --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
-           data.tokens_per_device=131072 data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/uniform128.log" ;;
+           data.tokens_per_device=${U_TOKENS:-131072} data.length_scale=1 2>&1 | grep -v -i warn | tee -a "$OUT/uniform128.log" ;;
     train) timeout 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
            attention.impl=distca train.steps=8 train.progress=false train.out_dir=/tmp/run 2>&1 \
            | grep -v -i warn | tee "$OUT/train.log" ;;
