@@ -164,6 +164,23 @@ class Simulator:
     nv, net = h.nvlink_gbps * 1e6, h.network_gbps * 1e6  # bytes per ms
     return np.maximum.reduce([intra_out / nv, inter_out / net, intra_in / nv, inter_in / net])
 
+  def _cad_result(self, cfg, per, area_after, attn_ms, shards) -> SystemResult:
+    """CAD's result from its per-nano-batch (area, attention ms, tokens, comm ms, bytes) parts:
+    with ping-pong each nano-batch's communication hides under the other's compute."""
+    tokens = sum(x[2] for x in per)
+    comm_ms = sum(x[3] for x in per)
+    bytes_ = sum(x[4] for x in per)
+    if cfg.pingpong:
+      comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
+      ov = cfg.pingpong_overlap
+      exposed = sum(np.maximum(per[i][3] - ov * comp[1 - i], (1 - ov) * per[i][3]) for i in (0, 1))
+      hidden = bool(all((per[i][3] <= comp[1 - i] + 1e-12).all() for i in (0, 1)))
+    else:
+      exposed, hidden = None, None
+    return dataclasses.replace(
+        self._result("cad", None, comm_ms, cfg.pingpong_overlap, area_after, tokens, attn_ms,
+                     bytes_, exposed=exposed, hidden=hidden), shards_max=shards)
+
   def _result(self, name, load: SystemLoad, comm_ms, overlap, area, tokens, attn_ms, bytes_,
               exposed=None, hidden=None):
     lin = tokens * self.lin_ms_per_token
@@ -239,19 +256,7 @@ class Simulator:
           rank = int(lay.buffer[np.flatnonzero((lay.doc == j) & (lay.doc_offset == 0))[0]])
           attn_ms[rank] += float(self.kernel.fwdbwd_ms(lq, a + lq) - self.kernel.fwdbwd_ms(lq, lq))
           area_after[rank] += float(range_area(a, a + lq) - range_area(0, lq))
-    tokens = sum(x[2] for x in per)
-    comm_ms = sum(x[3] for x in per)
-    bytes_ = sum(x[4] for x in per)
-    if cfg.pingpong:
-      comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
-      ov = cfg.pingpong_overlap
-      exposed = sum(np.maximum(per[i][3] - ov * comp[1 - i], (1 - ov) * per[i][3]) for i in (0, 1))
-      hidden = bool(all((per[i][3] <= comp[1 - i] + 1e-12).all() for i in (0, 1)))
-    else:
-      exposed, hidden = None, None
-    out["cad"] = dataclasses.replace(
-        self._result("cad", None, comm_ms, cfg.pingpong_overlap, area_after, tokens, attn_ms,
-                     bytes_, exposed=exposed, hidden=hidden), shards_max=shards)
+    out["cad"] = self._cad_result(cfg, per, area_after, attn_ms, shards)
     # Colocated.
     col = colocated(layout, self.comm, kernel=self.kernel)
     trc = traffic(initial_tasks(layout), layout, self.comm, pairwise=True)

@@ -238,19 +238,8 @@ class PipelineSimulator(Simulator):
             rank = int(lay.buffer[np.flatnonzero((lay.doc == g) & (lay.doc_offset == 0))[0]])
             attn_ms[rank] += float(self.kernel.fwdbwd_ms(lq, a + lq) - self.kernel.fwdbwd_ms(lq, lq))
             area_after[rank] += float(range_area(a, a + lq) - range_area(0, lq))
+    res = self._cad_result(cfg, per, area_after, attn_ms, shards)
     tokens = sum(x[2] for x in per)
-    comm_ms = sum(x[3] for x in per)
-    bytes_ = sum(x[4] for x in per)
-    if cfg.pingpong:
-      comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
-      ov = cfg.pingpong_overlap
-      exposed = sum(np.maximum(per[i][3] - ov * comp[1 - i], (1 - ov) * per[i][3]) for i in (0, 1))
-      hidden = bool(all((per[i][3] <= comp[1 - i] + 1e-12).all() for i in (0, 1)))
-    else:
-      exposed, hidden = None, None
-    res = dataclasses.replace(
-        self._result("cad", None, comm_ms, cfg.pingpong_overlap, area_after, tokens, attn_ms,
-                     bytes_, exposed=exposed, hidden=hidden), shards_max=shards)
     if not active.all():  # memory is held by the active stages only
       res = dataclasses.replace(res, memory_imbalance=float(tokens[active].max() / tokens[active].mean()))
     return res, self._busy(tokens, attn_ms), area_after
