@@ -302,6 +302,10 @@ def validate(config: Config) -> None:
     if config.attention.impl == "distca" and config.attention.pingpong:
       raise ConfigError("attention.pingpong: not supported with mesh.pipe > 1 yet (one plan per "
                         "pipeline tick); set attention.pingpong=false")
+    if config.model.remat != "full":
+      raise ConfigError(f"model.remat: the pipeline keeps only block inputs between a micro-batch's "
+                        f"forward and backward ticks and recomputes each block once (full remat); "
+                        f"got {config.model.remat!r}, set model.remat=full with mesh.pipe > 1")
   if config.train.microbatches < 1:
     raise ConfigError(f"train.microbatches: must be >= 1, got {config.train.microbatches}")
   if config.train.microbatches > 1 and m.pipe == 1:

@@ -18,14 +18,17 @@ tick's CA-tasks from every stage and replica are balanced together over every de
 plan per tick — then the rest of the block per stage. Stages pass activations forward, and
 gradients backward, with `ppermute` over `pipe` inside `shard_map`.
 
-Backward ticks recompute the stage's forward from its saved input (`jax.vjp` at the tick: full
-stage rematerialisation) and accumulate parameter gradients. A stage keeps the inputs of the
+Forward ticks keep only each block's input; a backward tick recomputes each of its blocks, last
+first, from that input and differentiates it (`jax.vjp` per block): one forward and one backward
+per block, as full remat costs in the unpipelined model. A stage keeps the block inputs of the
 micro-batches in flight — at most 2S-1 for the first stage in this lock-step order — and XLA frees
-each as soon as its backward has run. The embedding and the LM head + loss run outside the stage
-loop (first stage's input, last stage's output).
+each as soon as its backward has run. Gradients accumulate in place: block gradients by
+`.at[].add`, the LM head's chunk by chunk (`cross_entropy_and_grads`), the embedding's by one
+scatter-add per micro-batch. The embedding and the LM head + loss run outside the stages (first
+stage's input, last stage's output).
 
-Parameters: `to_pipeline` turns a `Llama`'s state into `{"embed", "final_norm", "lm_head",
-"blocks"}` plain arrays (blocks stacked), `from_pipeline` reverses it, so the pipelined model is
+Parameters: `split_blocks` turns a `Llama`'s state into `{"embed", "final_norm", "lm_head",
+"blocks"}` plain arrays (blocks stacked), `join_blocks` reverses it, so the pipelined model is
 numerically the same model as the unpipelined one (tests compare them).
 """
 
@@ -44,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distca_jax.data.packing import Layout
 from distca_jax.data.sources import Batch
 from distca_jax.mesh import ROW_AXES
-from distca_jax.train.loss import chunked_cross_entropy
+from distca_jax.train.loss import cross_entropy_and_grads
 
 # ----------------------------------------------------------------------------- schedule
 
@@ -276,7 +279,7 @@ class PipelinedLlama:
   structure is read.
   """
 
-  def __init__(self, model, mesh: Mesh, core_attention: Callable, remat: str = "full"):
+  def __init__(self, model, mesh: Mesh, core_attention: Callable):
     self.mesh = mesh
     self.stages = mesh.shape["pipe"]
     self.layers = len(model.blocks)
@@ -287,7 +290,6 @@ class PipelinedLlama:
     self.norm_def, self.norm_state = nnx.split(model.final_norm, nnx.Param)
     self.dtype = model.dtype
     self.core_attention = core_attention
-    self.remat = remat
     row_spec = P("pipe", "data")
     S = self.stages
     self._send_forward = jax.shard_map(
@@ -309,19 +311,36 @@ class PipelinedLlama:
     return per_stage(lambda p, x, o: (b := block(p)).finish(x, b.attn.output(o)))(block_SxP, x_SxBxTxD, o)
 
   def stage_forward(self, blocks, x_SxBxTxD, pos_SxBxT, attn_ctx):
-    """Every stage's L/S blocks on its own input: [S, B, T, D] -> [S, B, T, D]."""
-    layer = self._layer
-    if self.remat != "none":
-      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-                if self.remat == "save_dots" else None)
-      layer = jax.checkpoint(layer, policy=policy)
+    """Every stage's L/S blocks on its own input: [S, B, T, D] -> the input of each block and the
+    stage output (a forward tick: nothing is differentiated, nothing but the block inputs is
+    kept)."""
+    block_inputs = []
     for i in range(self.per_stage):
-      x_SxBxTxD = layer(jax.tree.map(lambda a: a[:, i], blocks), x_SxBxTxD, pos_SxBxT, attn_ctx)
-    return x_SxBxTxD
+      block_inputs.append(x_SxBxTxD)
+      x_SxBxTxD = self._layer(jax.tree.map(lambda a: a[:, i], blocks), x_SxBxTxD, pos_SxBxT, attn_ctx)
+    return tuple(block_inputs), x_SxBxTxD
 
-  def _head_loss(self, head, h_BxTxD, targets_BxT, mask_BxT):
-    h = _merge(self.norm_def, self.norm_state, head["final_norm"])(h_BxTxD)
-    return chunked_cross_entropy(h, head["lm_head"], targets_BxT, mask_BxT)
+  def stage_backward(self, blocks, block_inputs, dy_SxBxTxD, pos_SxBxT, attn_ctx, grads_blocks):
+    """A backward tick: each block, last first, recomputed from its saved input and
+    differentiated (one forward and one backward per block, as under full remat). Returns the
+    gradient of the stage input and `grads_blocks` with this tick's gradients added."""
+    for i in reversed(range(self.per_stage)):
+      params_i = jax.tree.map(lambda a: a[:, i], blocks)
+      _, vjp = jax.vjp(lambda b, x: self._layer(b, x, pos_SxBxT, attn_ctx), params_i, block_inputs[i])
+      g_i, dy_SxBxTxD = vjp(dy_SxBxTxD)
+      grads_blocks = jax.tree.map(lambda G, g: G.at[:, i].add(g), grads_blocks, g_i)
+    return dy_SxBxTxD, grads_blocks
+
+  def _head(self, head, grads, h_BxTxD, targets_BxT, mask_BxT, scale):
+    """Final norm, LM head and cross-entropy of one micro-batch: (loss * scale, gradient of h),
+    with the head's parameter gradients added into `grads` (chunk by chunk, in place)."""
+    norm = lambda p, h: _merge(self.norm_def, self.norm_state, p)(h)
+    h_normed, norm_vjp = jax.vjp(norm, head["final_norm"], h_BxTxD)
+    loss, dh_normed, grads["lm_head"] = cross_entropy_and_grads(
+        h_normed, head["lm_head"], targets_BxT, mask_BxT, scale, grads["lm_head"])
+    g_norm, dh = norm_vjp(dh_normed)
+    grads["final_norm"] = jax.tree.map(jnp.add, grads["final_norm"], g_norm)
+    return loss, dh
 
   def value_and_grad(self, params, arrays, forward_ctx, backward_ctx, schedule: Schedule):
     """(mean loss over real tokens, token count), gradients — the same values as
@@ -333,29 +352,23 @@ class PipelinedLlama:
     stage_id = jnp.arange(S).reshape(S, 1, 1, 1)
     hidden = params["embed"].shape[1]
     pick = lambda ctx, t: jax.tree.map(lambda a: a[t], ctx)
-
-    def embed(m):
-      return jnp.take(params["embed"], tokens[m], axis=0).astype(self.dtype)
-
     head = {"final_norm": params["final_norm"], "lm_head": params["lm_head"]}
-    head_grad = jax.value_and_grad(
-        lambda hp, h, t, msk: self._head_loss(hp, h, t, msk) * norm, argnums=(0, 1))
 
     grads = jax.tree.map(jnp.zeros_like, params)
     loss = jnp.zeros((), jnp.float32)
-    inputs: dict[int, jax.Array] = {}      # forward tick -> every stage's input
+    inputs: dict[int, tuple[jax.Array, ...]] = {}  # forward tick -> every stage's block inputs
     last_out: dict[int, jax.Array] = {}    # micro-batch -> last stage's output
     y = None                               # the previous forward tick's outputs
     dx = None                              # the previous backward tick's input gradients
     for kind, t in schedule.ticks:
       if kind == "F":
         with jax.named_scope(f"pipeline_forward_{t}"):
-          first = embed(t) if t < M else jnp.zeros(tokens.shape[1:] + (hidden,), self.dtype)
+          first = (jnp.take(params["embed"], tokens[t], axis=0).astype(self.dtype) if t < M
+                   else jnp.zeros(tokens.shape[1:] + (hidden,), self.dtype))
           from_prev = jnp.zeros_like(first)[None] if y is None else self._send_forward(y)
           x = jnp.where(stage_id == 0, first[None], from_prev)
-          inputs[t] = x
-          y = self.stage_forward(params["blocks"], x, arrays["forward_positions"][t],
-                                 pick(forward_ctx, t))
+          inputs[t], y = self.stage_forward(params["blocks"], x, arrays["forward_positions"][t],
+                                            pick(forward_ctx, t))
           m_last = schedule.forward_mb(t, S - 1)
           if m_last is not None:
             last_out[m_last] = y[S - 1]
@@ -366,30 +379,27 @@ class PipelinedLlama:
         # stage's input gradient (sent back) for the others.
         m_last = schedule.backward_mb(t, S - 1)
         if m_last is not None:
-          l, (g_head, dy_last) = head_grad(head, last_out.pop(m_last), targets[m_last], masks[m_last])
+          l, dy_last = self._head(head, grads, last_out.pop(m_last), targets[m_last], masks[m_last], norm)
           loss = loss + l
-          grads["final_norm"] = jax.tree.map(jnp.add, grads["final_norm"], g_head["final_norm"])
-          grads["lm_head"] = grads["lm_head"] + g_head["lm_head"]
         else:
           dy_last = jnp.zeros(y.shape[1:], y.dtype)
         back = jnp.zeros_like(y) if dx is None else self._send_backward(dx)
         dy = jnp.where(stage_id == S - 1, dy_last[None].astype(y.dtype), back)
-        # Each stage's saved input: stage s runs micro-batch m, forwarded at tick m + s.
-        x_saved = jnp.zeros_like(y)
+        # Each stage's saved block inputs: stage s runs micro-batch m, forwarded at tick m + s.
+        saved = [jnp.zeros_like(y)] * self.per_stage
         for s in range(S):
           m = schedule.backward_mb(t, s)
           if m is not None:
-            x_saved = jnp.where(stage_id == s, inputs[schedule.forward_tick_of(m, s)], x_saved)
+            tick_inputs = inputs[schedule.forward_tick_of(m, s)]
+            saved = [jnp.where(stage_id == s, a, b) for a, b in zip(tick_inputs, saved)]
             if s == 0:
               del inputs[m]  # the first stage is the last to need forward tick m's inputs
-        pos, ctx = arrays["backward_positions"][t], pick(backward_ctx, t)
-        _, vjp = jax.vjp(lambda b, x: self.stage_forward(b, x, pos, ctx), params["blocks"], x_saved)
-        g_blocks, dx = vjp(dy)
-        grads["blocks"] = jax.tree.map(jnp.add, grads["blocks"], g_blocks)
+        dx, grads["blocks"] = self.stage_backward(
+            params["blocks"], saved, dy, arrays["backward_positions"][t], pick(backward_ctx, t),
+            grads["blocks"])
         m_first = schedule.backward_mb(t, 0)
-        if m_first is not None:
-          _, embed_vjp = jax.vjp(lambda e: jnp.take(e, tokens[m_first], axis=0).astype(self.dtype),
-                                 params["embed"])
-          grads["embed"] = grads["embed"] + embed_vjp(dx[0])[0]
+        if m_first is not None:  # embedding gradient, scattered into the accumulator in place
+          grads["embed"] = grads["embed"].at[tokens[m_first].reshape(-1)].add(
+              dx[0].reshape(-1, hidden).astype(grads["embed"].dtype))
       y, dx, grads, loss, inputs, last_out = _tick_barrier(y, dx, grads, loss, inputs, last_out)
     return (loss, count), grads

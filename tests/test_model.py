@@ -87,3 +87,21 @@ def test_loss_matches_reference_on_one_device():
   arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch.layout))
   loss, _ = jax.jit(trainer.loss_fn)(state.params, arrays, ctx)
   assert abs(float(loss) - float(reference_loss(pure_params(state.params), trainer.shape, batch))) < 1e-5
+
+
+@pytest.mark.parametrize("T,chunk", [(96, 32), (80, 32)])  # several chunks; chunk not dividing T
+def test_cross_entropy_and_grads_matches_autodiff(T, chunk):
+  from distca_jax.train.loss import chunked_cross_entropy, cross_entropy_and_grads
+
+  k = jax.random.split(jax.random.key(0), 4)
+  h = jax.random.normal(k[0], (2, T, 16))
+  w = jax.random.normal(k[1], (16, 50)) * 0.3
+  t = jax.random.randint(k[2], (2, T), 0, 50)
+  m = (jax.random.uniform(k[3], (2, T)) < 0.8).astype(jnp.float32)
+  scale, acc = 0.37, jnp.full((16, 50), 0.5)
+  f = lambda h, w: chunked_cross_entropy(h, w, t, m, chunk=chunk) * scale
+  loss, (dh, dw) = jax.value_and_grad(f, argnums=(0, 1))(h, w)
+  got_loss, got_dh, got_acc = cross_entropy_and_grads(h, w, t, m, scale, acc, chunk=chunk)
+  assert rel_err(got_loss, loss) < 1e-6
+  assert rel_err(got_dh, dh) < 1e-6
+  assert rel_err(got_acc, acc + dw) < 1e-6

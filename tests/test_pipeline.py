@@ -80,21 +80,21 @@ def _microbatches(cfg, kind, data, M, vocab, seed):
 
 
 CASES = [
-    # pipe, data, tensor, micro-batches, attention, layout, remat
-    (2, 2, 2, 3, "colocated", "sampled", "none"),
-    (2, 2, 2, 3, "distca", "sampled", "full"),
-    (2, 1, 1, 2, "distca", "mixed", "none"),
-    (4, 2, 1, 3, "distca", "mixed", "none"),
-    (4, 1, 2, 4, "colocated", "span_all", "full"),
+    # pipe, data, tensor, micro-batches, attention, layout, blocks per stage
+    (2, 2, 2, 3, "colocated", "sampled", 1),
+    (2, 2, 2, 3, "distca", "sampled", 2),
+    (2, 1, 1, 2, "distca", "mixed", 2),
+    (4, 2, 1, 3, "distca", "mixed", 1),
+    (4, 1, 2, 4, "colocated", "span_all", 1),
 ]
 
 
-@pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,remat", CASES)
-def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, remat):
+@pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,per_stage", CASES)
+def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_stage):
   cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"mesh.tensor={tensor}",
-                     f"model.layers={pipe}", f"attention.impl={impl}", "attention.pingpong=false",
-                     f"train.microbatches={M}", "data.tokens_per_device=128", f"model.remat={remat}",
-                     "attention.epsilon=0.05")
+                     f"model.layers={pipe * per_stage}", f"attention.impl={impl}",
+                     "attention.pingpong=false", f"train.microbatches={M}",
+                     "data.tokens_per_device=128", "attention.epsilon=0.05", "model.remat=full")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:pipe * data * tensor])
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
@@ -141,7 +141,8 @@ def test_pipeline_trains_end_to_end(tmp_path):
 
   cfg = small_config("mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", "train.microbatches=2",
                      "attention.pingpong=false", "train.steps=3", "data.tokens_per_device=128",
-                     f"train.out_dir={tmp_path}", "optim.lr=3e-3", "optim.warmup_steps=0")
+                     f"train.out_dir={tmp_path}", "optim.lr=3e-3", "optim.warmup_steps=0",
+                     "model.remat=full")
   summary = loop.run(cfg, log=lambda *_: None)
   assert summary.steps == 3 and summary.compile_count == 1
   assert summary.losses[-1] < summary.losses[0]
@@ -152,6 +153,7 @@ def test_pipeline_trains_end_to_end(tmp_path):
     (["mesh.pipe=2", "attention.impl=distca", "attention.pingpong=true"], "pingpong"),
     (["mesh.pipe=1", "train.microbatches=2"], "microbatches"),
     (["mesh.pipe=2", "attention.pingpong=false", "train.microbatches=0"], "microbatches"),
+    (["mesh.pipe=2", "attention.pingpong=false", "model.remat=none"], "model.remat"),
 ])
 def test_pipeline_config_errors(overrides, match):
   with pytest.raises(ConfigError, match=match):

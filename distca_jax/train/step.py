@@ -85,8 +85,7 @@ class Trainer:
     if mesh.shape["pipe"] > 1:
       from distca_jax import pipeline
 
-      self.pipeline = pipeline.PipelinedLlama(abstract_model, mesh, self.core_attention,
-                                              remat=config.model.remat)
+      self.pipeline = pipeline.PipelinedLlama(abstract_model, mesh, self.core_attention)
       self.param_shardings = pipeline.pipeline_shardings(self.param_shardings, mesh)
     self._step_fn = None
 
