@@ -117,9 +117,17 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   # XLA's own accounting of the compiled step (per device): its temporaries, and the
   # arguments (parameters, optimizer state, batch) — the memory each variant needs, independent
   # of the allocator's running peak across variants of one process.
-  mem = trainer.compile(state, arrays, dctx).memory_analysis()
-  temp_gib = getattr(mem, "temp_size_in_bytes", 0) / 2**30
-  args_gib = getattr(mem, "argument_size_in_bytes", 0) / 2**30
+  analysis = trainer.compile(state, arrays, dctx).memory_analysis()
+  temp_gib = getattr(analysis, "temp_size_in_bytes", 0) / 2**30
+  args_gib = getattr(analysis, "argument_size_in_bytes", 0) / 2**30
+  mem = {}
+  if trace_dir:
+    from distca_jax.train import profile as profile_lib
+
+    xplane = profile_lib.find_xplane(trace_dir)
+    if xplane is not None:
+      phases = profile_lib.phase_breakdown(xplane, trainer.compiled_text(state, arrays, dctx))
+      mem["phases_ms"] = phases["ms_per_step"]
   imb = None
   if hasattr(ctx, "imbalance"):
     imb = ctx.imbalance()
@@ -127,7 +135,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   del state
   return {"median_s": float(np.median(times)), "host_ms": host_ms, "compile_s": compile_s,
           "peak_gib": peak, "imbalance": imb, "loss": loss, "compiles": trainer.compile_count(),
-          "temp_gib": temp_gib, "args_gib": args_gib}
+          "temp_gib": temp_gib, "args_gib": args_gib, **mem}
 
 
 def main(argv=None) -> int:
@@ -143,7 +151,9 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--pingpong-ablation", default="pretrain",
                       help="batch on which distca also runs with ping-pong off ('' for none)")
-  parser.add_argument("--trace-dir", default=None, help="xprof trace of the last distca step")
+  parser.add_argument("--trace-dir", default=None,
+                      help="cad: xprof trace of the last distca step; pp: of every variant's last "
+                           "step (DIR/<batch>-<variant>), with its per-phase busy time")
   parser.add_argument("--json", default=None, help="write all results here")
   parser.add_argument("overrides", nargs="*")
   args = parser.parse_args(argv)
@@ -186,7 +196,8 @@ def main(argv=None) -> int:
       base_time = None
       for name in ("colocated", "distca"):
         config = load_config(args.config, args.overrides + pp + [f"attention.impl={name}"])
-        r = _time_variant(config, mbs, args.warmup, args.steps, compile_only=args.compile_only)
+        trace = f"{args.trace_dir}/{kind}-{name}" if args.trace_dir else None
+        r = _time_variant(config, mbs, args.warmup, args.steps, trace, compile_only=args.compile_only)
         if name == "colocated":
           base_time = r["median_s"]
         bubble = pipeline.Schedule(n, args.microbatches).bubble_fraction
@@ -196,6 +207,9 @@ def main(argv=None) -> int:
               f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  bubble {bubble:.2f}  "
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
               flush=True)
+        if "phases_ms" in r:
+          print("          busy ms per device: " + "  ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()),
+                flush=True)
   else:
     n = len(jax.devices())
     for kind in args.batches:

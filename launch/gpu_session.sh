@@ -6,6 +6,8 @@
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
+#          (env PP_TOKENS, PP_LAYERS, PP_BATCHES, PP_MICROBATCHES, PP_TIMEOUT; PP_TRACE=DIR traces
+#          every variant's last step and prints its per-phase busy time)
 #   uniform128  all GPUs: colocated vs distca on the uniform batch at 128K tokens per device
 # Logs and tables go to $OUT (or ./gpu_out).
 set -uo pipefail
@@ -30,7 +32,8 @@ for suite in "$@"; do
          find /tmp/trace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
          python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log" ;;
     pp) timeout ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
-           --microbatches 4 --warmup 1 --steps 2 --json "$OUT/pp.json" model.preset=llama3_8b \
+           --microbatches ${PP_MICROBATCHES:-4} --warmup 1 --steps 2 --json "$OUT/pp.json" \
+           ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/pp.log" ;;
     uniform128) timeout ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
