@@ -8,6 +8,7 @@
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
 #          (env PP_TOKENS, PP_LAYERS, PP_BATCHES, PP_MICROBATCHES, PP_TIMEOUT; PP_TRACE=DIR traces
 #          every variant's last step and prints its per-phase busy time)
+#   ppmem  the pp suite compiled only, with XLA's buffer assignment of each variant's step
 #   uniform128  all GPUs: colocated vs distca on the uniform batch at 128K tokens per device
 # Logs and tables go to $OUT (or ./gpu_out).
 set -uo pipefail
@@ -36,6 +37,12 @@ for suite in "$@"; do
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/pp.log" ;;
+    ppmem) XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/ppdump --xla_dump_hlo_module_re=.*train_step.*" \
+           timeout ${PP_TIMEOUT:-300} python3 -P launch/bench_train.py --suite pp --compile-only \
+           --batches ${PP_BATCHES:-skewed} --microbatches ${PP_MICROBATCHES:-4} model.preset=llama3_8b \
+           model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
+           | grep -v -i warn | tee -a "$OUT/ppmem.log"
+         python3 -P launch/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
     uniform128) timeout ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
            --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=${U_TOKENS:-131072} data.length_scale=1 2>&1 | grep -v -i warn | tee -a "$OUT/uniform128.log" ;;
