@@ -128,6 +128,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
     if xplane is not None:
       phases = profile_lib.phase_breakdown(xplane, trainer.compiled_text(state, arrays, dctx))
       mem["phases_ms"] = phases["ms_per_step"]
+      mem["top_ops_ms"] = phases["top_ops_ms"]
   imb = None
   if hasattr(ctx, "imbalance"):
     imb = ctx.imbalance()
@@ -159,6 +160,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
 
   from distca_jax.launch_env import configure_xla
+
+  if args.trace_dir and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    # Kernels inside CUDA graphs are not attributed to their ops (see launch/profile_steps.py).
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
   configure_xla(cpu_devices=int(os.environ.get("DISTCA_CPU_DEVICES", "8")))
   import jax
@@ -208,8 +213,10 @@ def main(argv=None) -> int:
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
               flush=True)
         if "phases_ms" in r:
-          print("          busy ms per device: " + "  ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()),
-                flush=True)
+          print("          busy ms per device: " + "  ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()))
+          for op, ms in r.pop("top_ops_ms").items():
+            print(f"            {ms:8.1f} ms  {op}")
+          sys.stdout.flush()
   else:
     n = len(jax.devices())
     for kind in args.batches:

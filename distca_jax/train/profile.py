@@ -96,11 +96,12 @@ def find_xplane(trace_dir: str | Path) -> Path | None:
 
 
 def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "train_step",
-                    steps: int = 1) -> dict[str, Any]:
+                    steps: int = 1, top_ops: int = 15) -> dict[str, Any]:
   """Busy milliseconds per step and device of each phase, from a trace of `steps` steps.
 
   Only ops of HLO modules whose name contains `module` count. Returns {"ms_per_step": {phase:
-  ms}, "fraction": {phase: share}, "devices": n, "ops": n, "scoped": bool}; `scoped` is False
+  ms}, "fraction": {phase: share}, "devices": n, "ops": n, "scoped": bool, "top_ops_ms": {op group:
+  ms} (the `top_ops` largest `op_group`s)}; `scoped` is False
   when no op carried any of the contract's scopes (the attention layers were not annotated), so
   everything shows as "other".
   """
@@ -111,6 +112,7 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
   kernel_names = {k.replace(".", "_"): v for k, v in names.items()}
   data = ProfileData.from_file(str(xplane_path))
   busy = collections.defaultdict(float)  # phase -> ns summed over devices
+  by_op = collections.defaultdict(float)  # op group -> ns summed over devices
   devices = set()
   ops = 0
   for plane in data.planes:
@@ -134,12 +136,26 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
         devices.add(device)
         for _, dur, op_name in _leaf_events(events):
           busy[phase_of(op_name)] += dur
+          by_op[op_group(op_name)] += dur
           ops += 1
   n_dev = max(1, len(devices))
   ms = {p: busy.get(p, 0.0) / 1e6 / n_dev / max(1, steps) for p in PHASES}
   total = sum(ms.values())
+  top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]
   return {"ms_per_step": ms, "fraction": {p: (ms[p] / total if total else 0.0) for p in PHASES},
-          "devices": len(devices), "ops": ops, "scoped": any(busy.get(p) for p in PHASES if p != "other")}
+          "devices": len(devices), "ops": ops, "scoped": any(busy.get(p) for p in PHASES if p != "other"),
+          "top_ops_ms": {k: v / 1e6 / n_dev / max(1, steps) for k, v in top}}
+
+
+def op_group(op_name: str) -> str:
+  """A name stack without its step-specific parts (jit(...) and pipeline tick scopes, transform
+  wrappers), keeping the last three components: ops of the same kind in every layer and tick
+  fall into one group (e.g. `shard_map/jit(_take)/scatter-add`)."""
+  parts = [p for p in op_name.split("/")
+           if not re.match(r"(jit\(_?train_step\)|pipeline_(forward|backward)_\d+)$", p)]
+  parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in parts]
+  parts = [p for p in parts if p]
+  return "/".join(parts[-3:]) or "(unattributed)"
 
 
 def _op_name(event_name: str, stats: dict, names: dict, kernel_names: dict) -> str:
