@@ -18,9 +18,11 @@ format is defined in `distca_jax/schedule/plan.py`. Rows that stay home are copi
 than sent: the plan's diagonal block is taken out of the exchange (`compact_plan`), so the
 all_to_all carries only rows that really move, padded to a small bucket.
 
-Gradients come from JAX's transpose rules: all_to_all transposes to the reverse all_to_all, a
-gather to a scatter-add — which is exactly the summing of the gradients of K/V rows that several
-tasks of one document share on one server. Memory modes: `keep` lets autodiff keep what the
+Gradients: the row movements are linear maps with explicit transposes (custom VJPs): the Q
+dispatch and the O return are each other's transpose (gathers and the reverse all_to_all); the
+K/V gradients gather back by the inverse of the server's K/V gather, return by the reverse
+all_to_all and are summed onto their home rows — which is exactly the summing of the gradients
+of K/V rows that several servers received. Memory modes: `keep` lets autodiff keep what the
 server received for the backward; `resend` wraps the exchange and the kernel in `jax.checkpoint`
 so the server keeps nothing and the backward sends Q, K, V again (and recomputes the server's
 forward: one more attention forward per layer, traded for the memory).
@@ -50,9 +52,10 @@ from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.plan import Plan, PlanArrays, make_plan, row_bucket
 
-_ARRAY_FIELDS = ("local_q_idx", "send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid",
-                 "server_kv_idx", "server_kv_valid", "q_start", "q_len", "kv_start", "kv_len",
-                 "return_idx", "return_valid")
+_ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "send_kv_idx",
+                 "send_kv_valid", "server_kv_idx", "server_kv_valid", "server_kv_inv",
+                 "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len", "return_idx",
+                 "return_valid")
 
 
 class PlanMismatchError(ValueError):
@@ -67,13 +70,15 @@ class DispatchPlan:
   Server-side rows are laid out as [local rows (T) | rows received from each device (N * C)]:
 
   local_q_idx   [N, T]       home rows kept for local tasks, in the order the tasks expect
-                             (padding rows 0; no task reads them)
+  local_q_valid [N, T]       bool (unused local rows: 0 and False; no task reads them)
   send_q_idx    [N, N, C]    home rows sent to each server (the diagonal block is unused)
   send_q_valid  [N, N, C]    bool
   send_kv_idx   [N, N, Ckv]  home K/V rows sent to each server (diagonal unused)
   send_kv_valid [N, N, Ckv]
   server_kv_idx [N, Skv]     server-side K/V gather over [local T | received N*Ckv] rows
   server_kv_valid [N, Skv]
+  server_kv_inv [N, T + N*Ckv]  its inverse (each K/V row a server holds sits in at most one
+  server_kv_inv_valid           slot): the backward gathers K/V gradients instead of scattering
   q_start, q_len, kv_start, kv_len [N, Ctask]  the server's task table (kernels/tasks.py) over
                              its [local T | received N*C] query rows and gathered K/V rows
   return_idx    [N, T]       where home row r's output is in [local T | returned N*C] rows
@@ -81,12 +86,15 @@ class DispatchPlan:
   """
 
   local_q_idx: Any
+  local_q_valid: Any
   send_q_idx: Any
   send_q_valid: Any
   send_kv_idx: Any
   send_kv_valid: Any
   server_kv_idx: Any
   server_kv_valid: Any
+  server_kv_inv: Any
+  server_kv_inv_valid: Any
   q_start: Any
   q_len: Any
   kv_start: Any
@@ -148,6 +156,9 @@ def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
     raise PlanMismatchError("plan keeps more than T rows at home")
   local_q_idx = np.zeros((N, T), np.int32)
   local_q_idx[:, :min(cq, T)] = a.send_q_idx[dev, dev, :T]
+  local_q_valid = np.zeros((N, T), bool)
+  local_q_valid[:, :min(cq, T)] = a.send_q_valid[dev, dev, :T]
+  local_q_idx = np.where(local_q_valid, local_q_idx, 0)
   off = ~eye[..., 0]
   send_q_idx = fit(np.where(off[..., None], a.send_q_idx, 0), c)
   send_q_valid = fit(a.send_q_valid & off[..., None], c)
@@ -160,15 +171,34 @@ def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
   server_kv_idx = np.where(kv_src == dev[:, None], own_rows, T + kv_src * ckv_new + kv_j)
   q_start = np.where(a.q_len > 0, remap(a.q_start, cq, c, dev[:, None]), 0)
   return_idx = remap(a.return_idx, cq, c, dev[:, None])
+  server_kv_idx = np.where(a.server_kv_valid, server_kv_idx, 0).astype(np.int32)
+  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, a.server_kv_valid, T + N * ckv_new)
   return DispatchPlan(
-      local_q_idx=local_q_idx, send_q_idx=send_q_idx.astype(np.int32), send_q_valid=send_q_valid,
+      local_q_idx=local_q_idx.astype(np.int32), local_q_valid=local_q_valid,
+      send_q_idx=send_q_idx.astype(np.int32), send_q_valid=send_q_valid,
       send_kv_idx=send_kv_idx.astype(np.int32), send_kv_valid=send_kv_valid,
-      server_kv_idx=np.where(a.server_kv_valid, server_kv_idx, 0).astype(np.int32),
-      server_kv_valid=a.server_kv_valid.copy(),
+      server_kv_idx=server_kv_idx, server_kv_valid=a.server_kv_valid.copy(),
+      server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid,
       q_start=q_start.astype(np.int32), q_len=a.q_len.astype(np.int32),
       kv_start=a.kv_start.astype(np.int32), kv_len=a.kv_len.astype(np.int32),
       return_idx=np.where(a.return_valid, return_idx, 0).astype(np.int32),
       return_valid=a.return_valid.copy())
+
+
+def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray,
+                rows: int) -> tuple[np.ndarray, np.ndarray]:
+  """For each of a server's `rows` K/V rows, the slot of its gathered K/V buffer holding it
+  (`server_kv_idx`'s inverse), and whether one does. Raises if a row fills two slots."""
+  N = server_kv_idx.shape[0]
+  d, j = np.nonzero(server_kv_valid)
+  target = server_kv_idx[d, j]
+  inv = np.zeros((N, rows), np.int32)
+  valid = np.zeros((N, rows), bool)
+  if np.unique(d.astype(np.int64) * rows + target).size != target.size:
+    raise PlanMismatchError("plan gathers one K/V row into two server slots")
+  inv[d, target] = j
+  valid[d, target] = True
+  return inv, valid
 
 
 def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
@@ -204,13 +234,24 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
     raise PlanMismatchError("plan has a task with more queries than keys")
   if (p.server_kv_idx < 0).any() or (p.server_kv_idx >= T + N * ckv).any():
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
+  # The backward runs the exchange transposed (gathers by these inverses, `_server_exchange`):
+  # exact only if every query row sits in at most one server slot and the K/V inverse matches.
+  inv, inv_valid = _kv_inverse(p.server_kv_idx, p.server_kv_valid, T + N * ckv)
+  if not (np.array_equal(inv_valid, p.server_kv_inv_valid)
+          and np.array_equal(np.where(inv_valid, inv, 0), np.where(inv_valid, p.server_kv_inv, 0))):
+    raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
+  off_diag = ~np.eye(N, dtype=bool)[:, :, None]
+  slots = int(p.local_q_valid.sum()) + int((p.send_q_valid & off_diag).sum())
+  if slots != int(p.return_valid.sum()):
+    raise PlanMismatchError(f"plan places {slots} query rows on servers for "
+                            f"{int(p.return_valid.sum())} real tokens")
 
   # Identity (home device, home row, valid) of every server-side query row and K/V row.
   dev = np.arange(N)
   src = np.broadcast_to(dev[None, :, None], (N, N, c))       # [server, src, j]
   q_home_dev = np.concatenate([np.broadcast_to(dev[:, None], (N, T)), src.reshape(N, -1)], 1)
   q_home_row = np.concatenate([p.local_q_idx, p.send_q_idx.transpose(1, 0, 2).reshape(N, -1)], 1)
-  q_ok = np.concatenate([np.ones((N, T), bool), p.send_q_valid.transpose(1, 0, 2).reshape(N, -1)], 1)
+  q_ok = np.concatenate([p.local_q_valid, p.send_q_valid.transpose(1, 0, 2).reshape(N, -1)], 1)
   srck = np.broadcast_to(dev[None, :, None], (N, N, ckv))
   kv_dev_all = np.concatenate([np.broadcast_to(dev[:, None], (N, T)), srck.reshape(N, -1)], 1)
   kv_row_all = np.concatenate([np.broadcast_to(np.arange(T)[None], (N, T)),
@@ -351,67 +392,107 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
 # ----------------------------------------------------------------------------- device side
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _take_rows(num_rows: int, x, idx):
-  """`jnp.take(x, idx, axis=0)` (x has `num_rows` rows) whose gradient scatter-adds into a zero
-  buffer of its own.
-
-  Autodiff's transpose of a gather scatter-adds into `zeros(x.shape)`, a constant broadcast that
-  XLA's CSE merges across every layer and pipeline tick of the step; copy insertion then gives each
-  in-place scatter its own copy, fused into one multi-output fusion that materialises all of them
-  at the start of the step (25 GiB of temporaries for 4 layers x 10 ticks of 64K tokens on 2
-  H100s). Here the zero is computed from the plan's indices (an exact 0: an int32 converted to
-  float times 0), so each call site's buffer is distinct, created next to its scatter."""
-  return jnp.take(x, idx, axis=0)
+def _exchange(blocks_NxCx):
+  """One tiled all_to_all over the server pool: block s goes to device s, the block from device
+  s lands at s. Its own transpose."""
+  return jax.lax.all_to_all(blocks_NxCx, ROW_AXES, 0, 0, tiled=True)
 
 
-def _take_rows_fwd(num_rows, x, idx):
-  return jnp.take(x, idx, axis=0), idx
+def _masked(valid, x):
+  return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim)), x, 0)
 
 
-def _take_rows_bwd(num_rows, idx, g):
-  zero = idx.reshape(-1)[0].astype(g.dtype) * 0 if idx.size else jnp.zeros((), g.dtype)
-  dx = jnp.full((num_rows,) + g.shape[idx.ndim:], zero, g.dtype)
-  dx = dx.at[idx.reshape(-1)].add(g.reshape((-1,) + g.shape[idx.ndim:]))
-  return dx, None
+# The exchange's row movements are linear maps whose transposes are each other's or simple
+# gathers; they are given explicitly (custom VJPs) rather than derived by autodiff, whose
+# transpose of a gather is a scatter-add into a fresh zero buffer: slow on GPU for rows of
+# 32 heads x 128, and XLA merged those zero buffers across layers and pipeline ticks into one
+# allocation made at the start of the step (tens of GiB).
 
 
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+def _rows_to_servers(x_TxHxE, p: "DispatchPlan"):
+  """Home rows -> server-side rows [local T | received N*C] (Q forward, dO backward)."""
+  N, C = p.send_q_idx.shape
+  local = _masked(p.local_q_valid, jnp.take(x_TxHxE, p.local_q_idx, axis=0))
+  if C == 0:
+    return local
+  blocks = jnp.take(x_TxHxE, p.send_q_idx.reshape(-1), axis=0).reshape((N, C) + x_TxHxE.shape[1:])
+  with jax.named_scope("dispatch"):
+    recv = _exchange(_masked(p.send_q_valid, blocks))
+  return jnp.concatenate([local, recv.reshape((-1,) + x_TxHxE.shape[1:])])
+
+
+def _rows_to_home(y_RxHxE, p: "DispatchPlan"):
+  """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`
+  (every real token sits in exactly one server slot; `validate_plan` checks it)."""
+  N, C = p.send_q_idx.shape
+  T = p.return_idx.shape[0]
+  if C:
+    with jax.named_scope("return"):
+      back = _exchange(y_RxHxE[T:].reshape((N, C) + y_RxHxE.shape[1:]))
+    y_RxHxE = jnp.concatenate([y_RxHxE[:T], back.reshape((-1,) + y_RxHxE.shape[1:])])
+  return _masked(p.return_valid, jnp.take(y_RxHxE, p.return_idx, axis=0))
+
+
+@jax.custom_vjp
+def rows_to_servers(x, p):
+  return _rows_to_servers(x, p)
+
+
+@jax.custom_vjp
+def rows_to_home(y, p):
+  return _rows_to_home(y, p)
+
+
+rows_to_servers.defvjp(lambda x, p: (_rows_to_servers(x, p), p),
+                       lambda p, g: (_rows_to_home(g, p), None))
+rows_to_home.defvjp(lambda y, p: (_rows_to_home(y, p), p),
+                    lambda p, g: (_rows_to_servers(g, p), None))
+
+
+def _kv_to_servers(x_TxKxE, p: "DispatchPlan"):
+  """Home K/V rows -> the server's gathered K/V buffer [Skv] (each document prefix contiguous)."""
+  N, C = p.send_kv_idx.shape
+  rows = x_TxKxE
+  if C:
+    blocks = jnp.take(x_TxKxE, p.send_kv_idx.reshape(-1), axis=0).reshape((N, C) + x_TxKxE.shape[1:])
+    with jax.named_scope("dispatch"):
+      recv = _exchange(_masked(p.send_kv_valid, blocks))
+    rows = jnp.concatenate([x_TxKxE, recv.reshape((-1,) + x_TxKxE.shape[1:])])
+  return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
+
+
+def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan"):
+  """The transpose of `_kv_to_servers`: a gather by the inverse slot map, the reverse exchange,
+  and a scatter-add of the returned rows onto the local ones (a row sent to several servers
+  sums their gradients), in place."""
+  N, C = p.send_kv_idx.shape
+  T = p.server_kv_inv.shape[0] - N * C
+  rows = _masked(p.server_kv_inv_valid, jnp.take(g_SxKxE, p.server_kv_inv, axis=0))
+  if C == 0:
+    return rows
+  with jax.named_scope("return"):
+    back = _exchange(rows[T:].reshape((N, C) + rows.shape[1:]))
+  back = _masked(p.send_kv_valid, back).reshape((-1,) + rows.shape[1:])
+  return rows[:T].at[p.send_kv_idx.reshape(-1)].add(back)
+
+
+@jax.custom_vjp
+def kv_to_servers(x, p):
+  return _kv_to_servers(x, p)
+
+
+kv_to_servers.defvjp(lambda x, p: (_kv_to_servers(x, p), p),
+                     lambda p, g: (_kv_grads_to_home(g, p), None))
 
 
 def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
   """Steps 1-4 for one device (inside shard_map; plan arrays without their leading N)."""
-  N, C = p.send_q_idx.shape[0], p.send_q_idx.shape[1]
-  T = q_TxHxE.shape[0]
-
-  def send(x_TxKxE, idx_NxC, valid_NxC):
-    if idx_NxC.shape[-1] == 0:  # nothing moves: no exchange at all
-      return jnp.zeros((0,) + x_TxKxE.shape[1:], x_TxKxE.dtype)
-    blocks = _take_rows(T, x_TxKxE, idx_NxC.reshape(-1)).reshape(idx_NxC.shape + x_TxKxE.shape[1:])
-    blocks = jnp.where(valid_NxC[..., None, None], blocks, 0)
-    with jax.named_scope("dispatch"):
-      recv = jax.lax.all_to_all(blocks, ROW_AXES, 0, 0, tiled=True)
-    return recv.reshape((-1,) + x_TxKxE.shape[1:])
-
-  q_rows = jnp.concatenate([_take_rows(T, q_TxHxE, p.local_q_idx),
-                            send(q_TxHxE, p.send_q_idx, p.send_q_valid)])
-  k_rows = jnp.concatenate([k_TxKxE, send(k_TxKxE, p.send_kv_idx, p.send_kv_valid)])
-  v_rows = jnp.concatenate([v_TxKxE, send(v_TxKxE, p.send_kv_idx, p.send_kv_valid)])
-  kv_mask = p.server_kv_valid[:, None, None]
-  k_srv = jnp.where(kv_mask, _take_rows(k_rows.shape[0], k_rows, p.server_kv_idx), 0)
-  v_srv = jnp.where(kv_mask, _take_rows(v_rows.shape[0], v_rows, p.server_kv_idx), 0)
+  q_rows = rows_to_servers(q_TxHxE, p)
+  k_srv, v_srv = kv_to_servers(k_TxKxE, p), kv_to_servers(v_TxKxE, p)
   tasks = TaskTable(p.q_start, p.q_len, p.kv_start, p.kv_len)
   with jax.named_scope("core_attention"):
     o_rows, _ = kernels.attention(q_rows, k_srv, v_srv, tasks, backend=backend)
-  o_local, o_sent = o_rows[:T], o_rows[T:].reshape((N, C) + o_rows.shape[1:])
-  if C == 0:
-    o_all = o_local
-  else:
-    with jax.named_scope("return"):
-      o_back = jax.lax.all_to_all(o_sent, ROW_AXES, 0, 0, tiled=True).reshape((-1,) + o_rows.shape[1:])
-    o_all = jnp.concatenate([o_local, o_back])
-  out = _take_rows(o_all.shape[0], o_all, p.return_idx)
-  return jnp.where(p.return_valid[:, None, None], out, 0)
+  return rows_to_home(o_rows, p)
 
 
 def make_distca_attention(attention_config, mesh: Mesh):

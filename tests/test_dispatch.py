@@ -116,6 +116,21 @@ def test_plan_for_another_batch_is_refused():
   swapped[0, [0, 1]] = swapped[0, [1, 0]]
   with pytest.raises(dispatch.PlanMismatchError, match="another token"):
     dispatch.validate_plan(dataclasses.replace(plan_a, local_q_idx=swapped), a.layout)
+  # The backward's transposes: a wrong K/V inverse, or a query row placed on two servers.
+  inv = plan_a.server_kv_inv.copy()
+  slot = np.argwhere(plan_a.server_kv_inv_valid)[0]
+  inv[tuple(slot)] += 1
+  with pytest.raises(dispatch.PlanMismatchError, match="inverse"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_inv=inv), a.layout)
+  free = np.argwhere(~plan_a.local_q_valid)
+  assert free.size, "want a batch where some rows move (free local slots)"
+  twice_valid = plan_a.local_q_valid.copy()
+  twice_valid[tuple(free[0])] = True
+  twice_idx = plan_a.local_q_idx.copy()
+  twice_idx[tuple(free[0])] = plan_a.local_q_idx[free[0][0], 0]
+  with pytest.raises(dispatch.PlanMismatchError, match="query rows on servers"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, local_q_valid=twice_valid,
+                                               local_q_idx=twice_idx), a.layout)
 
 
 def test_balanced_batch_skips_the_exchange():
