@@ -302,6 +302,10 @@ def validate(config: Config) -> None:
     if config.attention.impl == "distca" and config.attention.pingpong:
       raise ConfigError("attention.pingpong: not supported with mesh.pipe > 1 yet (one plan per "
                         "pipeline tick); set attention.pingpong=false")
+    if config.data.tokens_per_device % m.pipe:
+      raise ConfigError(f"data.tokens_per_device: {config.data.tokens_per_device} must be a multiple "
+                        f"of mesh.pipe ({m.pipe}): the LM head splits each micro-batch's tokens "
+                        f"over the stages")
     if config.model.remat != "full":
       raise ConfigError(f"model.remat: the pipeline keeps only block inputs between a micro-batch's "
                         f"forward and backward ticks and recomputes each block once (full remat); "

@@ -25,7 +25,7 @@ micro-batches in flight — at most 2S-1 for the first stage in this lock-step o
 each as soon as its backward has run. Gradients accumulate in place: block gradients by
 `.at[].add`, the LM head's chunk by chunk (`cross_entropy_and_grads`), the embedding's by one
 scatter-add per micro-batch. The embedding and the LM head + loss run outside the stages (first
-stage's input, last stage's output).
+stage's input, last stage's output); the head's tokens are split over every stage's device.
 
 Parameters: `split_blocks` turns a `Llama`'s state into `{"embed", "final_norm", "lm_head",
 "blocks"}` plain arrays (blocks stacked), `join_blocks` reverses it, so the pipelined model is
@@ -331,16 +331,32 @@ class PipelinedLlama:
       grads_blocks = jax.tree.map(lambda G, g: G.at[:, i].add(g), grads_blocks, g_i)
     return dy_SxBxTxD, grads_blocks
 
-  def _head(self, head, grads, h_BxTxD, targets_BxT, mask_BxT, scale):
-    """Final norm, LM head and cross-entropy of one micro-batch: (loss * scale, gradient of h),
-    with the head's parameter gradients added into `grads` (chunk by chunk, in place)."""
+  def _head(self, head, acc, h_BxTxD, targets_BxT, mask_BxT, scale):
+    """Final norm, LM head and cross-entropy of some tokens: (loss * scale, gradient of h, `acc`
+    with the head's parameter gradients added chunk by chunk, in place)."""
     norm = lambda p, h: _merge(self.norm_def, self.norm_state, p)(h)
     h_normed, norm_vjp = jax.vjp(norm, head["final_norm"], h_BxTxD)
-    loss, dh_normed, grads["lm_head"] = cross_entropy_and_grads(
-        h_normed, head["lm_head"], targets_BxT, mask_BxT, scale, grads["lm_head"])
+    loss, dh_normed, acc_w = cross_entropy_and_grads(
+        h_normed, head["lm_head"], targets_BxT, mask_BxT, scale, acc["lm_head"])
     g_norm, dh = norm_vjp(dh_normed)
-    grads["final_norm"] = jax.tree.map(jnp.add, grads["final_norm"], g_norm)
-    return loss, dh
+    return loss, dh, {"final_norm": jax.tree.map(jnp.add, acc["final_norm"], g_norm), "lm_head": acc_w}
+
+  def _head_all_stages(self, head, acc_S, h_BxTxD, targets_BxT, mask_BxT, scale):
+    """The LM head of the last stage's output, its tokens split over the S stages' devices (the
+    head of a 128K vocabulary costs as much as several decoder blocks; on the last stage alone it
+    would leave every other stage waiting at the tick barrier). `acc_S`: per-stage gradient
+    accumulators [S, ...], sharded over `pipe`, summed once at the end of the step."""
+    S = self.stages
+    B, T = targets_BxT.shape
+    by_stage = lambda a: self._on_stages(a.reshape((B, S, T // S) + a.shape[2:]).swapaxes(0, 1))
+    per_stage = jax.vmap(lambda acc, h, t, m: self._head(head, acc, h, t, m, scale),
+                         spmd_axis_name="pipe")
+    loss_S, dh_S, acc_S = per_stage(acc_S, by_stage(h_BxTxD), by_stage(targets_BxT), by_stage(mask_BxT))
+    return jnp.sum(loss_S), dh_S.swapaxes(0, 1).reshape(h_BxTxD.shape), acc_S
+
+  def _on_stages(self, x):
+    """`x` [S, ...] laid out one slice per pipeline stage."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P("pipe")))
 
   def value_and_grad(self, params, arrays, forward_ctx, backward_ctx, schedule: Schedule):
     """(mean loss over real tokens, token count), gradients — the same values as
@@ -354,7 +370,8 @@ class PipelinedLlama:
     pick = lambda ctx, t: jax.tree.map(lambda a: a[t], ctx)
     head = {"final_norm": params["final_norm"], "lm_head": params["lm_head"]}
 
-    grads = jax.tree.map(jnp.zeros_like, params)
+    grads = jax.tree.map(jnp.zeros_like, {k: v for k, v in params.items() if k in ("embed", "blocks")})
+    head_acc = jax.tree.map(lambda a: self._on_stages(jnp.zeros((S,) + a.shape, a.dtype)), head)
     loss = jnp.zeros((), jnp.float32)
     inputs: dict[int, tuple[jax.Array, ...]] = {}  # forward tick -> every stage's block inputs
     last_out: dict[int, jax.Array] = {}    # micro-batch -> last stage's output
@@ -372,14 +389,16 @@ class PipelinedLlama:
           m_last = schedule.forward_mb(t, S - 1)
           if m_last is not None:
             last_out[m_last] = y[S - 1]
-        y, dx, grads, loss, inputs, last_out = _tick_barrier(y, dx, grads, loss, inputs, last_out)
+        y, dx, grads, head_acc, loss, inputs, last_out = _tick_barrier(
+            y, dx, grads, head_acc, loss, inputs, last_out)
         continue
       with jax.named_scope(f"pipeline_backward_{t}"):
         # Cotangent of every stage's output: the loss gradient for the last stage, the next
         # stage's input gradient (sent back) for the others.
         m_last = schedule.backward_mb(t, S - 1)
         if m_last is not None:
-          l, dy_last = self._head(head, grads, last_out.pop(m_last), targets[m_last], masks[m_last], norm)
+          l, dy_last, head_acc = self._head_all_stages(head, head_acc, last_out.pop(m_last),
+                                                       targets[m_last], masks[m_last], norm)
           loss = loss + l
         else:
           dy_last = jnp.zeros(y.shape[1:], y.dtype)
@@ -401,5 +420,7 @@ class PipelinedLlama:
         if m_first is not None:  # embedding gradient, scattered into the accumulator in place
           grads["embed"] = grads["embed"].at[tokens[m_first].reshape(-1)].add(
               dx[0].reshape(-1, hidden).astype(grads["embed"].dtype))
-      y, dx, grads, loss, inputs, last_out = _tick_barrier(y, dx, grads, loss, inputs, last_out)
+      y, dx, grads, head_acc, loss, inputs, last_out = _tick_barrier(
+          y, dx, grads, head_acc, loss, inputs, last_out)
+    grads.update(jax.tree.map(lambda a: jnp.sum(a, axis=0), head_acc))
     return (loss, count), grads

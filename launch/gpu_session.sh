@@ -2,7 +2,9 @@
 # Runs the GPU benchmarks on a lent machine that has JAX but not this package or jax-triton
 # (the device tool's machines). Usage: bash launch/gpu_session.sh SUITE [SUITE...]
 #   mfu    1 GPU: llama_1b tokens/s and MFU, colocated, 32K and 64K tokens per device
-#   cad    all GPUs: colocated vs distca (ping-pong on/off), llama3_8b shape with 4 layers
+#   cad    all GPUs: colocated vs distca (ping-pong on/off), llama3_8b shape with 2 layers
+#          (env CAD_BATCHES, CAD_TOKENS, CAD_ABLATION: the batch with the single-stream ablation,
+#          CAD_TRACE: where to trace the first batch's distca step, "" for no trace)
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -21,17 +23,21 @@ fi
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r distca_jax /tmp/pkg/ && cp -r kernels /tmp/pkg/distca_jax/kernels \
   && cp -r models /tmp/pkg/distca_jax/models
 export PYTHONPATH=/tmp/pkg:/tmp/site:${PYTHONPATH:-}
+CAD_TRACE=${CAD_TRACE-/tmp/trace}  # "" for no trace
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpus.txt"
 for suite in "$@"; do
   case $suite in
     mfu) CUDA_VISIBLE_DEVICES=0 timeout 230 python3 -P launch/bench_train.py --suite mfu --tokens 32768 65536 \
            --warmup 1 --steps 3 --json "$OUT/mfu.json" model.preset=llama_1b data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/mfu.log" ;;
-    cad) timeout 330 python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
-           --trace-dir /tmp/trace model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
-           2>&1 | grep -v -i warn | tee "$OUT/cad.log"
-         find /tmp/trace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
-         python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log" ;;
+    cad) timeout ${CAD_TIMEOUT:-330} python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
+           --batches ${CAD_BATCHES:-pretrain prolong skewed uniform} --pingpong-ablation "${CAD_ABLATION-pretrain}" \
+           ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
+           data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/cad.log"
+         if [ -n "$CAD_TRACE" ]; then
+           find "$CAD_TRACE" -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
+           python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
+         fi ;;
     pp) timeout ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
            --microbatches ${PP_MICROBATCHES:-4} --warmup 1 --steps 2 --json "$OUT/pp.json" \
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \

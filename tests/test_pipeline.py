@@ -154,6 +154,8 @@ def test_pipeline_trains_end_to_end(tmp_path):
     (["mesh.pipe=1", "train.microbatches=2"], "microbatches"),
     (["mesh.pipe=2", "attention.pingpong=false", "train.microbatches=0"], "microbatches"),
     (["mesh.pipe=2", "attention.pingpong=false", "model.remat=none"], "model.remat"),
+    (["mesh.pipe=3", "model.layers=3", "attention.pingpong=false", "data.tokens_per_device=128"],
+     "multiple of mesh.pipe"),
 ])
 def test_pipeline_config_errors(overrides, match):
   with pytest.raises(ConfigError, match=match):

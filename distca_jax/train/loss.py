@@ -7,6 +7,8 @@ kept for the backward pass and the logits of one chunk exist at a time.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -21,17 +23,17 @@ def _token_loss(h_BxCxD, w_DxV, t_BxC, m_BxC):
 
 
 def _chunked(chunk: int, *arrays_BxT):
-  """[B, T, ...] arrays -> [n, B, chunk, ...] (one chunk of T when `chunk` does not divide T)."""
+  """[B, T, ...] arrays -> [n, B, chunk, ...]; when `chunk` does not divide T, the largest
+  power-of-two part of it that does (never one chunk of T: its fp32 logits would not fit)."""
   B, T = arrays_BxT[0].shape[:2]
-  if T % chunk:
-    chunk = T
+  chunk = math.gcd(T, chunk)
   return tuple(a.reshape((B, T // chunk, chunk) + a.shape[2:]).swapaxes(0, 1) for a in arrays_BxT)
 
 
 def chunked_cross_entropy(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array,
                           mask_BxT: jax.Array, chunk: int = 2048) -> jax.Array:
-  """Sum over masked tokens of -log p(target) (fp32 scalar). `T` is split into chunks of `chunk`
-  (or one chunk if T is not a multiple)."""
+  """Sum over masked tokens of -log p(target) (fp32 scalar), `T` split into chunks of `chunk`
+  tokens (see `_chunked`)."""
   one = jax.checkpoint(lambda h, t, m: _token_loss(h, w_DxV, t, m))
   hs, ts, ms = _chunked(chunk, h_BxTxD, targets_BxT, mask_BxT)
   if hs.shape[0] == 1:
