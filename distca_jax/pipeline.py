@@ -139,6 +139,38 @@ def pipeline_shardings(llama_shardings: Any, mesh: Mesh) -> dict[str, Any]:
           "blocks": jax.tree.map(stage, pure["blocks"][0])}
 
 
+def relayout_state(state: Any, from_stages: int, to_stages: int, layers: int,
+                   canonical_template: Any) -> Any:
+  """A `TrainState` in the parameter layout of `from_stages` stages -> that of `to_stages` (1: the
+  unpipelined model's nnx.State, built on `canonical_template`; S > 1: `split_blocks`'s stacked
+  dict): the parameters and every parameter-shaped part of the optimizer state (AdamW's
+  moments). Reshapes only; jit it with the target shardings."""
+  params_def = jax.tree.structure(state.params)
+
+  def convert(tree):
+    pure = tree.to_pure_dict() if isinstance(tree, nnx.State) else tree
+    canonical = join_blocks(pure) if from_stages > 1 else pure
+    if to_stages > 1:
+      return split_blocks(canonical, layers, to_stages)
+    out = jax.tree.map(lambda x: x, canonical_template)
+    nnx.replace_by_pure_dict(out, canonical)
+    return out
+
+  def walk(node):
+    if jax.tree.structure(node) == params_def:
+      return convert(node)
+    if isinstance(node, tuple):
+      items = [walk(x) for x in node]
+      return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    if isinstance(node, list):
+      return [walk(x) for x in node]
+    if isinstance(node, dict):
+      return {k: walk(v) for k, v in node.items()}
+    return node
+
+  return dataclasses.replace(state, params=convert(state.params), opt_state=walk(state.opt_state))
+
+
 # ----------------------------------------------------------------------------- host side
 
 

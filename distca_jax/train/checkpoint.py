@@ -178,26 +178,9 @@ class Checkpointer:
         `{"model": {"hidden": 4096, "layers": 32, ...}}`); a difference raises
         CheckpointMismatchError naming every differing field.
     """
+    step, extra = self.read_extra(step)
     steps = self.all_steps()
-    if step is None:
-      if not steps:
-        if not self.directory.exists():
-          raise NoCheckpointError(f"no checkpoint to restore: directory {self.directory} does not exist")
-        raise NoCheckpointError(f"no checkpoint to restore: {self.directory} holds no complete checkpoint")
-      step = steps[-1]
-    elif step not in steps:
-      why = ("it is incomplete (its save was interrupted)" if self._step_dir(step).exists()
-             else "it does not exist")
-      raise NoCheckpointError(
-          f"checkpoint step {step} in {self.directory}: {why}; complete steps are {steps}")
     where = f"checkpoint step {step} in {self.directory}"
-
-    try:
-      extra = self._manager.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore())).extra
-    except Exception as e:  # orbax/tensorstore raise many unrelated types for unreadable files
-      raise CheckpointCorruptError(f"{where}: cannot read its `extra` item ({_brief(e)})") from e
-    if not isinstance(extra, dict):
-      raise CheckpointCorruptError(f"{where}: its `extra` item is {type(extra).__name__}, expected a dict")
     if expect is not None:
       diffs = _diff(expect, extra, "")
       if diffs:
@@ -215,6 +198,30 @@ class Checkpointer:
           f"{where}: cannot read its arrays ({_brief(e)}); the files are corrupt or "
           f"incomplete. Other complete steps: {[s for s in steps if s != step]}") from e
     return state, extra
+
+  def read_extra(self, step: int | None = None) -> tuple[int, dict]:
+    """(step, its `extra` dict) of checkpoint `step` (default: the latest complete one), without
+    reading the arrays."""
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        if not self.directory.exists():
+          raise NoCheckpointError(f"no checkpoint to restore: directory {self.directory} does not exist")
+        raise NoCheckpointError(f"no checkpoint to restore: {self.directory} holds no complete checkpoint")
+      step = steps[-1]
+    elif step not in steps:
+      why = ("it is incomplete (its save was interrupted)" if self._step_dir(step).exists()
+             else "it does not exist")
+      raise NoCheckpointError(
+          f"checkpoint step {step} in {self.directory}: {why}; complete steps are {steps}")
+    where = f"checkpoint step {step} in {self.directory}"
+    try:
+      extra = self._manager.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore())).extra
+    except Exception as e:  # orbax/tensorstore raise many unrelated types for unreadable files
+      raise CheckpointCorruptError(f"{where}: cannot read its `extra` item ({_brief(e)})") from e
+    if not isinstance(extra, dict):
+      raise CheckpointCorruptError(f"{where}: its `extra` item is {type(extra).__name__}, expected a dict")
+    return step, extra
 
   def _check_tree(self, step: int, where: str, abstract_state: Any) -> None:
     """Raises CheckpointMismatchError if the stored tree's paths or array shapes differ from the

@@ -150,11 +150,12 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
     checkpointer = Checkpointer(config.checkpoint.dir or str(out_dir / "checkpoints"),
                                 save_every=config.checkpoint.every, keep=config.checkpoint.keep)
     if config.checkpoint.resume and checkpointer.latest_step() is not None:
-      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-      state, extra = checkpointer.restore(abstract_state=abstract,
-                                          expect={"model": dataclasses.asdict(shape)})
+      state, extra = restore_any_layout(checkpointer, trainer, state,
+                                        expect={"model": dataclasses.asdict(shape)})
       start_step = int(extra["step"])
-      log(f"resumed from checkpoint at step {start_step}")
+      log(f"resumed from checkpoint at step {start_step}" + (
+          f" (saved with {extra['pipeline_stages']} pipeline stages, now {trainer.stages})"
+          if extra.get("pipeline_stages", 1) != trainer.stages else ""))
     elif config.checkpoint.resume and main:
       log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")
   init_s = time.perf_counter() - t0
@@ -255,7 +256,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
         log(f"step {step + 1}: " + " ".join(f"{k}={v:.4g}" for k, v in record.items()))
       # Checked here too: orbax's should_save also saves the first step a manager sees.
       if (checkpointer is not None and (step + 1) % config.checkpoint.every == 0
-          and checkpointer.maybe_save(step + 1, state, _extra(step + 1, shape))):
+          and checkpointer.maybe_save(step + 1, state, _extra(step + 1, shape, trainer.stages))):
         saved_step = step + 1
       if config.train.max_seconds is not None and _out_of_time(run_start, config.train.max_seconds):
         if main:
@@ -264,7 +265,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
     done = start_step + len(losses)
     if checkpointer is not None and losses and saved_step != done and done < config.train.steps:
       # An early stop (stop_at_step, max_seconds) keeps its progress: checkpoint where it ended.
-      checkpointer.maybe_save(done, state, _extra(done, shape), force=True)
+      checkpointer.maybe_save(done, state, _extra(done, shape, trainer.stages), force=True)
   finally:
     prefetch.close()
     if tracing:
@@ -308,9 +309,32 @@ def _out_of_time(run_start: float, max_seconds: float) -> bool:
   return out
 
 
-def _extra(step: int, shape) -> dict[str, Any]:
-  """Checkpoint `extra`: the data iterator's state (the step) and the model shape it belongs to."""
-  return {"step": step, "model": dataclasses.asdict(shape)}
+def _extra(step: int, shape, stages: int) -> dict[str, Any]:
+  """Checkpoint `extra`: the data iterator's state (the step), the model shape it belongs to and
+  the pipeline stages of its parameter layout."""
+  return {"step": step, "model": dataclasses.asdict(shape), "pipeline_stages": stages}
+
+
+def restore_any_layout(checkpointer, trainer, state, expect: dict[str, Any]) -> tuple[Any, dict]:
+  """Restores the latest checkpoint into `state`'s shardings, whatever the pipeline stages it was
+  saved with (`extra["pipeline_stages"]`, 1 when absent): a checkpoint of another layout is read
+  in its own layout (shardings XLA derives from the current ones through the relayout) and
+  converted (`Trainer.relayout`), so a run can resume with more, fewer or no pipeline stages."""
+  import jax
+
+  _, stored = checkpointer.read_extra()
+  saved, now = int(stored.get("pipeline_stages", 1)), trainer.stages
+  abstract = lambda tree, shardings: jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+  current = jax.tree.map(lambda x: x.sharding, state)
+  if saved == now:
+    return checkpointer.restore(abstract_state=abstract(state, current), expect=expect)
+  to_saved = jax.jit(lambda s: trainer.relayout(s, now, saved))
+  saved_shardings = to_saved.lower(state).compile().output_shardings
+  restored, extra = checkpointer.restore(
+      abstract_state=abstract(jax.eval_shape(to_saved, state), saved_shardings), expect=expect)
+  to_now = jax.jit(lambda s: trainer.relayout(s, saved, now), out_shardings=current)
+  return to_now(restored), extra
 
 
 def _peak_memory(devices) -> list[int] | None:

@@ -78,6 +78,7 @@ class Trainer:
     self._build = build
     abstract_model = nnx.eval_shape(lambda: build(0))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    self.abstract_params = abstract_params  # the unpipelined layout (checkpoint relayout)
     self.param_shardings = mesh_lib.param_shardings(abstract_params, mesh, self.rules)
     # With mesh.pipe > 1 the parameters take the pipeline layout (blocks stacked per stage,
     # pipeline.split_blocks) and the step runs the lock-step 1F1B schedule.
@@ -114,6 +115,19 @@ class Trainer:
         opt_state)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     return TrainState(step=step, params=params, opt_state=opt_state)
+
+  @property
+  def stages(self) -> int:
+    """Pipeline stages of the parameter layout (1: the unpipelined model's)."""
+    return 1 if self.pipeline is None else self.pipeline.stages
+
+  def relayout(self, state: "TrainState", from_stages: int, to_stages: int) -> "TrainState":
+    """`state` in the parameter layout of `from_stages` pipeline stages -> `to_stages`'s (jit it
+    with the target shardings; see `restore_any_layout`)."""
+    from distca_jax import pipeline
+
+    return pipeline.relayout_state(state, from_stages, to_stages, self.shape.layers,
+                                   self.abstract_params)
 
   # ------------------------------------------------------------------ step
 
