@@ -145,6 +145,8 @@ def test_pipeline_trains_end_to_end(tmp_path):
                      "model.remat=full")
   summary = loop.run(cfg, log=lambda *_: None)
   assert summary.steps == 3 and summary.compile_count == 1
+  assert summary.microbatches == 2 and summary.pipeline_bubble == pytest.approx(1 / 3)
+  assert "bubble 33%" in loop.format_summary(summary)
   assert summary.losses[-1] < summary.losses[0]
 
 

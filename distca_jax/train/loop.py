@@ -65,6 +65,10 @@ class Summary:
   step_time_p90_s: float = float("nan")
   # Peak bytes in use per local device (None where the backend keeps no statistics, e.g. CPU).
   peak_memory_bytes: list[int] | None = None
+  # With mesh.pipe > 1: micro-batches per step and the schedule's bubble fraction (stage-ticks
+  # without a micro-batch, whose devices only serve attention under CAD).
+  microbatches: int = 1
+  pipeline_bubble: float = 0.0
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -281,6 +285,11 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
   steady = sum(times)
   stats = profile_lib.step_time_stats(times)
   memory = _peak_memory(local_devices)
+  bubble = 0.0
+  if trainer.pipeline is not None:
+    from distca_jax import pipeline
+
+    bubble = pipeline.Schedule(trainer.stages, microbatches).bubble_fraction
   summary = Summary(
       steps=len(losses), losses=losses, step_times_s=times, compile_s=compile_s + init_s,
       compile_count=trainer.compile_count(),
@@ -290,7 +299,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       devices=mesh.size, mesh_shape=dict(mesh.shape), start_step=start_step,
       attention_imbalance_after=float(np.mean(imbalances_after)) if imbalances_after else None,
       step_time_median_s=stats["median_s"], step_time_p90_s=stats["p90_s"],
-      peak_memory_bytes=memory)
+      peak_memory_bytes=memory, microbatches=microbatches, pipeline_bubble=bubble)
   if main:
     (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     if config.train.profile:
@@ -406,7 +415,9 @@ def _progress(enabled: bool, start: int, total: int):
 def format_summary(s: Summary) -> str:
   med = float(np.median(s.step_times_s)) if s.step_times_s else float("nan")
   lines = [
-      f"devices {s.devices} mesh {s.mesh_shape}; steps {s.steps}; compiled {s.compile_count}x",
+      f"devices {s.devices} mesh {s.mesh_shape}; steps {s.steps}; compiled {s.compile_count}x"
+      + (f"; pipeline: {s.microbatches} micro-batches, bubble {s.pipeline_bubble:.0%}"
+         if s.mesh_shape.get("pipe", 1) > 1 else ""),
       f"loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}" if s.losses else "no steps run",
       f"compile+init {s.compile_s:.1f}s; median step {med * 1e3:.1f} ms; {s.tokens_per_s:,.0f} tokens/s",
       f"MFU {s.mfu * 100:.1f}%" if s.mfu is not None else "MFU n/a (unknown peak: set train.peak_tflops)",
