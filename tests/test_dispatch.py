@@ -157,3 +157,37 @@ def test_balanced_batch_skips_the_exchange():
   skewed = _layout_batch("long_on_one", 4, seed=3, T=128)
   arrays, dctx = trainer.put_batch(skewed, attn.host_context(cfg.attention, skewed, trainer.shape))
   assert "all-to-all" in step.lower(state.params, arrays, dctx).compile().as_text()
+
+
+def test_backward_has_no_autodiff_scatters():
+  """The exchange's backward is its explicit transposes: gathers, the reverse all_to_all, and one
+  scatter-add per K/V tensor onto rows that exist (autodiff's transposes of the gathers would add
+  a scatter-add into a fresh zero buffer per gather: slow on GPU, and XLA once materialised all
+  of their zero buffers at step start)."""
+  cfg = small_config("mesh.data=2", "attention.impl=distca", "attention.pingpong=false",
+                     "data.tokens_per_device=128")
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2])
+  core_attention = dispatch.make_distca_attention(cfg.attention, mesh)
+  batch = _layout_batch("long_on_one", 2, seed=0, T=128)
+  from distca_jax.models.presets import resolve
+
+  _, plan = dispatch.plan_for_layout(cfg.attention, batch.layout, resolve(cfg.model))
+  assert plan.send_q_idx.shape[-1] > 0, "want a plan that moves rows"
+  q = jax.numpy.ones((2, 128, 4, 16))
+  kv = jax.numpy.ones((2, 128, 2, 16))
+  loss = lambda q, k, v: core_attention(q, k, v, plan).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
+
+  from jax.extend import core as jax_core
+
+  def count(jaxpr, name):
+    n = 0
+    for eqn in jaxpr.eqns:
+      n += eqn.primitive.name == name
+      for sub in jax_core.jaxprs_in_params(eqn.params):
+        n += count(sub, name)
+    return n
+
+  assert count(jaxpr.jaxpr, "scatter-add") == 2  # K and V gradients summed home
+  # Forward: Q, K, V out and O back; backward: dO out and dQ, dK, dV back.
+  assert count(jaxpr.jaxpr, "all_to_all") == 8
