@@ -152,6 +152,8 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--pingpong-ablation", default="pretrain",
                       help="batch on which distca also runs with ping-pong off ('' for none)")
+  parser.add_argument("--resend-ablation", default="",
+                      help="batch on which distca also runs with attention.memory_mode=resend")
   parser.add_argument("--trace-dir", default=None,
                       help="cad: xprof trace of the last distca step; pp: of every variant's last "
                            "step (DIR/<batch>-<variant>), with its per-phase busy time")
@@ -227,6 +229,9 @@ def main(argv=None) -> int:
       variants = [("colocated", ["attention.impl=colocated"]), ("distca", ["attention.impl=distca", "attention.pingpong=true"])]
       if kind == args.pingpong_ablation:
         variants.append(("distca-single", ["attention.impl=distca", "attention.pingpong=false"]))
+      if kind == args.resend_ablation:  # the other memory mode: servers keep only O and LSE
+        variants.append(("distca-resend", ["attention.impl=distca", "attention.pingpong=true",
+                                           "attention.memory_mode=resend"]))
       base_time = None
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)
@@ -240,7 +245,8 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"{kind:9s} {name:14s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
               f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  host {r['host_ms']:.0f} ms  "
-              f"peak {max(r['peak_gib']):.1f} GiB  compile {r['compile_s']:.0f}s", flush=True)
+              f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
+              flush=True)
   print("\n| " + " | ".join(k for k in rows[0] if k not in ("peak_gib",)) + " | peak GiB |")
   for r in rows:
     cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in r.items() if k != "peak_gib"]
