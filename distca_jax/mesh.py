@@ -158,6 +158,14 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
         f"{process_id} of {num_processes}, timeout {timeout_s} s): {e}") from e
 
 
+def shutdown_distributed() -> None:
+  """Ends `jax.distributed` if it was started: every process waits at the shutdown barrier, so
+  the coordinator (process 0) does not tear its service down while another process still talks
+  to it (an exit without this sometimes aborted process 0 inside gRPC's server destructor)."""
+  if jax.distributed.is_initialized():
+    jax.distributed.shutdown()
+
+
 def _slurm_local_device_ids() -> list[int] | None:
   """Under SLURM JAX gives each process only the GPU of its SLURM_LOCALID (one task per GPU).
   With one task per node, hand it every GPU of the node instead."""

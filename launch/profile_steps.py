@@ -75,6 +75,8 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  # Only after a run every process finished: a failed process must not wait at the barrier.
+  mesh_lib.shutdown_distributed()
   report_path = Path(config.train.out_dir) / "profile.json"
   if report_path.exists():  # process 0 only
     print(loop.format_summary(summary))

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  # Only after a run every process finished: a failed process must not wait at the barrier.
+  mesh_lib.shutdown_distributed()
   print(loop.format_summary(summary))
   return 0
 
