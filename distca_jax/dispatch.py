@@ -409,16 +409,27 @@ def _masked(valid, x):
 # allocation made at the start of the step (tens of GiB).
 
 
+def _with_transpose(linear, transpose):
+  """`linear(x, plan)`, a linear map of rows, with `transpose(g, plan)` as its VJP."""
+  f = jax.custom_vjp(linear)
+  f.defvjp(lambda x, p: (linear(x, p), p), lambda p, g: (transpose(g, p), None))
+  return f
+
+
+def _send(x_TxKxE, idx_NxC, valid_NxC):
+  """The rows `idx_NxC[s]` of `x` to server s, one exchange: the [N * C] rows received."""
+  blocks = jnp.take(x_TxKxE, idx_NxC.reshape(-1), axis=0).reshape(idx_NxC.shape + x_TxKxE.shape[1:])
+  with jax.named_scope("dispatch"):
+    recv = _exchange(_masked(valid_NxC, blocks))
+  return recv.reshape((-1,) + x_TxKxE.shape[1:])
+
+
 def _rows_to_servers(x_TxHxE, p: "DispatchPlan"):
   """Home rows -> server-side rows [local T | received N*C] (Q forward, dO backward)."""
-  N, C = p.send_q_idx.shape
   local = _masked(p.local_q_valid, jnp.take(x_TxHxE, p.local_q_idx, axis=0))
-  if C == 0:
+  if p.send_q_idx.shape[-1] == 0:
     return local
-  blocks = jnp.take(x_TxHxE, p.send_q_idx.reshape(-1), axis=0).reshape((N, C) + x_TxHxE.shape[1:])
-  with jax.named_scope("dispatch"):
-    recv = _exchange(_masked(p.send_q_valid, blocks))
-  return jnp.concatenate([local, recv.reshape((-1,) + x_TxHxE.shape[1:])])
+  return jnp.concatenate([local, _send(x_TxHxE, p.send_q_idx, p.send_q_valid)])
 
 
 def _rows_to_home(y_RxHxE, p: "DispatchPlan"):
@@ -433,31 +444,11 @@ def _rows_to_home(y_RxHxE, p: "DispatchPlan"):
   return _masked(p.return_valid, jnp.take(y_RxHxE, p.return_idx, axis=0))
 
 
-@jax.custom_vjp
-def rows_to_servers(x, p):
-  return _rows_to_servers(x, p)
-
-
-@jax.custom_vjp
-def rows_to_home(y, p):
-  return _rows_to_home(y, p)
-
-
-rows_to_servers.defvjp(lambda x, p: (_rows_to_servers(x, p), p),
-                       lambda p, g: (_rows_to_home(g, p), None))
-rows_to_home.defvjp(lambda y, p: (_rows_to_home(y, p), p),
-                    lambda p, g: (_rows_to_servers(g, p), None))
-
-
 def _kv_to_servers(x_TxKxE, p: "DispatchPlan"):
   """Home K/V rows -> the server's gathered K/V buffer [Skv] (each document prefix contiguous)."""
-  N, C = p.send_kv_idx.shape
   rows = x_TxKxE
-  if C:
-    blocks = jnp.take(x_TxKxE, p.send_kv_idx.reshape(-1), axis=0).reshape((N, C) + x_TxKxE.shape[1:])
-    with jax.named_scope("dispatch"):
-      recv = _exchange(_masked(p.send_kv_valid, blocks))
-    rows = jnp.concatenate([x_TxKxE, recv.reshape((-1,) + x_TxKxE.shape[1:])])
+  if p.send_kv_idx.shape[-1]:
+    rows = jnp.concatenate([x_TxKxE, _send(x_TxKxE, p.send_kv_idx, p.send_kv_valid)])
   return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
 
 
@@ -476,13 +467,9 @@ def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan"):
   return rows[:T].at[p.send_kv_idx.reshape(-1)].add(back)
 
 
-@jax.custom_vjp
-def kv_to_servers(x, p):
-  return _kv_to_servers(x, p)
-
-
-kv_to_servers.defvjp(lambda x, p: (_kv_to_servers(x, p), p),
-                     lambda p, g: (_kv_grads_to_home(g, p), None))
+rows_to_servers = _with_transpose(_rows_to_servers, _rows_to_home)
+rows_to_home = _with_transpose(_rows_to_home, _rows_to_servers)
+kv_to_servers = _with_transpose(_kv_to_servers, _kv_grads_to_home)
 
 
 def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):

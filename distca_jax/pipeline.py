@@ -156,19 +156,10 @@ def relayout_state(state: Any, from_stages: int, to_stages: int, layers: int,
     nnx.replace_by_pure_dict(out, canonical)
     return out
 
-  def walk(node):
-    if jax.tree.structure(node) == params_def:
-      return convert(node)
-    if isinstance(node, tuple):
-      items = [walk(x) for x in node]
-      return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
-    if isinstance(node, list):
-      return [walk(x) for x in node]
-    if isinstance(node, dict):
-      return {k: walk(v) for k, v in node.items()}
-    return node
-
-  return dataclasses.replace(state, params=convert(state.params), opt_state=walk(state.opt_state))
+  is_params = lambda node: jax.tree.structure(node) == params_def
+  opt_state = jax.tree.map(lambda n: convert(n) if is_params(n) else n, state.opt_state,
+                           is_leaf=is_params)
+  return dataclasses.replace(state, params=convert(state.params), opt_state=opt_state)
 
 
 # ----------------------------------------------------------------------------- host side

@@ -117,7 +117,8 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   # XLA's own accounting of the compiled step (per device): its temporaries, and the
   # arguments (parameters, optimizer state, batch) — the memory each variant needs, independent
   # of the allocator's running peak across variants of one process.
-  analysis = trainer.compile(state, arrays, dctx).memory_analysis()
+  compiled = trainer.compile(state, arrays, dctx)
+  analysis = compiled.memory_analysis()
   temp_gib = getattr(analysis, "temp_size_in_bytes", 0) / 2**30
   args_gib = getattr(analysis, "argument_size_in_bytes", 0) / 2**30
   mem = {}
@@ -126,7 +127,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
 
     xplane = profile_lib.find_xplane(trace_dir)
     if xplane is not None:
-      phases = profile_lib.phase_breakdown(xplane, trainer.compiled_text(state, arrays, dctx))
+      phases = profile_lib.phase_breakdown(xplane, compiled.as_text())
       mem["phases_ms"] = phases["ms_per_step"]
       mem["top_ops_ms"] = phases["top_ops_ms"]
   imb = None
