@@ -53,6 +53,8 @@ class Config(NamedTuple):
   # Fused backward: the dK/dV kernel also adds each tile's dQ into a float32 buffer with atomics
   # (5 matmuls per tile instead of 3 + 4 over two kernels), and the dQ kernel is not run.
   fused_bwd: bool = False
+  # Triton only: the dK/dV kernel computes S^T = K Q^T (no register transposes of P and dS).
+  bwd_transposed: bool = False
 
 
 # H200, d = 128, bf16, measured by launch/bench_kernels.py --tune (docs/PERFORMANCE.md, Kernels):

@@ -170,9 +170,50 @@ def _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
 
 
 @triton.jit
+def _dkv_step_t(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, scale2,
+                T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
+                MASKED: tl.constexpr):
+  """`_dkv_step` computed transposed (S^T = K Q^T, as the Triton tutorial's backward does): P^T
+  and dS^T come out of their matmuls in the layout the next matmul takes as its register operand,
+  so no register tensor is transposed."""
+  rows = qb * BQ + tl.arange(0, BQ)
+  dd = tl.arange(0, D)
+  rows64 = rows.to(tl.int64)
+  qT = tl.load(Q + (rows64[None, :] * H + h) * D + dd[:, None])
+  do = tl.load(DO + (rows64[:, None] * H + h) * D + dd[None, :])
+  lse2 = tl.load(LSE2 + h * T + rows)
+  delta = tl.load(DELTA + h * T + rows)
+  sT = tl.dot(k, qT) * scale2
+  if MASKED:
+    r = rows[None, :]
+    c = cols[:, None]
+    sT = tl.where((r >= qs) & (r < qs + ql) & (c >= ks) & (c <= ks + kl - ql + (r - qs)), sT,
+                  float("-inf"))
+  pT = tl.math.exp2(sT - lse2[None, :])
+  dv += tl.dot(pT.to(do.dtype), do)
+  dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+  dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+  return dk, dv
+
+
+@triton.jit
+def _dkv_tile(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl, scale2,
+              T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
+              MASKED: tl.constexpr, FUSED: tl.constexpr, TRANS: tl.constexpr):
+  if TRANS:
+    dk, dv = _dkv_step_t(dk, dv, k, v, Q, DO, LSE2, DELTA, qb, h, cols, qs, ql, ks, kl, scale2,
+                         T, H, D, BQ, MASKED)
+  else:
+    dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl, scale2,
+                       T, H, D, BQ, MASKED, FUSED)
+  return dk, dv
+
+
+@triton.jit
 def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, TLO, THI, QS, QL, KS, KL, DK, DV, DQ,
                 scale: tl.constexpr, T: tl.constexpr, H: tl.constexpr, KH: tl.constexpr,
-                D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr):
+                D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr,
+                TRANS: tl.constexpr):
   kb = tl.program_id(0)  # key block 0 first: under causal masks it is seen by the most rows
   kh = tl.program_id(1)
   G: tl.constexpr = H // KH
@@ -206,14 +247,14 @@ def _dkv_kernel(Q, K, V, DO, LSE2, DELTA, TLO, THI, QS, QL, KS, KL, DK, DV, DQ,
     for g in tl.static_range(G):
       h = kh * G + g
       for qb in range(qb_lo, f_lo):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
-                           scale2, T, H, D, BQ, True, FUSED)
+        dk, dv = _dkv_tile(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
+                           scale2, T, H, D, BQ, True, FUSED, TRANS)
       for qb in range(f_lo, f_hi):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
-                           scale2, T, H, D, BQ, False, FUSED)
+        dk, dv = _dkv_tile(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
+                           scale2, T, H, D, BQ, False, FUSED, TRANS)
       for qb in range(f_hi, qb_hi):
-        dk, dv = _dkv_step(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
-                           scale2, T, H, D, BQ, True, FUSED)
+        dk, dv = _dkv_tile(dk, dv, k, v, Q, DO, LSE2, DELTA, DQ, qb, h, cols, qs, ql, ks, kl,
+                           scale2, T, H, D, BQ, True, FUSED, TRANS)
   tl.store(DK + kv_offs, (dk * scale).to(DK.dtype.element_ty))
   tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty))
 
@@ -267,7 +308,8 @@ def _backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg: Config):
                  jax.ShapeDtypeStruct(dq_shape, jnp.float32)],
       grid=(S // bk, K), num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd,
       zeroed_outputs=(2,) if cfg.fused_bwd else (),
-      scale=scale, T=T, H=H, KH=K, D=D, BQ=bq, BK=bk, FUSED=cfg.fused_bwd)
+      scale=scale, T=T, H=H, KH=K, D=D, BQ=bq, BK=bk, FUSED=cfg.fused_bwd,
+      TRANS=cfg.bwd_transposed)
   if cfg.fused_bwd:
     dq = dq32.astype(q.dtype)
   return dq, dk, dv
@@ -304,6 +346,8 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   if D & (D - 1):
     raise ValueError(f"triton backend: head dim {D} is not a power of two")
   cfg = config or GPU_CONFIG
+  if cfg.fused_bwd and cfg.bwd_transposed:
+    raise ValueError("triton backend: fused_bwd and bwd_transposed cannot be combined")
   scale = D ** -0.5 if scale is None else float(scale)
   row_q = max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
   row_k = max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)

@@ -112,12 +112,20 @@ def tune_configs(backend):
   from distca_jax.kernels.pallas import GPU_CONFIG as base
   bwd64 = dict(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_warps_bwd=4,
                num_stages_bwd=2)
-  configs = {
-      "default": base,
-      "fused64x64w4s2": base._replace(fused_bwd=True, **bwd64),
-  }
+  configs = {"default": base}
+  if backend == "triton":
+    t = dict(bwd_transposed=True)
+    configs.update({
+        "T64x64w4s2": base._replace(**t),
+        "T64x64w4s3": base._replace(**t, num_stages_bwd=3),
+        "T32x128w4s3": base._replace(**t, block_q_dkv=32, block_k_dkv=128, num_stages_bwd=3),
+        "T64x128w8s2": base._replace(**t, block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8),
+        "T+dq128x32w4s3": base._replace(**t, block_q_dq=128, block_k_dq=32, num_warps_dq=4,
+                                        num_stages_dq=3),
+    })
   if backend == "pallas":
     configs.update({
+        "fused64x64w4s2": base._replace(fused_bwd=True, **bwd64),
         "fwd128x128w8s3": base._replace(block_k=128),
         "bwd64x64w4s3": base._replace(**{**bwd64, "num_stages_bwd": 3}),
         "bwd_dq128x64w8": base._replace(**{**bwd64, "block_q_dq": 128}, num_warps_dq=8),

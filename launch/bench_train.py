@@ -28,11 +28,14 @@ def _batches(kind: str, num_buffers: int, T: int, config, vocab: int):
   from distca_jax.data.sources import make_batch, synthetic_from_config
 
   rng = np.random.default_rng(0)
+  kind, _, step = kind.partition("@")  # "prolong@2": the sampler's batch of step 2
   if kind in ("pretrain", "prolong"):
     import dataclasses
 
     data = dataclasses.replace(config.data, distribution=kind)
-    return synthetic_from_config(data, vocab, num_buffers).batch(0)
+    return synthetic_from_config(data, vocab, num_buffers).batch(int(step or 0))
+  if step:
+    raise ValueError(f"{kind}@{step}: only sampled batches (pretrain, prolong) take a step")
   if kind == "skewed":  # device 0: one long document; the others: many short ones
     short = 2048
     lens = np.concatenate([[T], np.full((num_buffers - 1) * T // short, short)])

@@ -5,7 +5,11 @@
 #   cad    all GPUs: colocated vs distca (ping-pong on/off), llama3_8b shape with 2 layers
 #          (env CAD_BATCHES, CAD_TOKENS, CAD_ABLATION: the batch with the single-stream ablation,
 #          CAD_RESEND: the batch that also runs memory_mode=resend (temp memory per mode),
-#          CAD_TRACE: where to trace the first batch's distca step, "" for no trace)
+#          CAD_TRACE: where to trace the first batch's distca step, "" for no trace, CAD_EXTRA:
+#          more key=value overrides, e.g. data.elongate_factor=2; a batch "prolong@N" is the
+#          sampler's batch of step N)
+#   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter), then
+#          launch/bench_kernels.py with K_ARGS
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -35,7 +39,7 @@ for suite in "$@"; do
            --batches ${CAD_BATCHES:-pretrain prolong skewed uniform} --pingpong-ablation "${CAD_ABLATION-pretrain}" \
            --resend-ablation "${CAD_RESEND-skewed}" \
            ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
-           data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/cad.log"
+           data.length_scale=1 ${CAD_EXTRA:-} 2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          if [ -n "$CAD_TRACE" ]; then
            find "$CAD_TRACE" -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
            python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
@@ -51,6 +55,12 @@ for suite in "$@"; do
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/ppmem.log"
          python3 -P launch/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
+    kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
+           timeout ${K_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 \
+             | grep -v -i warn | tail -25 | tee "$OUT/kernel_tests.log"
+           timeout ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
+             | tee "$OUT/kernels.log"
+           unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
     uniform128) timeout ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
            --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=${U_TOKENS:-131072} data.length_scale=1 2>&1 | grep -v -i warn | tee -a "$OUT/uniform128.log" ;;

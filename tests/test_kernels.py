@@ -110,6 +110,14 @@ def case_mixed():
   return tasks, T, S, 4, 2, 16
 
 
+def case_gpu_sizes():
+  """Lengths not multiples of 128, shared prefixes, q << kv, at head_dim 128 and GQA 4 (GPU)."""
+  docs = [1000, 300, 2100, 7]
+  shards = [(0, 0, 384), (0, 384, 1000), (1, 0, 300), (2, 2000, 2100), (3, 0, 7)]
+  tasks, T, S = _layout(docs, shards, gaps=[0, 5, 0, 130, 1], capacity=8)
+  return tasks, T, S, 8, 2, 128
+
+
 def case_random(seed=0):
   """Random documents cut into random shards, tasks in shuffled order, one query head per KV head
   group of four."""
@@ -196,10 +204,8 @@ def test_bfloat16(backend, case):
 @pytest.mark.parametrize("backend", _backends())
 def test_bfloat16_gpu_sizes(backend):
   """Lengths not multiples of 128, shared prefixes, q << kv, at head_dim 128 and GQA 4."""
-  docs = [1000, 300, 2100, 7]
-  shards = [(0, 0, 384), (0, 384, 1000), (1, 0, 300), (2, 2000, 2100), (3, 0, 7)]
-  tasks, T, S = _layout(docs, shards, gaps=[0, 5, 0, 130, 1], capacity=8)
-  q, k, v, do, dlse = _inputs(T, S, 8, 2, 128, jnp.bfloat16)
+  tasks, T, S, H, K, D = case_gpu_sizes()
+  q, k, v, do, dlse = _inputs(T, S, H, K, D, jnp.bfloat16)
   got = _run(q, k, v, tasks, do, dlse, backend)
   want = oracle(q, k, v, tasks, do, dlse)
   for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
@@ -224,23 +230,35 @@ def test_pallas_fused_backward_float32():
     assert _rel(g, w) < 1e-5, f"fused {name}: rel err {_rel(g, w):.2e}"
 
 
+_BWD_VARIANTS = {
+    "split": {},
+    "fused": dict(fused_bwd=True),
+    "transposed": dict(bwd_transposed=True),  # triton only
+    "transposed32x128": dict(bwd_transposed=True, block_q_dkv=32, block_k_dkv=128),
+}
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU kernels")
 @pytest.mark.parametrize("backend", ["pallas", "triton"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_bfloat16_backward_variants(backend, fused):
-  """Both backward variants (two kernels; fused with atomic dQ) of the GPU kernels, bf16."""
+@pytest.mark.parametrize("variant", list(_BWD_VARIANTS))
+@pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes])
+def test_bfloat16_backward_variants(backend, variant, case):
+  """The backward variants of the GPU kernels (two kernels; fused with atomic dQ; Triton's
+  transposed dK/dV kernel at two tile shapes), bf16."""
   if backend == "triton" and not _have_jax_triton():
     pytest.skip("jax-triton missing")
+  if backend == "pallas" and variant.startswith("transposed"):
+    pytest.skip("the transposed dK/dV kernel is Triton's")
   mod = __import__(f"distca_jax.kernels.{backend}", fromlist=["attention"])
-  cfg = mod.GPU_CONFIG._replace(fused_bwd=fused)
-  tasks, T, S, H, K, D = case_mixed()
+  cfg = mod.GPU_CONFIG._replace(**_BWD_VARIANTS[variant])
+  tasks, T, S, H, K, _ = case()
   q, k, v, do, dlse = _inputs(T, S, H, K, 128, jnp.bfloat16)
   (o, lse), vjp = jax.vjp(lambda q, k, v: mod.attention(q, k, v, tasks, config=cfg), q, k, v)
   got = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
   want = oracle(q, k, v, tasks, do, dlse)[2:]
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert not np.isnan(np.asarray(g, np.float32)).any(), name
-    assert _rel(g, w) < 1e-2, f"{backend} fused={fused} {name}: rel err {_rel(g, w):.2e}"
+    assert _rel(g, w) < 1e-2, f"{backend} {variant} {name}: rel err {_rel(g, w):.2e}"
 
 
 @pytest.mark.parametrize("backend", _backends())
