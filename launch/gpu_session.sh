@@ -56,9 +56,9 @@ for suite in "$@"; do
            | grep -v -i warn | tee -a "$OUT/ppmem.log"
          python3 -P launch/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
     kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
-           timeout ${K_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 \
+           timeout ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 \
              | grep -v -i warn | tail -25 | tee "$OUT/kernel_tests.log"
-           timeout ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
+           [ "${K_ARGS:-}" = none ] || timeout ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
              | tee "$OUT/kernels.log"
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
     uniform128) timeout ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
