@@ -194,9 +194,10 @@ def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray,
   target = server_kv_idx[d, j]
   inv = np.zeros((N, rows), np.int32)
   valid = np.zeros((N, rows), bool)
-  if np.unique(d.astype(np.int64) * rows + target).size != target.size:
-    raise PlanMismatchError("plan gathers one K/V row into two server slots")
   inv[d, target] = j
+  # Slots (d, j) are distinct, so a row written from two slots keeps only the last one.
+  if (inv[d, target] != j).any():
+    raise PlanMismatchError("plan gathers one K/V row into two server slots")
   valid[d, target] = True
   return inv, valid
 

@@ -114,14 +114,13 @@ def tune_configs(backend):
                num_stages_bwd=2)
   configs = {"default": base}
   if backend == "triton":
-    t = dict(bwd_transposed=True)
     configs.update({
-        "T64x64w4s2": base._replace(**t),
-        "T64x64w4s3": base._replace(**t, num_stages_bwd=3),
-        "T32x128w4s3": base._replace(**t, block_q_dkv=32, block_k_dkv=128, num_stages_bwd=3),
-        "T64x128w8s2": base._replace(**t, block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8),
-        "T+dq128x32w4s3": base._replace(**t, block_q_dq=128, block_k_dq=32, num_warps_dq=4,
-                                        num_stages_dq=3),
+        "untransposed_dkv": base._replace(bwd_transposed=False),
+        "dkv64x64w4s3": base._replace(num_stages_bwd=3),
+        "dkv32x128w4s3": base._replace(block_q_dkv=32, block_k_dkv=128, num_stages_bwd=3),
+        "dkv64x128w8s2": base._replace(block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8),
+        "dq128x32w4s3": base._replace(block_q_dq=128, block_k_dq=32, num_warps_dq=4,
+                                      num_stages_dq=3),
     })
   if backend == "pallas":
     configs.update({

@@ -122,6 +122,11 @@ def test_plan_for_another_batch_is_refused():
   inv[tuple(slot)] += 1
   with pytest.raises(dispatch.PlanMismatchError, match="inverse"):
     dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_inv=inv), a.layout)
+  kv_idx = plan_a.server_kv_idx.copy()  # one K/V row gathered into two slots of server 0
+  used = np.flatnonzero(plan_a.server_kv_valid[0])
+  kv_idx[0, used[1]] = kv_idx[0, used[0]]
+  with pytest.raises(dispatch.PlanMismatchError, match="two server slots"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_idx=kv_idx), a.layout)
   free = np.argwhere(~plan_a.local_q_valid)
   assert free.size, "want a batch where some rows move (free local slots)"
   twice_valid = plan_a.local_q_valid.copy()

@@ -231,10 +231,10 @@ def test_pallas_fused_backward_float32():
 
 
 _BWD_VARIANTS = {
-    "split": {},
-    "fused": dict(fused_bwd=True),
-    "transposed": dict(bwd_transposed=True),  # triton only
-    "transposed32x128": dict(bwd_transposed=True, block_q_dkv=32, block_k_dkv=128),
+    "default": {},
+    "untransposed": dict(bwd_transposed=False),  # Triton's dK/dV step as S = Q K^T
+    "fused": dict(fused_bwd=True, bwd_transposed=False),
+    "dkv32x128": dict(block_q_dkv=32, block_k_dkv=128),
 }
 
 
@@ -243,12 +243,12 @@ _BWD_VARIANTS = {
 @pytest.mark.parametrize("variant", list(_BWD_VARIANTS))
 @pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes])
 def test_bfloat16_backward_variants(backend, variant, case):
-  """The backward variants of the GPU kernels (two kernels; fused with atomic dQ; Triton's
-  transposed dK/dV kernel at two tile shapes), bf16."""
+  """The backward variants of the GPU kernels (two kernels, Triton's dK/dV transposed or not;
+  fused with atomic dQ; other dK/dV tiles), bf16."""
   if backend == "triton" and not _have_jax_triton():
     pytest.skip("jax-triton missing")
-  if backend == "pallas" and variant.startswith("transposed"):
-    pytest.skip("the transposed dK/dV kernel is Triton's")
+  if backend == "pallas" and variant == "untransposed":
+    pytest.skip("Pallas has one dK/dV step")
   mod = __import__(f"distca_jax.kernels.{backend}", fromlist=["attention"])
   cfg = mod.GPU_CONFIG._replace(**_BWD_VARIANTS[variant])
   tasks, T, S, H, K, _ = case()
