@@ -12,6 +12,9 @@ tensor-parallel rank's heads (llama3_8b, TP = 8). "time imbalance": max / mean o
 predicted kernel time (cost.AnalyticKernel: 300 TFLOP/s, 128-row tiles), the plan's quality in
 time rather than FLOPs. `--arrays-devices` also times building the
 dispatch arrays (plan.make_plan with arrays) at a device count where they fit in memory.
+`--step-devices` times the trainer's whole host path per step (dispatch.host_context: ping-pong
+split, schedule, dense dispatch arrays, validation) and reports how much of the tiled all_to_all
+is padding (every (device, server) block padded to the largest one's bucket).
 """
 
 from __future__ import annotations
@@ -57,7 +60,11 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--arrays-devices", type=int, default=8)
   ap.add_argument("--tp", type=int, default=8)
+  ap.add_argument("--step-devices", type=int, nargs="*", default=[],
+                  help="device counts at which to time the trainer's host path (then exit)")
   args = ap.parse_args(argv)
+  if args.step_devices:
+    return step_host_path(args)
 
   comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=args.tp)
   n, t = args.devices, args.tokens
@@ -115,6 +122,50 @@ def main(argv=None):
     print(f"\nmake_plan with dispatch arrays, {na} devices x {t} tokens (pretrain, eps 0.05): "
           f"{m:.1f} ms median, {b:.1f} ms best; capacities cq={c.cq} ckv={c.ckv} skv={c.skv} "
           f"ctask={c.ctask}; imbalance {plan.stats.imbalance_before:.2f} -> {plan.stats.imbalance_after:.3f}")
+
+
+def step_host_path(args):
+  """The trainer's per-step host work (`dispatch.host_context`) against the device count, and the
+  padding of its tiled all_to_alls: rows sent per device (N - 1 blocks of capacity c) vs the rows
+  that really move, summed over the exchange, for Q and for K/V, both nano-batches."""
+  import dataclasses
+
+  from distca_jax import dispatch
+  from distca_jax.config import load_config
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+
+  t = args.tokens
+  print(f"# host path per step, {t} tokens/device, llama3_8b, ping-pong on; CPU "
+        f"{platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}")
+  print("| dist | devices | host ms (wall) | of it schedule ms | imbalance before -> after "
+        "| Q rows sent: padded / real | K/V rows sent: padded / real |")
+  print("|---|---|---|---|---|---|---|")
+  for dist in args.dist:
+    for n in args.step_devices:
+      config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
+                                  "data.length_scale=1", f"data.elongate_factor={max(1, t // 65536)}",
+                                  "attention.impl=distca", f"mesh.data={n}", f"data.distribution={dist}"])
+      shape = resolve(config.model)
+      batch = synthetic_from_config(config.data, shape.vocab_size, n).batch(0)
+      t0 = time.perf_counter()
+      ctx = dispatch.host_context(config.attention, batch, shape)
+      wall = (time.perf_counter() - t0) * 1e3
+      t0 = time.perf_counter()
+      for b in ctx.batches:
+        make_plan(b.layout, dispatch.comm_model(shape, config.attention),
+                  epsilon=config.attention.epsilon)
+      sched = (time.perf_counter() - t0) * 1e3
+      off = ~np.eye(n, dtype=bool)[:, :, None]
+      pad_q = sum(n * (n - 1) * d.send_q_idx.shape[-1] for d in ctx.dispatch)
+      pad_kv = sum(n * (n - 1) * d.send_kv_idx.shape[-1] for d in ctx.dispatch)
+      real_q = sum(int((d.send_q_valid & off).sum()) for d in ctx.dispatch)
+      real_kv = sum(int((d.send_kv_valid & off).sum()) for d in ctx.dispatch)
+      before, after = ctx.imbalance()
+      ratio = lambda a, b: f"{a / b:.1f}x" if b else "-"
+      print(f"| {dist} | {n} | {wall:.0f} | {sched:.0f} | {before:.2f} -> {after:.2f} | "
+            f"{pad_q:,} / {real_q:,} ({ratio(pad_q, real_q)}) | "
+            f"{pad_kv:,} / {real_kv:,} ({ratio(pad_kv, real_kv)}) |", flush=True)
 
 
 if __name__ == "__main__":
