@@ -132,6 +132,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
     if xplane is not None:
       phases = profile_lib.phase_breakdown(xplane, compiled.as_text())
       mem["phases_ms"] = phases["ms_per_step"]
+      mem["per_device_ms"] = phases["per_device_ms"]
       mem["top_ops_ms"] = phases["top_ops_ms"]
   imb = None
   if hasattr(ctx, "imbalance"):
@@ -159,8 +160,9 @@ def main(argv=None) -> int:
   parser.add_argument("--resend-ablation", default="",
                       help="batch on which distca also runs with attention.memory_mode=resend")
   parser.add_argument("--trace-dir", default=None,
-                      help="cad: xprof trace of the last distca step; pp: of every variant's last "
-                           "step (DIR/<batch>-<variant>), with its per-phase busy time")
+                      help="xprof trace of the last step, with its busy time per phase and device "
+                           "(DIR/<batch>-<variant>); cad: the first batch's colocated and distca "
+                           "variants, pp: every variant")
   parser.add_argument("--json", default=None, help="write all results here")
   parser.add_argument("overrides", nargs="*")
   args = parser.parse_args(argv)
@@ -239,7 +241,8 @@ def main(argv=None) -> int:
       base_time = None
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)
-        trace = args.trace_dir if (args.trace_dir and name == "distca" and kind == args.batches[0]) else None
+        traced = args.trace_dir and name in ("colocated", "distca") and kind == args.batches[0]
+        trace = f"{args.trace_dir}/{kind}-{name}" if traced else None
         r = _time_variant(config, batch, args.warmup, args.steps, trace)
         if name == "colocated":
           base_time = r["median_s"]
@@ -251,9 +254,13 @@ def main(argv=None) -> int:
               f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  host {r['host_ms']:.0f} ms  "
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
               flush=True)
-  print("\n| " + " | ".join(k for k in rows[0] if k not in ("peak_gib",)) + " | peak GiB |")
+        if "per_device_ms" in r:  # traced: busy ms of the step per device and phase
+          for dev, ph in r["per_device_ms"].items():
+            print(f"          {dev}: " + "  ".join(f"{k} {v:.0f} ms" for k, v in ph.items()), flush=True)
+  cols = [k for k, v in rows[0].items() if k != "peak_gib" and not isinstance(v, dict)]
+  print("\n| " + " | ".join(cols) + " | peak GiB |")
   for r in rows:
-    cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in r.items() if k != "peak_gib"]
+    cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (r.get(k) for k in cols)]
     print("| " + " | ".join(cells) + f" | {max(r['peak_gib']):.1f} |")
   if args.json:
     with open(args.json, "w") as f:

@@ -74,6 +74,10 @@ def test_phase_breakdown_of_a_traced_program(tmp_path):
   ms = ph["ms_per_step"]
   assert ms["attention"] > 0 and ms["dispatch"] > 0 and ms["return"] > 0
   assert sum(ph["fraction"].values()) == pytest.approx(1.0)
+  per_device = ph["per_device_ms"]
+  assert len(per_device) == ph["devices"] >= 1
+  for p in profile_lib.PHASES:
+    assert np.mean([d[p] for d in per_device.values()]) == pytest.approx(ms[p])
 
 
 def test_profile_cli_end_to_end(tmp_path, capsys):

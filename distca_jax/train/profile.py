@@ -100,8 +100,9 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
   """Busy milliseconds per step and device of each phase, from a trace of `steps` steps.
 
   Only ops of HLO modules whose name contains `module` count. Returns {"ms_per_step": {phase:
-  ms}, "fraction": {phase: share}, "devices": n, "ops": n, "scoped": bool, "top_ops_ms": {op group:
-  ms} (the `top_ops` largest `op_group`s)}; `scoped` is False
+  ms} (mean over devices), "per_device_ms": {device: {phase: ms}}, "fraction": {phase: share},
+  "devices": n, "ops": n, "scoped": bool, "top_ops_ms": {op group: ms} (the `top_ops` largest
+  `op_group`s)}; `scoped` is False
   when no op carried any of the contract's scopes (the attention layers were not annotated), so
   everything shows as "other".
   """
@@ -111,7 +112,7 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
   # GPU kernels are named after their HLO instruction with '.' -> '_' (loop_add_fusion_3).
   kernel_names = {k.replace(".", "_"): v for k, v in names.items()}
   data = ProfileData.from_file(str(xplane_path))
-  busy = collections.defaultdict(float)  # phase -> ns summed over devices
+  busy = collections.defaultdict(float)  # (device, phase) -> ns
   by_op = collections.defaultdict(float)  # op group -> ns summed over devices
   devices = set()
   ops = 0
@@ -135,15 +136,18 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
       for device, events in per_device.items():
         devices.add(device)
         for _, dur, op_name in _leaf_events(events):
-          busy[phase_of(op_name)] += dur
+          busy[device, phase_of(op_name)] += dur
           by_op[op_group(op_name)] += dur
           ops += 1
   n_dev = max(1, len(devices))
-  ms = {p: busy.get(p, 0.0) / 1e6 / n_dev / max(1, steps) for p in PHASES}
+  per_device = {d: {p: busy.get((d, p), 0.0) / 1e6 / max(1, steps) for p in PHASES}
+                for d in sorted(devices)}
+  ms = {p: sum(v[p] for v in per_device.values()) / n_dev for p in PHASES}
   total = sum(ms.values())
   top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]
-  return {"ms_per_step": ms, "fraction": {p: (ms[p] / total if total else 0.0) for p in PHASES},
-          "devices": len(devices), "ops": ops, "scoped": any(busy.get(p) for p in PHASES if p != "other"),
+  return {"ms_per_step": ms, "per_device_ms": per_device,
+          "fraction": {p: (ms[p] / total if total else 0.0) for p in PHASES},
+          "devices": len(devices), "ops": ops, "scoped": any(ms[p] for p in PHASES if p != "other"),
           "top_ops_ms": {k: v / 1e6 / n_dev / max(1, steps) for k, v in top}}
 
 
