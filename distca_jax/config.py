@@ -85,6 +85,9 @@ class AttentionConfig:
   epsilon: float = 0.1
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
+  # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU), or `ragged`
+  # (GPU only): only the rows that move travel.
+  exchange: Literal["tiled", "ragged"] = "tiled"
 
 
 @dataclasses.dataclass(frozen=True)

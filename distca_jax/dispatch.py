@@ -8,7 +8,9 @@ the devices that share its tensor rank — a device:
 
   1. gathers the Q rows and the (deduplicated) K/V rows each server needs into per-server send
      blocks of fixed capacity,
-  2. exchanges them with one tiled `all_to_all` over the pool (works on CPU and GPU),
+  2. exchanges them with one `all_to_all` over the pool: tiled, every block padded to the plan's
+     capacity (CPU and GPU), or with `attention.exchange: ragged` only the rows that move
+     (`jax.lax.ragged_all_to_all`, GPU only),
   3. as a server, gathers its K/V rows so every document prefix is contiguous and runs the
      kernel over its fused task batch (`kernels.attention`),
   4. returns O by the reverse `all_to_all`, and each home row picks its output.
@@ -55,7 +57,7 @@ from distca_jax.schedule.plan import Plan, PlanArrays, make_plan, row_bucket
 _ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "send_kv_idx",
                  "send_kv_valid", "server_kv_idx", "server_kv_valid", "server_kv_inv",
                  "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len", "return_idx",
-                 "return_valid")
+                 "return_valid", "send_q_count", "recv_q_count", "send_kv_count", "recv_kv_count")
 
 
 class PlanMismatchError(ValueError):
@@ -83,6 +85,10 @@ class DispatchPlan:
                              its [local T | received N*C] query rows and gathered K/V rows
   return_idx    [N, T]       where home row r's output is in [local T | returned N*C] rows
   return_valid  [N, T]       False for padding tokens (output zero)
+  send_q_count  [N, N]       rows of each send block that are real (valid rows are packed from
+  recv_q_count  [N, N]       the block's start); rows received from each device (the transpose)
+  send_kv_count, recv_kv_count [N, N]  the same for K/V. With `attention.exchange: ragged` only
+                             these rows travel (`jax.lax.ragged_all_to_all`, GPU)
   """
 
   local_q_idx: Any
@@ -101,6 +107,10 @@ class DispatchPlan:
   kv_len: Any
   return_idx: Any
   return_valid: Any
+  send_q_count: Any
+  recv_q_count: Any
+  send_kv_count: Any
+  recv_kv_count: Any
 
 
 # ----------------------------------------------------------------------------- host side
@@ -173,6 +183,8 @@ def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
   return_idx = remap(a.return_idx, cq, c, dev[:, None])
   server_kv_idx = np.where(a.server_kv_valid, server_kv_idx, 0).astype(np.int32)
   kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, a.server_kv_valid, T + N * ckv_new)
+  send_q_count = send_q_valid.sum(-1, dtype=np.int32)
+  send_kv_count = send_kv_valid.sum(-1, dtype=np.int32)
   return DispatchPlan(
       local_q_idx=local_q_idx.astype(np.int32), local_q_valid=local_q_valid,
       send_q_idx=send_q_idx.astype(np.int32), send_q_valid=send_q_valid,
@@ -182,7 +194,9 @@ def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
       q_start=q_start.astype(np.int32), q_len=a.q_len.astype(np.int32),
       kv_start=a.kv_start.astype(np.int32), kv_len=a.kv_len.astype(np.int32),
       return_idx=np.where(a.return_valid, return_idx, 0).astype(np.int32),
-      return_valid=a.return_valid.copy())
+      return_valid=a.return_valid.copy(),
+      send_q_count=send_q_count, recv_q_count=np.ascontiguousarray(send_q_count.T),
+      send_kv_count=send_kv_count, recv_kv_count=np.ascontiguousarray(send_kv_count.T))
 
 
 def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray,
@@ -241,6 +255,14 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
   if not (np.array_equal(inv_valid, p.server_kv_inv_valid)
           and np.array_equal(np.where(inv_valid, inv, 0), np.where(inv_valid, p.server_kv_inv, 0))):
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
+  # The exchange's counts: valid rows packed from each block's start (a ragged exchange sends
+  # rows [0, count) of a block), none on the diagonal, and what s receives from d is what d sends.
+  for name, valid, send, recv in (("q", p.send_q_valid, p.send_q_count, p.recv_q_count),
+                                  ("kv", p.send_kv_valid, p.send_kv_count, p.recv_kv_count)):
+    if (send.shape != (N, N) or not np.array_equal(recv, send.T) or np.diagonal(send).any()
+        or not np.array_equal(valid, np.arange(valid.shape[-1]) < send[..., None])):
+      raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count do not describe its "
+                              f"send blocks (rows packed from the start, recv the transpose)")
   off_diag = ~np.eye(N, dtype=bool)[:, :, None]
   slots = int(p.local_q_valid.sum()) + int((p.send_q_valid & off_diag).sum())
   if slots != int(p.return_valid.sum()):
@@ -393,10 +415,22 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
 # ----------------------------------------------------------------------------- device side
 
 
-def _exchange(blocks_NxCx):
-  """One tiled all_to_all over the server pool: block s goes to device s, the block from device
-  s lands at s. Its own transpose."""
-  return jax.lax.all_to_all(blocks_NxCx, ROW_AXES, 0, 0, tiled=True)
+def _exchange(blocks_NxCx, send_count_N, recv_count_N, ragged: bool):
+  """One exchange over the server pool: block s goes to device s, the block from device s lands
+  at s. Tiled: one all_to_all of the whole padded blocks (CPU and GPU). Ragged: only the first
+  `send_count_N[s]` rows of block s travel and `recv_count_N[s]` rows land in block s, the rest
+  staying zero (`jax.lax.ragged_all_to_all`, GPU): the same result when the rows past a count are
+  zero, as the exchange's callers make them. Either is its own transpose with the counts swapped."""
+  if not ragged:
+    return jax.lax.all_to_all(blocks_NxCx, ROW_AXES, 0, 0, tiled=True)
+  N, C = blocks_NxCx.shape[:2]
+  flat = blocks_NxCx.reshape((N * C,) + blocks_NxCx.shape[2:])
+  block_start = jnp.arange(N, dtype=jnp.int32) * C
+  here = jnp.full((N,), jax.lax.axis_index(ROW_AXES) * C, jnp.int32)  # my block on every peer
+  out = jax.lax.ragged_all_to_all(flat, jnp.zeros_like(flat), block_start,
+                                  send_count_N.astype(jnp.int32), here,
+                                  recv_count_N.astype(jnp.int32), axis_name=ROW_AXES)
+  return out.reshape(blocks_NxCx.shape)
 
 
 def _masked(valid, x):
@@ -417,43 +451,47 @@ def _with_transpose(linear, transpose):
   return f
 
 
-def _send(x_TxKxE, idx_NxC, valid_NxC):
+def _send(x_TxKxE, idx_NxC, valid_NxC, send_count, recv_count, ragged):
   """The rows `idx_NxC[s]` of `x` to server s, one exchange: the [N * C] rows received."""
   blocks = jnp.take(x_TxKxE, idx_NxC.reshape(-1), axis=0).reshape(idx_NxC.shape + x_TxKxE.shape[1:])
   with jax.named_scope("dispatch"):
-    recv = _exchange(_masked(valid_NxC, blocks))
+    recv = _exchange(_masked(valid_NxC, blocks), send_count, recv_count, ragged)
   return recv.reshape((-1,) + x_TxKxE.shape[1:])
 
 
-def _rows_to_servers(x_TxHxE, p: "DispatchPlan"):
+def _rows_to_servers(x_TxHxE, p: "DispatchPlan", ragged=False):
   """Home rows -> server-side rows [local T | received N*C] (Q forward, dO backward)."""
   local = _masked(p.local_q_valid, jnp.take(x_TxHxE, p.local_q_idx, axis=0))
   if p.send_q_idx.shape[-1] == 0:
     return local
-  return jnp.concatenate([local, _send(x_TxHxE, p.send_q_idx, p.send_q_valid)])
+  return jnp.concatenate([local, _send(x_TxHxE, p.send_q_idx, p.send_q_valid, p.send_q_count,
+                                       p.recv_q_count, ragged)])
 
 
-def _rows_to_home(y_RxHxE, p: "DispatchPlan"):
+def _rows_to_home(y_RxHxE, p: "DispatchPlan", ragged=False):
   """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`
-  (every real token sits in exactly one server slot; `validate_plan` checks it)."""
+  (every real token sits in exactly one server slot; `validate_plan` checks it). Rows past a
+  block's count are never read at home, so the reverse exchange may leave them out."""
   N, C = p.send_q_idx.shape
   T = p.return_idx.shape[0]
   if C:
     with jax.named_scope("return"):
-      back = _exchange(y_RxHxE[T:].reshape((N, C) + y_RxHxE.shape[1:]))
+      back = _exchange(y_RxHxE[T:].reshape((N, C) + y_RxHxE.shape[1:]), p.recv_q_count,
+                       p.send_q_count, ragged)
     y_RxHxE = jnp.concatenate([y_RxHxE[:T], back.reshape((-1,) + y_RxHxE.shape[1:])])
   return _masked(p.return_valid, jnp.take(y_RxHxE, p.return_idx, axis=0))
 
 
-def _kv_to_servers(x_TxKxE, p: "DispatchPlan"):
+def _kv_to_servers(x_TxKxE, p: "DispatchPlan", ragged=False):
   """Home K/V rows -> the server's gathered K/V buffer [Skv] (each document prefix contiguous)."""
   rows = x_TxKxE
   if p.send_kv_idx.shape[-1]:
-    rows = jnp.concatenate([x_TxKxE, _send(x_TxKxE, p.send_kv_idx, p.send_kv_valid)])
+    rows = jnp.concatenate([x_TxKxE, _send(x_TxKxE, p.send_kv_idx, p.send_kv_valid,
+                                           p.send_kv_count, p.recv_kv_count, ragged)])
   return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
 
 
-def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan"):
+def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan", ragged=False):
   """The transpose of `_kv_to_servers`: a gather by the inverse slot map, the reverse exchange,
   and a scatter-add of the returned rows onto the local ones (a row sent to several servers
   sums their gradients), in place."""
@@ -463,24 +501,40 @@ def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan"):
   if C == 0:
     return rows
   with jax.named_scope("return"):
-    back = _exchange(rows[T:].reshape((N, C) + rows.shape[1:]))
+    back = _exchange(rows[T:].reshape((N, C) + rows.shape[1:]), p.recv_kv_count, p.send_kv_count,
+                     ragged)
   back = _masked(p.send_kv_valid, back).reshape((-1,) + rows.shape[1:])
   return rows[:T].at[p.send_kv_idx.reshape(-1)].add(back)
 
 
-rows_to_servers = _with_transpose(_rows_to_servers, _rows_to_home)
-rows_to_home = _with_transpose(_rows_to_home, _rows_to_servers)
-kv_to_servers = _with_transpose(_kv_to_servers, _kv_grads_to_home)
+@functools.cache
+def _movers(ragged: bool):
+  """(rows_to_servers, rows_to_home, kv_to_servers) with explicit transposes, over a tiled or a
+  ragged exchange."""
+  fs = {f: functools.partial(f, ragged=ragged)
+        for f in (_rows_to_servers, _rows_to_home, _kv_to_servers, _kv_grads_to_home)}
+  return (_with_transpose(fs[_rows_to_servers], fs[_rows_to_home]),
+          _with_transpose(fs[_rows_to_home], fs[_rows_to_servers]),
+          _with_transpose(fs[_kv_to_servers], fs[_kv_grads_to_home]))
 
 
-def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str):
+def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str, ragged: bool):
   """Steps 1-4 for one device (inside shard_map; plan arrays without their leading N)."""
-  q_rows = rows_to_servers(q_TxHxE, p)
-  k_srv, v_srv = kv_to_servers(k_TxKxE, p), kv_to_servers(v_TxKxE, p)
+  to_servers, to_home, kv_to_srv = _movers(ragged)
+  q_rows = to_servers(q_TxHxE, p)
+  k_srv, v_srv = kv_to_srv(k_TxKxE, p), kv_to_srv(v_TxKxE, p)
   tasks = TaskTable(p.q_start, p.q_len, p.kv_start, p.kv_len)
   with jax.named_scope("core_attention"):
     o_rows, _ = kernels.attention(q_rows, k_srv, v_srv, tasks, backend=backend)
-  return rows_to_home(o_rows, p)
+  return to_home(o_rows, p)
+
+
+def resolve_exchange(exchange: str) -> str:
+  """`tiled` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
+  if exchange == "ragged" and jax.default_backend() != "gpu":
+    raise ValueError(f"attention.exchange=ragged needs GPUs (jax.lax.ragged_all_to_all), this "
+                     f"backend is {jax.default_backend()}; use attention.exchange=tiled")
+  return exchange
 
 
 def make_distca_attention(attention_config, mesh: Mesh):
@@ -488,7 +542,8 @@ def make_distca_attention(attention_config, mesh: Mesh):
   backend = kernels.resolve_backend(attention_config.kernel)
   qkv_spec = P(ROW_AXES, None, "tensor", None)
   plan_spec = P(ROW_AXES)
-  exchange = functools.partial(_server_exchange, backend=backend)
+  exchange = functools.partial(_server_exchange, backend=backend,
+                               ragged=resolve_exchange(attention_config.exchange) == "ragged")
   if attention_config.memory_mode == "resend":
     exchange = jax.checkpoint(exchange, policy=jax.checkpoint_policies.nothing_saveable)
 

@@ -159,6 +159,8 @@ def main(argv=None) -> int:
                       help="batch on which distca also runs with ping-pong off ('' for none)")
   parser.add_argument("--resend-ablation", default="",
                       help="batch on which distca also runs with attention.memory_mode=resend")
+  parser.add_argument("--ragged-ablation", default="",
+                      help="batch on which distca also runs with attention.exchange=ragged (GPU)")
   parser.add_argument("--trace-dir", default=None,
                       help="xprof trace of the last step, with its busy time per phase and device "
                            "(DIR/<batch>-<variant>); cad: the first batch's colocated and distca "
@@ -238,6 +240,9 @@ def main(argv=None) -> int:
       if kind == args.resend_ablation:  # the other memory mode: servers keep only O and LSE
         variants.append(("distca-resend", ["attention.impl=distca", "attention.pingpong=true",
                                            "attention.memory_mode=resend"]))
+      if kind == args.ragged_ablation:  # only the rows that move travel
+        variants.append(("distca-ragged", ["attention.impl=distca", "attention.pingpong=true",
+                                           "attention.exchange=ragged"]))
       base_time = None
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)

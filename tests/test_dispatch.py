@@ -122,6 +122,13 @@ def test_plan_for_another_batch_is_refused():
   inv[tuple(slot)] += 1
   with pytest.raises(dispatch.PlanMismatchError, match="inverse"):
     dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_inv=inv), a.layout)
+  counts = plan_a.send_q_count.copy()  # the exchange's counts must describe its blocks
+  off = np.argwhere(counts > 0)[0]
+  counts[tuple(off)] -= 1
+  with pytest.raises(dispatch.PlanMismatchError, match="send_q_count"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, send_q_count=counts), a.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match="recv_kv_count"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, recv_kv_count=plan_a.send_kv_count), a.layout)
   kv_idx = plan_a.server_kv_idx.copy()  # one K/V row gathered into two slots of server 0
   used = np.flatnonzero(plan_a.server_kv_valid[0])
   kv_idx[0, used[1]] = kv_idx[0, used[0]]
@@ -196,3 +203,27 @@ def test_backward_has_no_autodiff_scatters():
   assert count(jaxpr.jaxpr, "scatter-add") == 2  # K and V gradients summed home
   # Forward: Q, K, V out and O back; backward: dO out and dQ, dK, dV back.
   assert count(jaxpr.jaxpr, "all_to_all") == 8
+
+
+def test_ragged_exchange_is_refused_off_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("ragged_all_to_all runs here")
+  cfg = small_config("mesh.data=2", "attention.impl=distca", "attention.exchange=ragged")
+  with pytest.raises(ValueError, match="needs GPUs"):
+    _run(cfg, _layout_batch("long_on_one", 2, 0), 2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="ragged_all_to_all needs 2 GPUs")
+def test_ragged_exchange_equals_tiled():
+  """Only the transport differs: loss and every gradient as with the tiled all_to_all."""
+  batch = _layout_batch("long_on_one", 2, 0)
+  out = {}
+  for exchange in ("tiled", "ragged"):
+    cfg = small_config("mesh.data=2", f"data.tokens_per_device={T}", "attention.impl=distca",
+                       "attention.pingpong=true", "model.layers=1", "attention.kernel=reference",
+                       f"attention.exchange={exchange}")
+    out[exchange] = _run(cfg, batch, 2)
+  assert any(p.stats.moves > 0 for p in out["ragged"][4].plans)
+  assert abs(out["ragged"][0] - out["tiled"][0]) <= 1e-6 * abs(out["tiled"][0])
+  assert tree_rel_err(out["ragged"][1], out["tiled"][1]) <= 1e-6
