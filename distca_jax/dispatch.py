@@ -249,6 +249,10 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
     raise PlanMismatchError("plan has a task with more queries than keys")
   if (p.server_kv_idx < 0).any() or (p.server_kv_idx >= T + N * ckv).any():
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
+  for name in ("local_q_idx", "send_q_idx", "send_kv_idx"):
+    a = getattr(p, name)
+    if a.size and (a.min() < 0 or a.max() >= T):
+      raise PlanMismatchError(f"plan {name} outside the {T} rows of a buffer")
   # The backward runs the exchange transposed (gathers by these inverses, `_server_exchange`):
   # exact only if every query row sits in at most one server slot and the K/V inverse matches.
   inv, inv_valid = _kv_inverse(p.server_kv_idx, p.server_kv_valid, T + N * ckv)

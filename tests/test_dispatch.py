@@ -129,6 +129,8 @@ def test_plan_for_another_batch_is_refused():
     dispatch.validate_plan(dataclasses.replace(plan_a, send_q_count=counts), a.layout)
   with pytest.raises(dispatch.PlanMismatchError, match="recv_kv_count"):
     dispatch.validate_plan(dataclasses.replace(plan_a, recv_kv_count=plan_a.send_kv_count), a.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match="send_kv_idx outside"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, send_kv_idx=plan_a.send_kv_idx - T), a.layout)
   kv_idx = plan_a.server_kv_idx.copy()  # one K/V row gathered into two slots of server 0
   used = np.flatnonzero(plan_a.server_kv_valid[0])
   kv_idx[0, used[1]] = kv_idx[0, used[0]]
