@@ -280,3 +280,35 @@ def test_cli_4d_writes_pipeline_columns_and_tick_plans(tmp_path, capsys):
   dumped = sorted(plans.glob("*.json"))
   assert len(dumped) == 10 and all("_pp2_" in p.name for p in dumped)
   assert json.loads(dumped[0].read_text())["num_devices"] == 8
+
+
+def test_tiled_exchange_pads_every_pair_to_the_largest(lens):
+  """`traffic(tiled=True)`: every off-diagonal pair carries the capacity bucket of the largest
+  pair, so no pair moves fewer bytes than the rows it really sends; no exchange if nothing moves."""
+  from distca_jax.schedule.items import initial_tasks, row_bucket
+  from distca_jax.schedule.planner import traffic
+
+  layout = pack(lens, N, T)
+  tasks, _ = balance(layout, COMM, 0.05)
+  real = traffic(tasks, layout, COMM, pairwise=True)
+  tiled = traffic(tasks, layout, COMM, pairwise=True, tiled=True)
+  off = ~np.eye(N, dtype=bool)
+  assert (np.diagonal(tiled.pair_bytes) == 0).all()
+  assert np.unique(tiled.pair_bytes[off]).size == 1
+  assert (tiled.pair_bytes >= real.pair_bytes - 1e-6).all()
+  assert tiled.send.sum() > 2 * real.send.sum()  # 16 ranks: mostly padding
+  assert tiled.pair_bytes[0, 1] >= row_bucket(1, T) * (COMM.q_row_bytes + COMM.kv_row_bytes)
+  equal = pack(np.full(8 * N, T // 8), N, T)  # no document spans two buffers: nothing moves
+  nothing = traffic(initial_tasks(equal), equal, COMM, pairwise=True, tiled=True)
+  assert not nothing.pair_bytes.any() and not nothing.send.any()
+
+
+def test_simulator_tiled_exchange_costs_more_than_ragged():
+  base = ["gpus=[64]", "batches=1"]
+  point = Point("llama3_8b", 64, 131072, "pretrain")
+  ragged = Simulator(load_sim_config(None, base), point).batch(0)[0]["cad"]
+  tiled = Simulator(load_sim_config(None, base + ["exchange=tiled"]), point).batch(0)[0]["cad"]
+  assert tiled.bytes_per_layer > 2 * ragged.bytes_per_layer
+  assert tiled.comm_ms > ragged.comm_ms and tiled.iter_s >= ragged.iter_s
+  with pytest.raises(ConfigError, match="exchange"):
+    load_sim_config(None, ["exchange=padded"])

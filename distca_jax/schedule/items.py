@@ -18,6 +18,7 @@ contiguous in the home buffer, which the dispatch arrays rely on.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -26,6 +27,15 @@ from distca_jax.data.packing import Layout
 # Flash-attention tile: shards of at least this many rows keep the fused kernel efficient, and
 # cut points at multiples of it in document coordinates keep tiles aligned (DESIGN.md "The idea").
 GRANULE = 128
+
+
+def row_bucket(rows: int, buffer_len: int) -> int:
+  """Smallest bucket >= rows: multiples of max(128, T/8) up to T, then T times powers of two."""
+  unit = max(128, buffer_len // 8)
+  rows = max(int(rows), 1)
+  if rows <= buffer_len:
+    return min(-(-rows // unit) * unit, max(buffer_len, unit))
+  return buffer_len * (1 << math.ceil(math.log2(rows / buffer_len)))
 
 
 @dataclasses.dataclass(frozen=True)

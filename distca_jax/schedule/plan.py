@@ -60,7 +60,7 @@ import numpy as np
 
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel
-from distca_jax.schedule.items import Tasks, initial_tasks, validate_layout
+from distca_jax.schedule.items import Tasks, initial_tasks, row_bucket, validate_layout
 from distca_jax.schedule.planner import BalanceStats, Traffic, balance, kv_requests, traffic
 
 PLAN_FORMAT = "distca-plan-v1"
@@ -84,15 +84,6 @@ class Capacities:
       v = getattr(self, f.name)
       if v is not None and v < 1:
         raise ValueError(f"Capacities.{f.name}: must be >= 1 or None, got {v}")
-
-
-def row_bucket(rows: int, buffer_len: int) -> int:
-  """Smallest bucket >= rows: multiples of max(128, T/8) up to T, then T times powers of two."""
-  unit = max(128, buffer_len // 8)
-  rows = max(int(rows), 1)
-  if rows <= buffer_len:
-    return min(-(-rows // unit) * unit, max(buffer_len, unit))
-  return buffer_len * (1 << math.ceil(math.log2(rows / buffer_len)))
 
 
 def task_bucket(tasks: int) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel
-from distca_jax.schedule.items import GRANULE, Tasks, initial_tasks
+from distca_jax.schedule.items import GRANULE, Tasks, initial_tasks, row_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,12 +329,15 @@ class Traffic:
     return float(max(self.send.max(initial=0.0), self.recv.max(initial=0.0)))
 
 
-def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = False) -> Traffic:
+def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = False,
+            tiled: bool = False) -> Traffic:
   """Network bytes of a task placement, KV deduplicated per (server, document).
 
   Query rows: Q out and O back (and the backward's terms, see CommModel) for tasks whose server
   is not their home. KV rows: each server receives doc[0:need) once per document, from whichever
-  devices hold those rows; rows the server holds itself are free.
+  devices hold those rows; rows the server holds itself are free. `tiled`: the bytes of the
+  dispatch's tiled all_to_all instead (`attention.exchange: tiled`), where every (device, server)
+  pair carries the capacity bucket of the largest pair's rows, moving or not.
   """
   n = layout.num_buffers
   q_len = tasks.q_len.astype(np.float64)
@@ -347,6 +350,17 @@ def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = Fals
   rows = kv.piece_rows.astype(np.float64)
   kv_out = np.bincount(kv.piece_src[r], weights=rows[r], minlength=n)
   kv_in = np.bincount(dst[r], weights=rows[r], minlength=n)
+  if tiled:
+    q_pair = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=q_len[remote],
+                         minlength=n * n)
+    kv_pair = np.bincount(kv.piece_src[r] * n + dst[r], weights=rows[r], minlength=n * n)
+    cap = lambda m: row_bucket(int(m), layout.buffer_len) if m > 0 else 0  # 0: no exchange
+    off = ~np.eye(n, dtype=bool)
+    pair = off * (cap(q_pair.max(initial=0)) * comm.q_row_bytes
+                  + cap(kv_pair.max(initial=0)) * comm.kv_row_bytes)
+    return Traffic(send=pair.sum(1), recv=pair.sum(0), q_rows_out=q_out, kv_rows_out=kv_out,
+                   remote_tasks=np.bincount(tasks.home[remote], minlength=n),
+                   pair_bytes=pair if pairwise else None)
   send = q_out * comm.q_row_bytes + kv_out * comm.kv_row_bytes
   recv = q_in * comm.q_row_bytes + kv_in * comm.kv_row_bytes
   pair = None

@@ -80,6 +80,10 @@ class SimConfig:
   # Fraction of CAD's dispatch traffic that ping-pong can hide at most (1: all of it when the
   # other nano-batch's compute is long enough).
   pingpong_overlap: float = 1.0
+  # CAD's transport: `ragged`, only the rows that move (attention.exchange=ragged), or `tiled`,
+  # every (device, server) pair padded to the largest pair's capacity bucket (the default
+  # attention.exchange=tiled of the dispatch).
+  exchange: str = "ragged"
   hardware: HardwareConfig = HardwareConfig()
   # Optional list of sub-sweeps (`Sweep`); empty: the product of the top-level axes.
   sweeps: tuple = ()
@@ -193,6 +197,8 @@ def validate(c: SimConfig) -> None:
     raise ConfigError(f"epsilon: must be in [0, 1), got {c.epsilon}")
   if c.wlb_token_cap < 1:
     raise ConfigError(f"wlb_token_cap: must be >= 1, got {c.wlb_token_cap}")
+  if c.exchange not in ("ragged", "tiled"):
+    raise ConfigError(f"exchange: 'ragged' or 'tiled', got {c.exchange!r}")
   for name in ("cp_overlap", "pingpong_overlap"):
     if not 0 <= getattr(c, name) <= 1:
       raise ConfigError(f"{name}: must be in [0, 1], got {getattr(c, name)}")

@@ -233,7 +233,7 @@ class Simulator:
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)
-      tr = traffic(tasks, lay, self.comm, pairwise=True)
+      tr = traffic(tasks, lay, self.comm, pairwise=True, tiled=cfg.exchange == "tiled")
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
       per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes), np.maximum(tr.send, tr.recv)))
       remote = tasks.server != tasks.home
