@@ -223,7 +223,7 @@ def main(argv=None) -> int:
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
               flush=True)
         if "phases_ms" in r:
-          print("          busy ms per device: " + "  ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()))
+          print("          busy ms (mean over devices): " + "  ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()))
           for op, ms in r.pop("top_ops_ms").items():
             print(f"            {ms:8.1f} ms  {op}")
           sys.stdout.flush()
