@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -53,6 +54,8 @@ from distca_jax.mesh import ROW_AXES
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.plan import Plan, PlanArrays, make_plan, row_bucket
+
+log = logging.getLogger(__name__)
 
 _ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "send_kv_idx",
                  "send_kv_valid", "server_kv_idx", "server_kv_valid", "server_kv_inv",
@@ -541,8 +544,19 @@ def resolve_exchange(exchange: str) -> str:
   return exchange
 
 
+# Pool size from which the tiled exchange's padding stops hiding under compute (docs/SIMULATOR.md:
+# hidden at 8 ranks, exposed at 32; docs/PERFORMANCE.md "Dispatch at scale": 14x the rows at 8).
+TILED_POOL_LIMIT = 8
+
+
 def make_distca_attention(attention_config, mesh: Mesh):
   """The model's `core_attention` for `attention.impl: distca` under `mesh`."""
+  pool = mesh.shape["pipe"] * mesh.shape["data"]
+  if attention_config.exchange == "tiled" and pool > TILED_POOL_LIMIT:
+    log.warning("attention.exchange=tiled over %d attention servers: every block of the "
+                "all_to_all is padded to the largest one, which costs more than it balances beyond "
+                "about %d servers (docs/SIMULATOR.md); on GPUs use attention.exchange=ragged",
+                pool, TILED_POOL_LIMIT)
   backend = kernels.resolve_backend(attention_config.kernel)
   qkv_spec = P(ROW_AXES, None, "tensor", None)
   plan_spec = P(ROW_AXES)

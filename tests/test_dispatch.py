@@ -229,3 +229,17 @@ def test_ragged_exchange_equals_tiled():
   assert any(p.stats.moves > 0 for p in out["ragged"][4].plans)
   assert abs(out["ragged"][0] - out["tiled"][0]) <= 1e-6 * abs(out["tiled"][0])
   assert tree_rel_err(out["ragged"][1], out["tiled"][1]) <= 1e-6
+
+
+def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
+  cfg = small_config("mesh.data=2", "attention.impl=distca")
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2])
+  monkeypatch.setattr(dispatch, "TILED_POOL_LIMIT", 1)
+  with caplog.at_level("WARNING", logger="distca_jax.dispatch"):
+    dispatch.make_distca_attention(cfg.attention, mesh)
+  assert "attention.exchange=tiled over 2 attention servers" in caplog.text
+  caplog.clear()
+  monkeypatch.setattr(dispatch, "TILED_POOL_LIMIT", 2)
+  with caplog.at_level("WARNING", logger="distca_jax.dispatch"):
+    dispatch.make_distca_attention(cfg.attention, mesh)
+  assert "attention.exchange=tiled" not in caplog.text
