@@ -75,7 +75,14 @@ def main(argv=None) -> int:
   if bar:
     bar.close()
 
+  print(f"CAD's exchange modelled as {cfg.exchange!r}: " + (
+      "only the rows that move travel (attention.exchange=ragged); the dispatch's default tiled "
+      "transport pads every pair to the largest: rerun with exchange=tiled for its prediction"
+      if cfg.exchange == "ragged" else
+      "every (rank, server) pair padded to the largest pair's bucket (attention.exchange=tiled)"))
   _print_table(rows)
+  for r in rows:
+    r["exchange"] = cfg.exchange
   with open(out_dir / "sim.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()

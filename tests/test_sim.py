@@ -144,6 +144,7 @@ def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
   assert "wlb_best" in text and "per_doc_cp" in text
   rows = list(csv.DictReader(open(out / "sim.csv")))
   assert {r["system"] for r in rows} == {"cad", "colocated", "wlb", "wlb_best", "per_doc_cp"}
+  assert "exchange modelled as 'ragged'" in text and {r["exchange"] for r in rows} == {"ragged"}
   assert (out / "loads.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
   dumped = sorted(plans.glob("*.json"))  # one plan per nano-batch
   assert [p.stem.rsplit("_", 1)[1] for p in dumped] == ["ping", "pong"]
