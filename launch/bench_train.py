@@ -248,7 +248,13 @@ def main(argv=None) -> int:
         config = load_config(args.config, args.overrides + ov)
         traced = args.trace_dir and name in ("colocated", "distca") and kind == args.batches[0]
         trace = f"{args.trace_dir}/{kind}-{name}" if traced else None
-        r = _time_variant(config, batch, args.warmup, args.steps, trace)
+        try:
+          r = _time_variant(config, batch, args.warmup, args.steps, trace)
+        except Exception as e:  # noqa: BLE001 (an ablation that fails is reported; the run goes on)
+          if name == "colocated":
+            raise
+          print(f"{kind:9s} {name:14s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+          continue
         if name == "colocated":
           base_time = r["median_s"]
           load = metrics_lib.attention_load_per_device(batch.layout)
