@@ -53,7 +53,8 @@ from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.pingpong import split_pingpong
-from distca_jax.schedule.plan import Plan, PlanArrays, make_plan, row_bucket
+from distca_jax.schedule.items import exchange_capacity
+from distca_jax.schedule.plan import Plan, PlanArrays, make_plan
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +126,6 @@ def moved_rows(arrays: PlanArrays) -> tuple[int, int]:
   eye = np.eye(a.send_q_idx.shape[0], dtype=bool)[:, :, None]
   return (int((a.send_q_valid & ~eye).sum(-1).max(initial=0)),
           int((a.send_kv_valid & ~eye).sum(-1).max(initial=0)))
-
-
-def exchange_capacity(moved: int, buffer_len: int, limit: int | None = None) -> int:
-  """Rows per (device, server) block of the all_to_all: 0 when no row moves (the exchange is
-  skipped: a balanced batch costs what colocated attention costs), else a bucket."""
-  if moved == 0:
-    return 0
-  c = row_bucket(moved, buffer_len)
-  return c if limit is None else min(c, limit)
 
 
 def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,

@@ -128,8 +128,6 @@ def step_host_path(args):
   """The trainer's per-step host work (`dispatch.host_context`) against the device count, and the
   padding of its tiled all_to_alls: rows sent per device (N - 1 blocks of capacity c) vs the rows
   that really move, summed over the exchange, for Q and for K/V, both nano-batches."""
-  import dataclasses
-
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config

@@ -36,7 +36,7 @@ import numpy as np
 
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel
-from distca_jax.schedule.items import GRANULE, Tasks, initial_tasks, row_bucket
+from distca_jax.schedule.items import GRANULE, Tasks, exchange_capacity, initial_tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,10 +354,9 @@ def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = Fals
     q_pair = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=q_len[remote],
                          minlength=n * n)
     kv_pair = np.bincount(kv.piece_src[r] * n + dst[r], weights=rows[r], minlength=n * n)
-    cap = lambda m: row_bucket(int(m), layout.buffer_len) if m > 0 else 0  # 0: no exchange
+    cap = lambda rows: exchange_capacity(int(np.ceil(rows.max(initial=0))), layout.buffer_len)
     off = ~np.eye(n, dtype=bool)
-    pair = off * (cap(q_pair.max(initial=0)) * comm.q_row_bytes
-                  + cap(kv_pair.max(initial=0)) * comm.kv_row_bytes)
+    pair = off * (cap(q_pair) * comm.q_row_bytes + cap(kv_pair) * comm.kv_row_bytes)
     return Traffic(send=pair.sum(1), recv=pair.sum(0), q_rows_out=q_out, kv_rows_out=kv_out,
                    remote_tasks=np.bincount(tasks.home[remote], minlength=n),
                    pair_bytes=pair if pairwise else None)

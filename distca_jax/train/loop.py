@@ -331,17 +331,17 @@ def restore_any_layout(checkpointer, trainer, state, expect: dict[str, Any]) -> 
   converted (`Trainer.relayout`), so a run can resume with more, fewer or no pipeline stages."""
   import jax
 
-  _, stored = checkpointer.read_extra()
+  step, stored = checkpointer.read_extra()  # restore that same step below
   saved, now = int(stored.get("pipeline_stages", 1)), trainer.stages
   abstract = lambda tree, shardings: jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
   current = jax.tree.map(lambda x: x.sharding, state)
   if saved == now:
-    return checkpointer.restore(abstract_state=abstract(state, current), expect=expect)
+    return checkpointer.restore(step, abstract_state=abstract(state, current), expect=expect)
   to_saved = jax.jit(lambda s: trainer.relayout(s, now, saved))
   saved_shardings = to_saved.lower(state).compile().output_shardings
   restored, extra = checkpointer.restore(
-      abstract_state=abstract(jax.eval_shape(to_saved, state), saved_shardings), expect=expect)
+      step, abstract_state=abstract(jax.eval_shape(to_saved, state), saved_shardings), expect=expect)
   to_now = jax.jit(lambda s: trainer.relayout(s, saved, now), out_shardings=current)
   return to_now(restored), extra
 
