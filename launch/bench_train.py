@@ -16,6 +16,7 @@ train.py schema) apply to every variant, e.g. `model.layers=4 data.tokens_per_de
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -249,11 +250,15 @@ def main(argv=None) -> int:
         traced = args.trace_dir and name in ("colocated", "distca") and kind == args.batches[0]
         trace = f"{args.trace_dir}/{kind}-{name}" if traced else None
         try:
-          r = _time_variant(config, batch, args.warmup, args.steps, trace)
+          r = _time_variant(config, batch, args.warmup, args.steps, trace,
+                            compile_only=args.compile_only)
         except Exception as e:  # noqa: BLE001 (an ablation that fails is reported; the run goes on)
           if name == "colocated":
             raise
           print(f"{kind:9s} {name:14s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+          # Let go of what the failed variant held (its executable and buffers) before the next.
+          jax.clear_caches()
+          gc.collect()
           continue
         if name == "colocated":
           base_time = r["median_s"]

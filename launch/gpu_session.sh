@@ -16,7 +16,10 @@
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
 #          (env PP_TOKENS, PP_LAYERS, PP_BATCHES, PP_MICROBATCHES, PP_TIMEOUT; PP_TRACE=DIR traces
 #          every variant's last step and prints its per-phase busy time)
+#   cadmem the cad suite compiled only (CAD_* as for cad; default: prolong with the ragged exchange),
+#          with XLA's buffer assignment of each variant's step and its ragged all-to-alls
 #   ppmem  the pp suite compiled only, with XLA's buffer assignment of each variant's step
+#   tests  all GPUs: pytest T_FILES (default tests/test_dispatch.py) -k T_K (default ragged)
 #   uniform128  all GPUs: colocated vs distca on the uniform batch at 128K tokens per device
 # Logs and tables go to $OUT (or ./gpu_out).
 set -uo pipefail
@@ -45,6 +48,14 @@ for suite in "$@"; do
            find "$CAD_TRACE"/*-distca -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
            python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
          fi ;;
+    cadmem) XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/caddump --xla_dump_hlo_module_re=.*train_step.*" \
+           timeout ${CAD_TIMEOUT:-300} python3 -P launch/bench_train.py --suite cad --compile-only \
+           --batches ${CAD_BATCHES:-prolong} --pingpong-ablation "${CAD_ABLATION-}" --resend-ablation "${CAD_RESEND-}" \
+           --ragged-ablation "${CAD_RAGGED-prolong}" model.preset=llama3_8b model.layers=2 \
+           data.tokens_per_device=${CAD_TOKENS:-65536} data.length_scale=1 ${CAD_EXTRA:-} 2>&1 \
+           | grep -v -i warn | tee -a "$OUT/cadmem.log"
+         python3 -P launch/xla_buffers.py /tmp/caddump --top 20 2>&1 | tee -a "$OUT/cadmem.log"
+         grep -h "ragged-all-to-all(" /tmp/caddump/*after_optimizations.txt | cut -c1-400 | head -20 | tee -a "$OUT/cadmem.log" ;;
     pp) timeout ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
            --microbatches ${PP_MICROBATCHES:-4} --warmup 1 --steps 2 --json "$OUT/pp.json" \
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \
@@ -62,6 +73,8 @@ for suite in "$@"; do
            [ "${K_ARGS:-}" = none ] || timeout ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
              | tee "$OUT/kernels.log"
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
+    tests) JAX_PLATFORMS=cuda timeout ${T_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider ${T_FILES:-tests/test_dispatch.py} \
+           -k "${T_K:-ragged}" 2>&1 | grep -v -i warn | tail -15 | tee -a "$OUT/tests.log" ;;
     uniform128) timeout ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
            --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=${U_TOKENS:-131072} data.length_scale=1 2>&1 | grep -v -i warn | tee -a "$OUT/uniform128.log" ;;
