@@ -10,7 +10,8 @@ the devices that share its tensor rank — a device:
      blocks of fixed capacity,
   2. exchanges them with one `all_to_all` over the pool: tiled, every block padded to the plan's
      capacity (CPU and GPU), or with `attention.exchange: ragged` only the rows that move
-     (`jax.lax.ragged_all_to_all`, GPU only),
+     (`jax.lax.ragged_all_to_all`, GPU only; slower on XLA 0.11, whose NCCL implementation
+     waits for the stream on the host before every call: docs/PERFORMANCE.md),
   3. as a server, gathers its K/V rows so every document prefix is contiguous and runs the
      kernel over its fused task batch (`kernels.attention`),
   4. returns O by the reverse `all_to_all`, and each home row picks its output.
@@ -547,7 +548,8 @@ def make_distca_attention(attention_config, mesh: Mesh):
   if attention_config.exchange == "tiled" and pool > TILED_POOL_LIMIT:
     log.warning("attention.exchange=tiled over %d attention servers: every block of the "
                 "all_to_all is padded to the largest one, which costs more than it balances beyond "
-                "about %d servers (docs/SIMULATOR.md); on GPUs use attention.exchange=ragged",
+                "about %d servers (docs/SIMULATOR.md); attention.exchange=ragged sends only the "
+                "moving rows but XLA 0.11 blocks the host on each one (docs/PERFORMANCE.md)",
                 pool, TILED_POOL_LIMIT)
   backend = kernels.resolve_backend(attention_config.kernel)
   qkv_spec = P(ROW_AXES, None, "tensor", None)

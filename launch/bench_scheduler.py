@@ -14,7 +14,10 @@ time rather than FLOPs. `--arrays-devices` also times building the
 dispatch arrays (plan.make_plan with arrays) at a device count where they fit in memory.
 `--step-devices` times the trainer's whole host path per step (dispatch.host_context: ping-pong
 split, schedule, dense dispatch arrays, validation) and reports how much of the tiled all_to_all
-is padding (every (device, server) block padded to the largest one's bucket).
+is padding (every (device, server) block padded to the largest one's bucket). `--pairs` shows
+why: how few (device, server) pairs the moving rows use, and the rows a device sends in the tiled
+exchange ((N - 1) blocks of the common capacity) against the busiest device's real rows (what a
+transport sending only the moving rows would be bound by).
 """
 
 from __future__ import annotations
@@ -62,9 +65,14 @@ def main(argv=None):
   ap.add_argument("--tp", type=int, default=8)
   ap.add_argument("--step-devices", type=int, nargs="*", default=[],
                   help="device counts at which to time the trainer's host path (then exit)")
+  ap.add_argument("--pairs", type=int, nargs="*", default=[],
+                  help="device counts at which to show how the moving rows use the exchange's "
+                       "(device, server) pairs (then exit)")
   args = ap.parse_args(argv)
   if args.step_devices:
     return step_host_path(args)
+  if args.pairs:
+    return pair_usage(args)
 
   comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=args.tp)
   n, t = args.devices, args.tokens
@@ -164,6 +172,53 @@ def step_host_path(args):
       print(f"| {dist} | {n} | {wall:.0f} | {sched:.0f} | {before:.2f} -> {after:.2f} | "
             f"{pad_q:,} / {real_q:,} ({ratio(pad_q, real_q)}) | "
             f"{pad_kv:,} / {real_kv:,} ({ratio(pad_kv, real_kv)}) |", flush=True)
+
+
+def pair_usage(args):
+  """Per nano-batch of the trainer's plan (ping-pong on): the query and K/V rows each (device,
+  server) pair carries. The tiled exchange pads every pair to the largest pair's bucket; its rows
+  per device, (N - 1) x capacity, against the busiest device's real rows (max over devices of the
+  rows it sends or receives) is its cost relative to a transport that sends only what moves."""
+  from distca_jax import dispatch
+  from distca_jax.config import load_config
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.schedule.items import exchange_capacity
+  from distca_jax.schedule.planner import kv_requests
+
+  t = args.tokens
+  print(f"# (device, server) pairs of the exchange, {t} tokens/device, llama3_8b, ping-pong on, batch 0")
+  print("| dist | devices | nano | rows | moved | pairs used | largest pair | mean used pair "
+        "| capacity | tiled rows / device | busiest device's rows | tiled / busiest |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for dist in args.dist:
+    for n in args.pairs:
+      config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
+                                  "data.length_scale=1", f"data.elongate_factor={max(1, t // 65536)}",
+                                  "attention.impl=distca", f"mesh.data={n}", f"data.distribution={dist}"])
+      shape = resolve(config.model)
+      batch = synthetic_from_config(config.data, shape.vocab_size, n).batch(0)
+      comm = dispatch.comm_model(shape, config.attention)
+      for k, nano in enumerate(dispatch.split_pingpong_batch(batch)):
+        lay = nano.layout
+        tasks = make_plan(lay, comm, epsilon=config.attention.epsilon, with_arrays=False).tasks
+        remote = tasks.server != tasks.home
+        q = np.zeros((n, n))
+        np.add.at(q, (tasks.home[remote], tasks.server[remote]), tasks.q_len[remote])
+        kv = kv_requests(tasks, lay)
+        dst = kv.pair_server[kv.piece_pair]
+        r = dst != kv.piece_src
+        kvm = np.zeros((n, n))
+        np.add.at(kvm, (kv.piece_src[r], dst[r]), kv.piece_rows[r])
+        for name, m in (("Q", q), ("K/V", kvm)):
+          used = int((m > 0).sum())
+          cap = exchange_capacity(int(m.max(initial=0)), lay.buffer_len)
+          busiest = max(m.sum(1).max(initial=0), m.sum(0).max(initial=0))
+          tiled = (n - 1) * cap
+          ratio = f"{tiled / busiest:.1f}x" if busiest else "-"
+          print(f"| {dist} | {n} | {('ping', 'pong')[k]} | {name} | {int(m.sum()):,} | {used} / {n * (n - 1)} "
+                f"| {int(m.max(initial=0)):,} | {m.sum() / max(used, 1):,.0f} | {cap:,} | {tiled:,} "
+                f"| {int(busiest):,} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     bar.close()
 
   print(f"CAD's exchange modelled as {cfg.exchange!r}: " + (
-      "only the rows that move travel (attention.exchange=ragged); the dispatch's default tiled "
+      "only the rows that move travel, as with attention.exchange=ragged (which XLA 0.11 runs "
+      "with a host wait per call: slower than tiled on 2 GPUs); the dispatch's default tiled "
       "transport pads every pair to the largest: rerun with exchange=tiled for its prediction"
       if cfg.exchange == "ragged" else
       "every (rank, server) pair padded to the largest pair's bucket (attention.exchange=tiled)"))
