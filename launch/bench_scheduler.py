@@ -132,14 +132,25 @@ def main(argv=None):
           f"ctask={c.ctask}; imbalance {plan.stats.imbalance_before:.2f} -> {plan.stats.imbalance_after:.3f}")
 
 
+def _trainer_batch(dist: str, n: int, t: int):
+  """(config, model shape, batch 0) of the trainer's CAD job on `n` devices of `t` tokens
+  (llama3_8b, the paper's elongation for t)."""
+  from distca_jax.config import load_config
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+
+  config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
+                              "data.length_scale=1", f"data.elongate_factor={max(1, t // 65536)}",
+                              "attention.impl=distca", f"mesh.data={n}", f"data.distribution={dist}"])
+  shape = resolve(config.model)
+  return config, shape, synthetic_from_config(config.data, shape.vocab_size, n).batch(0)
+
+
 def step_host_path(args):
   """The trainer's per-step host work (`dispatch.host_context`) against the device count, and the
   padding of its tiled all_to_alls: rows sent per device (N - 1 blocks of capacity c) vs the rows
   that really move, summed over the exchange, for Q and for K/V, both nano-batches."""
   from distca_jax import dispatch
-  from distca_jax.config import load_config
-  from distca_jax.data.sources import synthetic_from_config
-  from distca_jax.models.presets import resolve
 
   t = args.tokens
   print(f"# host path per step, {t} tokens/device, llama3_8b, ping-pong on; CPU "
@@ -149,11 +160,7 @@ def step_host_path(args):
   print("|---|---|---|---|---|---|---|")
   for dist in args.dist:
     for n in args.step_devices:
-      config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
-                                  "data.length_scale=1", f"data.elongate_factor={max(1, t // 65536)}",
-                                  "attention.impl=distca", f"mesh.data={n}", f"data.distribution={dist}"])
-      shape = resolve(config.model)
-      batch = synthetic_from_config(config.data, shape.vocab_size, n).batch(0)
+      config, shape, batch = _trainer_batch(dist, n, t)
       t0 = time.perf_counter()
       ctx = dispatch.host_context(config.attention, batch, shape)
       wall = (time.perf_counter() - t0) * 1e3
@@ -180,9 +187,6 @@ def pair_usage(args):
   per device, (N - 1) x capacity, against the busiest device's real rows (max over devices of the
   rows it sends or receives) is its cost relative to a transport that sends only what moves."""
   from distca_jax import dispatch
-  from distca_jax.config import load_config
-  from distca_jax.data.sources import synthetic_from_config
-  from distca_jax.models.presets import resolve
   from distca_jax.schedule.items import exchange_capacity
   from distca_jax.schedule.planner import kv_requests
 
@@ -193,11 +197,7 @@ def pair_usage(args):
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for dist in args.dist:
     for n in args.pairs:
-      config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
-                                  "data.length_scale=1", f"data.elongate_factor={max(1, t // 65536)}",
-                                  "attention.impl=distca", f"mesh.data={n}", f"data.distribution={dist}"])
-      shape = resolve(config.model)
-      batch = synthetic_from_config(config.data, shape.vocab_size, n).batch(0)
+      config, shape, batch = _trainer_batch(dist, n, t)
       comm = dispatch.comm_model(shape, config.attention)
       for k, nano in enumerate(dispatch.split_pingpong_batch(batch)):
         lay = nano.layout
