@@ -155,9 +155,10 @@ def make_core_attention(attention_config, mesh: Mesh) -> Callable:
   return dispatch.make_distca_attention(attention_config, mesh)
 
 
-def host_context(attention_config, batch: "Batch | Layout", model_shape=None) -> Any:
+def host_context(attention_config, batch: "Batch | Layout", model_shape=None, devices=None) -> Any:
   """The per-step context for the configured attention, computed on the host: a
-  `ColocatedContext` (colocated), or a `dispatch.StepContext` (distca: nano-batches and plans)."""
+  `ColocatedContext` (colocated), or a `dispatch.StepContext` (distca: nano-batches and plans;
+  `devices`: the rows this process checks, `mesh.local_rows`)."""
   layout = batch if isinstance(batch, Layout) else batch.layout
   if attention_config.impl == "colocated":
     return colocated_context(layout)
@@ -165,4 +166,4 @@ def host_context(attention_config, batch: "Batch | Layout", model_shape=None) ->
 
   if isinstance(batch, Layout):
     raise TypeError("distca attention plans from the whole batch (ping-pong re-packs its tokens)")
-  return dispatch.host_context(attention_config, batch, model_shape)
+  return dispatch.host_context(attention_config, batch, model_shape, devices)

@@ -16,10 +16,10 @@ the devices that share its tensor rank — a device:
      kernel over its fused task batch (`kernels.attention`),
   4. returns O by the reverse `all_to_all`, and each home row picks its output.
 
-The plan (which task runs where, as static int32 arrays) comes from `distca_jax.schedule`; its
-format is defined in `distca_jax/schedule/plan.py`. Rows that stay home are copied locally rather
-than sent: the plan's diagonal block is taken out of the exchange (`compact_plan`), so the
-all_to_all carries only rows that really move, padded to a small bucket.
+Which task runs where comes from the scheduler (`distca_jax.schedule`); `build_dispatch` lays
+its tasks out as static int32 arrays (`DispatchPlan`). Rows that stay home are copied locally
+rather than sent, so the all_to_all carries only rows that really move, each (device, server)
+block padded to a small bucket.
 
 Gradients: the row movements are linear maps with explicit transposes (custom VJPs): the Q
 dispatch and the O return are each other's transpose (gathers and the reverse all_to_all); the
@@ -54,8 +54,9 @@ from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.pingpong import split_pingpong
-from distca_jax.schedule.items import exchange_capacity
-from distca_jax.schedule.plan import Plan, PlanArrays, make_plan
+from distca_jax.schedule.items import Tasks, exchange_capacity
+from distca_jax.schedule.plan import Plan, cumsum_in_groups, fill_ranges, make_plan
+from distca_jax.schedule.planner import kv_requests
 
 log = logging.getLogger(__name__)
 
@@ -121,76 +122,113 @@ class DispatchPlan:
 # ----------------------------------------------------------------------------- host side
 
 
-def moved_rows(arrays: PlanArrays) -> tuple[int, int]:
-  """Most query rows, and most K/V rows, one device sends to one other device."""
-  a = arrays
-  eye = np.eye(a.send_q_idx.shape[0], dtype=bool)[:, :, None]
-  return (int((a.send_q_valid & ~eye).sum(-1).max(initial=0)),
-          int((a.send_kv_valid & ~eye).sum(-1).max(initial=0)))
+def exchange_rows(tasks: Tasks, layout: Layout) -> tuple[int, int]:
+  """Most query rows, and most K/V rows, one device sends to one other device under `tasks`."""
+  n = layout.num_buffers
+  remote = tasks.server != tasks.home
+  q = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=tasks.q_len[remote],
+                  minlength=n * n)
+  kv = kv_requests(tasks, layout)
+  dst = kv.pair_server[kv.piece_pair]
+  r = dst != kv.piece_src
+  k = np.bincount(kv.piece_src[r] * n + dst[r], weights=kv.piece_rows[r], minlength=n * n)
+  return int(q.max(initial=0)), int(k.max(initial=0))
 
 
-def compact_plan(arrays: PlanArrays, buffer_len: int, c: int | None = None,
-                 ckv: int | None = None) -> DispatchPlan:
-  """Rewrites the scheduler's arrays (plan.py format, stay-home rows in the diagonal block of the
-  all_to_all) into `DispatchPlan` (stay-home rows local, off-diagonal blocks padded to the
-  smallest bucket that holds the rows that really move, or to `c` / `ckv` when given: several
-  plans of one shape). Pure index arithmetic, vectorised."""
-  a = arrays
-  N, T = a.send_q_idx.shape[0], buffer_len
-  cq, ckv_old = a.cq, a.ckv
-  eye = np.eye(N, dtype=bool)[:, :, None]
-  moved_q, moved_kv = moved_rows(a)
-  if c is None:
-    c = exchange_capacity(moved_q, T, cq)
-  if ckv is None:
-    ckv = exchange_capacity(moved_kv, T, ckv_old)
+def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | None = None,
+                   ckv: int | None = None) -> DispatchPlan:
+  """The dispatch arrays of a task placement (`DispatchPlan`), straight from the scheduler's
+  tasks: stay-home rows local, every off-diagonal (device, server) block padded to the smallest
+  bucket that holds the rows that really move (or to `c` / `ckv` when given: several plans of one
+  shape). `skv` / `ctask`: the server's K/V-buffer and task-table capacities (the scheduler's
+  `Plan.capacities`). Work and memory are O(N² (c + ckv) + N (T + skv)) plus a loop over tasks
+  and K/V pieces, never over tokens. Raises PlanMismatchError when a capacity is too small."""
+  n, t = layout.num_buffers, layout.buffer_len
+  moved_q, moved_kv = exchange_rows(tasks, layout)
+  c = exchange_capacity(moved_q, t) if c is None else c
+  ckv = exchange_capacity(moved_kv, t) if ckv is None else ckv
   if moved_q > c or moved_kv > ckv:
     raise PlanMismatchError(f"plan moves {moved_q} query / {moved_kv} K/V rows between two "
                             f"devices, more than the capacities {c} / {ckv}")
-  ckv_new = ckv
-  fit = lambda x, n: (x[..., :n] if x.shape[-1] >= n
-                      else np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])]))
 
-  def remap(flat_idx, block, new_block, dev):
-    """Old flat row (src * block + j) on device `dev` -> new row in [local T | N * new_block]."""
-    src, j = flat_idx // block, flat_idx % block
-    return np.where(src == dev, j, T + src * new_block + j)
-
-  dev = np.arange(N)
-  # Stay-home rows are the diagonal block, packed from row 0; a buffer has at most T of them.
-  if (a.send_q_valid[dev, dev, min(cq, T):]).any():
+  # Queries, grouped by (home, server) block in home-row order: a block's rows are packed from
+  # its start; the diagonal block is the server's local rows [0, T), the others are sent.
+  block = tasks.home * n + tasks.server
+  order = np.lexsort((tasks.home_off, block))
+  home, server = tasks.home[order], tasks.server[order]
+  hoff, ql, qhi, doc = (tasks.home_off[order], tasks.q_len[order], tasks.q_hi[order],
+                        tasks.doc[order])
+  pos = cumsum_in_groups(ql, block[order])
+  local = home == server
+  if np.bincount(home[local], weights=ql[local], minlength=n).max(initial=0) > t:
     raise PlanMismatchError("plan keeps more than T rows at home")
-  local_q_idx = np.zeros((N, T), np.int32)
-  local_q_idx[:, :min(cq, T)] = a.send_q_idx[dev, dev, :T]
-  local_q_valid = np.zeros((N, T), bool)
-  local_q_valid[:, :min(cq, T)] = a.send_q_valid[dev, dev, :T]
-  local_q_idx = np.where(local_q_valid, local_q_idx, 0)
-  off = ~eye[..., 0]
-  send_q_idx = fit(np.where(off[..., None], a.send_q_idx, 0), c)
-  send_q_valid = fit(a.send_q_valid & off[..., None], c)
-  send_kv_idx = fit(np.where(off[..., None], a.send_kv_idx, 0), ckv_new)
-  send_kv_valid = fit(a.send_kv_valid & off[..., None], ckv_new)
-  # The diagonal KV block: a server reads its own K/V rows directly from its buffer.
-  kv_src = a.server_kv_idx // ckv_old
-  kv_j = a.server_kv_idx % ckv_old
-  own_rows = a.send_kv_idx[dev[:, None], dev[:, None], kv_j]  # home row behind a diagonal entry
-  server_kv_idx = np.where(kv_src == dev[:, None], own_rows, T + kv_src * ckv_new + kv_j)
-  q_start = np.where(a.q_len > 0, remap(a.q_start, cq, c, dev[:, None]), 0)
-  return_idx = remap(a.return_idx, cq, c, dev[:, None])
-  server_kv_idx = np.where(a.server_kv_valid, server_kv_idx, 0).astype(np.int32)
-  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, a.server_kv_valid, T + N * ckv_new)
+  local_q_idx = np.zeros(n * t, np.int32)
+  local_q_valid = np.zeros(n * t, bool)
+  fill_ranges(local_q_idx, local_q_valid, home[local] * t + pos[local], hoff[local], ql[local])
+  send_q_idx = np.zeros(n * n * c, np.int32)
+  send_q_valid = np.zeros(n * n * c, bool)
+  fill_ranges(send_q_idx, send_q_valid, (block[order][~local]) * c + pos[~local], hoff[~local],
+              ql[~local])
+  # Server-side query row of a task's first row: local rows first, then T + home * c + j.
+  q_start = np.where(local, pos, t + home * c + pos)
+  # Home-side row of each output: local rows, then T + server * c + j of the returned blocks.
+  return_idx = np.zeros(n * t, np.int32)
+  return_valid = np.zeros(n * t, bool)
+  fill_ranges(return_idx, return_valid, home * t + hoff, np.where(local, pos, t + server * c + pos), ql)
+
+  # Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
+  # server reads its own pieces from its buffer; the others arrive in (source, server) blocks.
+  kv = kv_requests(tasks, layout)
+  dst = kv.pair_server[kv.piece_pair]
+  kblk = kv.piece_src * n + dst
+  korder = np.lexsort((kv.piece_doc_off, kv.piece_pair, kblk))
+  src, kdst, rows = kv.piece_src[korder], dst[korder], kv.piece_rows[korder]
+  src_off = kv.piece_src_off[korder]
+  kpos = cumsum_in_groups(rows, kblk[korder])
+  own = src == kdst
+  send_kv_idx = np.zeros(n * n * ckv, np.int32)
+  send_kv_valid = np.zeros(n * n * ckv, bool)
+  fill_ranges(send_kv_idx, send_kv_valid, kblk[korder][~own] * ckv + kpos[~own], src_off[~own],
+              rows[~own])
+  # The server's K/V buffer: each (server, document) pair a contiguous prefix region.
+  pair_base = cumsum_in_groups(kv.pair_need, kv.pair_server)
+  server_kv_idx = np.zeros(n * skv, np.int32)
+  server_kv_valid = np.zeros(n * skv, bool)
+  pair = kv.piece_pair[korder]
+  fill_ranges(server_kv_idx, server_kv_valid, kdst * skv + pair_base[pair] + kv.piece_doc_off[korder],
+              np.where(own, src_off, t + src * ckv + kpos), rows)
+
+  # Task tables: per server, in order of their query rows.
+  num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
+  tpair = np.searchsorted(kv.pair_server * num_docs + kv.pair_doc, server * num_docs + doc)
+  torder = np.lexsort((q_start, server))
+  srv = server[torder]
+  slot = cumsum_in_groups(np.ones_like(srv), srv)
+  if srv.size and slot.max() >= ctask:
+    raise PlanMismatchError(f"plan has {int(slot.max()) + 1} tasks on one server, more than the "
+                            f"capacity {ctask}")
+  flat = srv * ctask + slot
+  tab = {k: np.zeros(n * ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
+  tab["q_start"][flat] = q_start[torder]
+  tab["q_len"][flat] = ql[torder]
+  tab["kv_start"][flat] = pair_base[tpair[torder]]
+  tab["kv_len"][flat] = qhi[torder]
+
+  server_kv_idx = server_kv_idx.reshape(n, skv)
+  server_kv_valid = server_kv_valid.reshape(n, skv)
+  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, t + n * ckv)
+  send_q_valid = send_q_valid.reshape(n, n, c)
+  send_kv_valid = send_kv_valid.reshape(n, n, ckv)
   send_q_count = send_q_valid.sum(-1, dtype=np.int32)
   send_kv_count = send_kv_valid.sum(-1, dtype=np.int32)
   return DispatchPlan(
-      local_q_idx=local_q_idx.astype(np.int32), local_q_valid=local_q_valid,
-      send_q_idx=send_q_idx.astype(np.int32), send_q_valid=send_q_valid,
-      send_kv_idx=send_kv_idx.astype(np.int32), send_kv_valid=send_kv_valid,
-      server_kv_idx=server_kv_idx, server_kv_valid=a.server_kv_valid.copy(),
+      local_q_idx=local_q_idx.reshape(n, t), local_q_valid=local_q_valid.reshape(n, t),
+      send_q_idx=send_q_idx.reshape(n, n, c), send_q_valid=send_q_valid,
+      send_kv_idx=send_kv_idx.reshape(n, n, ckv), send_kv_valid=send_kv_valid,
+      server_kv_idx=server_kv_idx, server_kv_valid=server_kv_valid,
       server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid,
-      q_start=q_start.astype(np.int32), q_len=a.q_len.astype(np.int32),
-      kv_start=a.kv_start.astype(np.int32), kv_len=a.kv_len.astype(np.int32),
-      return_idx=np.where(a.return_valid, return_idx, 0).astype(np.int32),
-      return_valid=a.return_valid.copy(),
+      **{k: v.reshape(n, ctask) for k, v in tab.items()},
+      return_idx=return_idx.reshape(n, t), return_valid=return_valid.reshape(n, t),
       send_q_count=send_q_count, recv_q_count=np.ascontiguousarray(send_q_count.T),
       send_kv_count=send_kv_count, recv_kv_count=np.ascontiguousarray(send_kv_count.T))
 
@@ -212,14 +250,17 @@ def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray,
   return inv, valid
 
 
-def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
+def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
   """Refuses a plan that does not belong to `layout` or breaks its own capacities.
 
   Follows every row through the plan, vectorised: each real token's output must come from a
   query row holding that same token; each task's query rows must be consecutive positions of one
   document ending at position kv_len - 1, and its key rows exactly that document's positions
   0 .. kv_len - 1. A plan made for another batch (other document boundaries) therefore fails even
-  when its shapes fit. Raises PlanMismatchError naming what is wrong.
+  when its shapes fit. `devices` (default: all) limits the row-by-row checks to the outputs of
+  those homes and the tasks of those servers (each process checks the devices it feeds; the
+  shape, range and count checks always cover the whole plan). Raises PlanMismatchError naming
+  what is wrong.
   """
   N, T = layout.num_buffers, layout.buffer_len
   p = plan
@@ -251,9 +292,16 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
       raise PlanMismatchError(f"plan {name} outside the {T} rows of a buffer")
   # The backward runs the exchange transposed (gathers by these inverses, `_server_exchange`):
   # exact only if every query row sits in at most one server slot and the K/V inverse matches.
-  inv, inv_valid = _kv_inverse(p.server_kv_idx, p.server_kv_valid, T + N * ckv)
-  if not (np.array_equal(inv_valid, p.server_kv_inv_valid)
-          and np.array_equal(np.where(inv_valid, inv, 0), np.where(inv_valid, p.server_kv_inv, 0))):
+  # Every filled slot's row maps back to that slot, and no other row is marked: then no row
+  # fills two slots and the inverse is exact (O(slots), no inverse rebuilt).
+  if p.server_kv_inv.shape != (N, T + N * ckv) or p.server_kv_inv_valid.shape != (N, T + N * ckv):
+    raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
+  d_, j_ = np.nonzero(p.server_kv_valid)
+  target = p.server_kv_idx[d_, j_]
+  if (int(p.server_kv_inv_valid.sum()) != d_.size or not p.server_kv_inv_valid[d_, target].all()
+      or (p.server_kv_inv[d_, target] != j_).any()):
+    if np.unique(d_ * (T + N * ckv) + target).size < d_.size:  # (the failure path only)
+      raise PlanMismatchError("plan gathers one K/V row into two server slots")
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
   # The exchange's counts: valid rows packed from each block's start (a ragged exchange sends
   # rows [0, count) of a block), none on the diagonal, and what s receives from d is what d sends.
@@ -269,38 +317,49 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
     raise PlanMismatchError(f"plan places {slots} query rows on servers for "
                             f"{int(p.return_valid.sum())} real tokens")
 
-  # Identity (home device, home row, valid) of every server-side query row and K/V row.
-  dev = np.arange(N)
-  src = np.broadcast_to(dev[None, :, None], (N, N, c))       # [server, src, j]
-  q_home_dev = np.concatenate([np.broadcast_to(dev[:, None], (N, T)), src.reshape(N, -1)], 1)
-  q_home_row = np.concatenate([p.local_q_idx, p.send_q_idx.transpose(1, 0, 2).reshape(N, -1)], 1)
-  q_ok = np.concatenate([p.local_q_valid, p.send_q_valid.transpose(1, 0, 2).reshape(N, -1)], 1)
-  srck = np.broadcast_to(dev[None, :, None], (N, N, ckv))
-  kv_dev_all = np.concatenate([np.broadcast_to(dev[:, None], (N, T)), srck.reshape(N, -1)], 1)
-  kv_row_all = np.concatenate([np.broadcast_to(np.arange(T)[None], (N, T)),
-                               p.send_kv_idx.transpose(1, 0, 2).reshape(N, -1)], 1)
-  kv_ok_all = np.concatenate([np.ones((N, T), bool), p.send_kv_valid.transpose(1, 0, 2).reshape(N, -1)], 1)
-  srv = dev[:, None]
-  kv_dev = kv_dev_all[srv, p.server_kv_idx]
-  kv_row = kv_row_all[srv, p.server_kv_idx]
-  kv_ok = kv_ok_all[srv, p.server_kv_idx] & p.server_kv_valid
-
-  # Outputs: each real token's output row holds that token. Home d's returned row T + s*c + j
-  # is server s's query row T + d*c + j; rows below T are d's own local rows.
-  r = p.return_idx
-  d_home = np.broadcast_to(dev[:, None], (N, T))
+  # Outputs: each real token's output row holds that token. Home d's row r < T is its local
+  # row r; row T + s*c + j comes back from server s, which received it as row j of d's block.
+  homes = np.arange(N) if devices is None else np.asarray(devices)
+  r = p.return_idx[homes].astype(np.int64)
   c1 = max(c, 1)  # c = 0: nothing is exchanged, every row is local (r < T)
-  from_srv = np.where(r < T, d_home, (r - T) // c1)
-  srv_row = np.where(r < T, r, T + d_home * c + (r - T) % c1)
-  wrong = real & ((q_home_dev[from_srv, srv_row] != d_home)
-                  | (q_home_row[from_srv, srv_row] != np.arange(T)[None]) | ~q_ok[from_srv, srv_row])
+  hb = np.broadcast_to(homes[:, None], r.shape)
+  rl, s_, j_ = np.minimum(r, T - 1), np.maximum(r - T, 0) // c1, np.maximum(r - T, 0) % c1
+  if c:
+    got = np.where(r < T, p.local_q_idx[hb, rl], p.send_q_idx[hb, s_, j_])
+    ok = np.where(r < T, p.local_q_valid[hb, rl], p.send_q_valid[hb, s_, j_])
+  else:
+    got, ok = p.local_q_idx[hb, rl], p.local_q_valid[hb, rl]
+  wrong = real[homes] & ((got != np.arange(T)[None]) | ~ok)
   if wrong.any():
     bad = np.argwhere(wrong)[0]
-    raise PlanMismatchError(f"plan does not match the batch: the output for device {bad[0]} row "
-                            f"{bad[1]} would come from another token")
+    raise PlanMismatchError(f"plan does not match the batch: the output for device "
+                            f"{homes[bad[0]]} row {bad[1]} would come from another token")
+
+  def q_identity(srv, row):
+    """(home device, home row, valid) of server `srv`'s query row `row` (arrays)."""
+    local = row < T
+    rl, h, j = np.minimum(row, T - 1), np.maximum(row - T, 0) // c1, np.maximum(row - T, 0) % c1
+    if not c:
+      return srv, p.local_q_idx[srv, rl], p.local_q_valid[srv, rl]
+    return (np.where(local, srv, h), np.where(local, p.local_q_idx[srv, rl], p.send_q_idx[h, srv, j]),
+            np.where(local, p.local_q_valid[srv, rl], p.send_q_valid[h, srv, j]))
+
+  def kv_identity(srv, slot):
+    """(home device, home row, valid) of the K/V row in slot `slot` of server `srv`."""
+    v = p.server_kv_idx[srv, slot].astype(np.int64)
+    local = v < T
+    ck1 = max(ckv, 1)
+    h, j = np.maximum(v - T, 0) // ck1, np.maximum(v - T, 0) % ck1
+    ok = p.server_kv_valid[srv, slot]
+    if not ckv:
+      return srv, v, ok
+    return (np.where(local, srv, h), np.where(local, v, p.send_kv_idx[h, srv, j]),
+            ok & np.where(local, True, p.send_kv_valid[h, srv, j]))
 
   # Tasks: rows expanded per task (vectorised), checked against the layout's documents.
   live = p.q_len > 0
+  if devices is not None:
+    live &= np.isin(np.arange(N), devices)[:, None]
   t_srv, t_idx = np.nonzero(live)
   qs, ql = p.q_start[live].astype(np.int64), p.q_len[live].astype(np.int64)
   ks, kl = p.kv_start[live].astype(np.int64), p.kv_len[live].astype(np.int64)
@@ -311,17 +370,15 @@ def validate_plan(plan: DispatchPlan, layout: Layout) -> None:
     return owner, np.repeat(start, length) + offset, offset
 
   o, row, off = expand(qs, ql)
-  s_ = t_srv[o]
-  qd, qr = q_home_dev[s_, row], q_home_row[s_, row]
+  qd, qr, q_ok = q_identity(t_srv[o], row)
   q_doc, q_pos = seg[qd, qr], pos[qd, qr]
   task_doc = np.full(ql.size, -2, np.int64)
   task_doc[o[::-1]] = q_doc[::-1]  # document of each task's first query row
-  bad_q = ~q_ok[s_, row] | (q_doc != task_doc[o]) | (q_pos != (kl - ql)[o] + off)
+  bad_q = ~q_ok | (q_doc != task_doc[o]) | (q_pos != (kl - ql)[o] + off)
   o2, row2, off2 = expand(ks, kl)
-  s2 = t_srv[o2]
-  k_doc = seg[kv_dev[s2, row2], kv_row[s2, row2]]
-  k_pos = pos[kv_dev[s2, row2], kv_row[s2, row2]]
-  bad_k = ~kv_ok[s2, row2] | (k_doc != task_doc[o2]) | (k_pos != off2)
+  kd, kr, k_ok = kv_identity(t_srv[o2], row2)
+  k_doc, k_pos = seg[kd, kr], pos[kd, kr]
+  bad_k = ~k_ok | (k_doc != task_doc[o2]) | (k_pos != off2)
   if bad_q.any() or bad_k.any() or (task_doc == PAD_SEGMENT).any():
     t = int(o[np.argmax(bad_q)]) if bad_q.any() else int(o2[np.argmax(bad_k)]) if bad_k.any() else 0
     raise PlanMismatchError(
@@ -333,33 +390,32 @@ def comm_model(shape, attention_config) -> CommModel:
   return CommModel.for_model(shape, resend=attention_config.memory_mode == "resend")
 
 
-def plan_for_layout(attention_config, layout: Layout, shape) -> tuple[Plan, DispatchPlan]:
-  """Schedules one nano-batch and returns the scheduler's plan and its dispatch arrays."""
-  plan = make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon)
-  dispatch = compact_plan(plan.arrays, layout.buffer_len)
-  validate_plan(dispatch, layout)
+def plan_for_layout(attention_config, layout: Layout, shape,
+                    devices=None) -> tuple[Plan, DispatchPlan]:
+  """Schedules one nano-batch and returns the scheduler's plan and its dispatch arrays, checked
+  row by row for `devices` (default: all; a process passes the rows it feeds, `mesh.local_rows`)."""
+  plan = make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
+                   with_arrays=False)
+  dispatch = build_dispatch(plan.tasks, layout, plan.capacities.skv, plan.capacities.ctask)
+  validate_plan(dispatch, layout, devices)
   return plan, dispatch
 
 
-def plan_layouts(attention_config, layouts, shape) -> tuple[list[Plan], list[DispatchPlan]]:
+def plan_layouts(attention_config, layouts, shape,
+                 devices=None) -> tuple[list[Plan], list[DispatchPlan]]:
   """Plans several layouts of one shape (a pipelined step's ticks) into dispatch plans of one
   shape: capacities are the largest any of them needs, so the plans stack and the step compiles
   once per combination of buckets."""
-  plans = [make_plan(l, comm_model(shape, attention_config), epsilon=attention_config.epsilon)
-           for l in layouts]
+  plans = [make_plan(l, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
+                     with_arrays=False) for l in layouts]
   T = layouts[0].buffer_len
-  moved = np.array([moved_rows(p.arrays) for p in plans]).max(0)
+  moved = np.array([exchange_rows(p.tasks, l) for p, l in zip(plans, layouts)]).max(0)
   c, ckv = exchange_capacity(int(moved[0]), T), exchange_capacity(int(moved[1]), T)
-  dispatch = [compact_plan(p.arrays, T, c, ckv) for p in plans]
-  skv = max(d.server_kv_idx.shape[-1] for d in dispatch)
-  ctask = max(d.q_len.shape[-1] for d in dispatch)
-  pad = lambda x, n: np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
-  dispatch = [dataclasses.replace(
-      d, server_kv_idx=pad(d.server_kv_idx, skv), server_kv_valid=pad(d.server_kv_valid, skv),
-      **{f: pad(getattr(d, f), ctask) for f in ("q_start", "q_len", "kv_start", "kv_len")})
-      for d in dispatch]
+  skv = max(p.capacities.skv for p in plans)
+  ctask = max(p.capacities.ctask for p in plans)
+  dispatch = [build_dispatch(p.tasks, l, skv, ctask, c, ckv) for p, l in zip(plans, layouts)]
   for d, l in zip(dispatch, layouts):
-    validate_plan(d, l)
+    validate_plan(d, l, devices)
   return plans, dispatch
 
 
@@ -381,14 +437,15 @@ class StepContext:
     return ratio(before), ratio(after)
 
 
-def host_context(attention_config, batch: Batch, shape) -> StepContext:
+def host_context(attention_config, batch: Batch, shape, devices=None) -> StepContext:
   """Splits the batch into nano-batches (if ping-pong) and plans each; runs on the host, in the
-  trainer's prefetch thread, one step ahead of the devices."""
+  trainer's prefetch thread, one step ahead of the devices. `devices`: the rows this process
+  checks (`plan_for_layout`)."""
   if attention_config.pingpong:
     batches = split_pingpong_batch(batch)
   else:
     batches = (batch,)
-  planned = [plan_for_layout(attention_config, b.layout, shape) for b in batches]
+  planned = [plan_for_layout(attention_config, b.layout, shape, devices) for b in batches]
   return StepContext(batches=batches, dispatch=tuple(d for _, d in planned),
                      plans=tuple(p for p, _ in planned))
 

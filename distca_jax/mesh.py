@@ -26,6 +26,17 @@ AXES = ("data", "pipe", "tensor")
 ROW_AXES = ("pipe", "data")
 
 
+def local_rows(mesh: Mesh) -> np.ndarray | None:
+  """Rows (over ROW_AXES: pipe-major, see above) whose buffers this process's devices hold, or
+  None when it holds every row (one process)."""
+  data, pipe, _ = mesh.devices.shape
+  mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices).any(-1)
+  if mine.all():
+    return None
+  d_idx, p_idx = np.nonzero(mine)
+  return np.sort(p_idx * data + d_idx)
+
+
 def make_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:
   """A (data, pipe, tensor) mesh over `devices` (default: all devices), validated.
 

@@ -234,8 +234,10 @@ class StepContext:
     return float(np.mean(before)), float(np.mean(after))
 
 
-def host_context(attention_config, microbatches: list[Batch], stages: int, shape) -> StepContext:
-  """Plans one pipelined step on the host (runs in the trainer's prefetch thread)."""
+def host_context(attention_config, microbatches: list[Batch], stages: int, shape,
+                 devices=None) -> StepContext:
+  """Plans one pipelined step on the host (runs in the trainer's prefetch thread); `devices`:
+  the rows (stage-major, as `mesh.ROW_AXES`) whose plans this process checks row by row."""
   schedule = Schedule(stages, len(microbatches))
   N, T = microbatches[0].layout.num_buffers, microbatches[0].layout.buffer_len
   lays = [b.layout for b in microbatches]
@@ -250,7 +252,7 @@ def host_context(attention_config, microbatches: list[Batch], stages: int, shape
   else:
     from distca_jax import dispatch
 
-    plans, ctxs = dispatch.plan_layouts(attention_config, fwd + bwd, shape)
+    plans, ctxs = dispatch.plan_layouts(attention_config, fwd + bwd, shape, devices)
   stack = lambda items: jax.tree.map(lambda *xs: np.stack(xs), *items)
   n = schedule.num_ticks
   return StepContext(schedule=schedule, microbatches=tuple(microbatches), forward=fwd, backward=bwd,

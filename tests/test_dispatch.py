@@ -207,6 +207,25 @@ def test_backward_has_no_autodiff_scatters():
   assert count(jaxpr.jaxpr, "all_to_all") == 8
 
 
+def test_validate_plan_checks_the_given_devices_rows():
+  """A process checks the outputs and tasks of the rows it feeds: a wrong output row of device 0
+  is refused when device 0 is among them, and is left to device 0's process otherwise."""
+  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     "attention.pingpong=false")
+  a = synthetic_from_config(cfg.data, 512, 4).batch(0)
+  from distca_jax.models.presets import resolve
+
+  _, plan = dispatch.plan_for_layout(cfg.attention, a.layout, resolve(cfg.model), devices=[0, 2])
+  swapped = plan.local_q_idx.copy()
+  swapped[0, [0, 1]] = swapped[0, [1, 0]]
+  bad = dataclasses.replace(plan, local_q_idx=swapped)
+  for devices in (None, [0], [0, 3]):
+    with pytest.raises(dispatch.PlanMismatchError, match="another token"):
+      dispatch.validate_plan(bad, a.layout, devices)
+  dispatch.validate_plan(bad, a.layout, [1, 2, 3])
+  assert mesh_lib.local_rows(mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])) is None  # one process
+
+
 def test_ragged_exchange_is_refused_off_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("ragged_all_to_all runs here")

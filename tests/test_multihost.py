@@ -44,15 +44,18 @@ def _env():
   return env
 
 
-def test_two_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("impl", ["colocated", "distca"])
+def test_two_processes_match_one_process(tmp_path, impl):
+  """distca: the exchange crosses processes, and each process checks only its own rows' plans."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
   enable_compile_cache(_cache_dir())
-  one = loop.run(small_config(*ARGS, f"train.out_dir={tmp_path / 'one'}"), devices=jax.devices()[:8],
+  args = [*ARGS, f"attention.impl={impl}"]
+  one = loop.run(small_config(*args, f"train.out_dir={tmp_path / 'one'}"), devices=jax.devices()[:8],
                  log=lambda *a: None)
   out = tmp_path / "two"
   proc = subprocess.run(
-      ["bash", str(ROOT / "launch" / "multihost_local.sh"), "2", "4", *ARGS, f"train.out_dir={out}",
+      ["bash", str(ROOT / "launch" / "multihost_local.sh"), "2", "4", *args, f"train.out_dir={out}",
        f"train.compile_cache_dir={_cache_dir()}"],
       cwd=ROOT, env=dict(_env(), DISTCA_LOG_DIR=str(tmp_path / "logs")), capture_output=True,
       text=True, timeout=400)

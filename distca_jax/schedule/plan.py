@@ -175,7 +175,7 @@ class CapacityPolicy:
     return make_plan(layout, comm, epsilon, self.capacities(free.requirements), **kw)
 
 
-def _exclusive_cumsum_by_group(values: np.ndarray, group: np.ndarray) -> np.ndarray:
+def cumsum_in_groups(values: np.ndarray, group: np.ndarray) -> np.ndarray:
   """Per element: sum of `values` of earlier elements of the same group (input grouped, sorted)."""
   c = np.cumsum(values) - values
   if values.size == 0:
@@ -185,7 +185,7 @@ def _exclusive_cumsum_by_group(values: np.ndarray, group: np.ndarray) -> np.ndar
   return c - base
 
 
-def _fill_ranges(idx_flat: np.ndarray, valid_flat: np.ndarray, dst_start, src_start, length) -> None:
+def fill_ranges(idx_flat: np.ndarray, valid_flat: np.ndarray, dst_start, src_start, length) -> None:
   """idx_flat[d : d+l] = s + arange(l), valid_flat[...] = True, for each (d, s, l).
 
   A loop over ranges (tasks, KV pieces), never over tokens: each range is a contiguous slice
@@ -240,14 +240,14 @@ def build_arrays(tasks: Tasks, layout: Layout, caps: Capacities) -> PlanArrays:
   order = np.lexsort((tasks.home_off, block))
   blk, ql = block[order], tasks.q_len[order]
   home, server, hoff = tasks.home[order], tasks.server[order], tasks.home_off[order]
-  pos = _exclusive_cumsum_by_group(ql, blk)
+  pos = cumsum_in_groups(ql, blk)
   send_q_idx = np.zeros(n * n * cq, np.int32)
   send_q_valid = np.zeros(n * n * cq, bool)
-  _fill_ranges(send_q_idx, send_q_valid, blk * cq + pos, hoff, ql)
+  fill_ranges(send_q_idx, send_q_valid, blk * cq + pos, hoff, ql)
   q_start_flat = home * cq + pos  # task's first row in its server's recv_q flat
   return_idx = np.zeros(n * t, np.int32)
   return_valid = np.zeros(n * t, bool)
-  _fill_ranges(return_idx, return_valid, home * t + hoff, server * cq + pos, ql)
+  fill_ranges(return_idx, return_valid, home * t + hoff, server * cq + pos, ql)
 
   # Keys/values: deduplicated prefix pieces, grouped by (source, server) block.
   kv = kv_requests(tasks, layout)
@@ -256,16 +256,16 @@ def build_arrays(tasks: Tasks, layout: Layout, caps: Capacities) -> PlanArrays:
   korder = np.lexsort((kv.piece_doc_off, kv.piece_pair, kblk))
   kb, rows = kblk[korder], kv.piece_rows[korder]
   src, kdst = kv.piece_src[korder], dst[korder]
-  kpos = _exclusive_cumsum_by_group(rows, kb)
+  kpos = cumsum_in_groups(rows, kb)
   send_kv_idx = np.zeros(n * n * ckv, np.int32)
   send_kv_valid = np.zeros(n * n * ckv, bool)
-  _fill_ranges(send_kv_idx, send_kv_valid, kb * ckv + kpos, kv.piece_src_off[korder], rows)
+  fill_ranges(send_kv_idx, send_kv_valid, kb * ckv + kpos, kv.piece_src_off[korder], rows)
   # Server gather: pairs are sorted by (server, doc); each gets a contiguous prefix region.
-  pair_base = _exclusive_cumsum_by_group(kv.pair_need, kv.pair_server)
+  pair_base = cumsum_in_groups(kv.pair_need, kv.pair_server)
   server_kv_idx = np.zeros(n * skv, np.int32)
   server_kv_valid = np.zeros(n * skv, bool)
   pair = kv.piece_pair[korder]
-  _fill_ranges(server_kv_idx, server_kv_valid, kdst * skv + pair_base[pair] + kv.piece_doc_off[korder],
+  fill_ranges(server_kv_idx, server_kv_valid, kdst * skv + pair_base[pair] + kv.piece_doc_off[korder],
                src * ckv + kpos, rows)
 
   # Task tables: per server, in order of their query rows.
@@ -274,7 +274,7 @@ def build_arrays(tasks: Tasks, layout: Layout, caps: Capacities) -> PlanArrays:
   tpair = np.searchsorted(pair_key, server * num_docs + tasks.doc[order])
   torder = np.lexsort((q_start_flat, server))
   srv = server[torder]
-  slot = _exclusive_cumsum_by_group(np.ones_like(srv), srv)
+  slot = cumsum_in_groups(np.ones_like(srv), srv)
   flat = srv * ctask + slot
   tab = {k: np.zeros(n * ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
   tab["q_start"][flat] = q_start_flat[torder]

@@ -165,16 +165,17 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
   init_s = time.perf_counter() - t0
 
   microbatches = config.train.microbatches
+  rows = mesh_lib.local_rows(mesh)  # each process checks the plans of the rows it feeds
 
   def make_item(step):
     if trainer.pipeline is not None:
       from distca_jax import pipeline
 
       mbs = [source.batch(step * microbatches + i) for i in range(microbatches)]
-      ctx = pipeline.host_context(config.attention, mbs, mesh.shape["pipe"], shape)
+      ctx = pipeline.host_context(config.attention, mbs, mesh.shape["pipe"], shape, rows)
       return ctx.as_batch(), ctx, ctx.attention_loads()
     batch = source.batch(step)
-    ctx = attention_lib.host_context(config.attention, batch, shape)
+    ctx = attention_lib.host_context(config.attention, batch, shape, rows)
     loads = profile_lib.attention_loads(ctx, batch.layout, shape, config.attention,
                                         tensor_parallel=mesh.shape["tensor"],
                                         plan_after=config.train.imbalance_after)
