@@ -136,14 +136,19 @@ def exchange_rows(tasks: Tasks, layout: Layout) -> tuple[int, int]:
 
 
 def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | None = None,
-                   ckv: int | None = None) -> DispatchPlan:
+                   ckv: int | None = None, devices=None) -> DispatchPlan:
   """The dispatch arrays of a task placement (`DispatchPlan`), straight from the scheduler's
   tasks: stay-home rows local, every off-diagonal (device, server) block padded to the smallest
   bucket that holds the rows that really move (or to `c` / `ckv` when given: several plans of one
   shape). `skv` / `ctask`: the server's K/V-buffer and task-table capacities (the scheduler's
-  `Plan.capacities`). Work and memory are O(N² (c + ckv) + N (T + skv)) plus a loop over tasks
-  and K/V pieces, never over tokens. Raises PlanMismatchError when a capacity is too small."""
+  `Plan.capacities`). `devices` (default: all): fill only what those devices hold, send and
+  receive (their rows, and the blocks they send or receive); the other rows stay zero, never
+  touched (numpy's zeros are not committed until written), so a process of a large job pays
+  for its own devices; shapes and counts are those of the whole plan on every process. Work is a
+  loop over tasks and K/V pieces, never over tokens. Raises PlanMismatchError when a capacity is
+  too small."""
   n, t = layout.num_buffers, layout.buffer_len
+  mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   moved_q, moved_kv = exchange_rows(tasks, layout)
   c = exchange_capacity(moved_q, t) if c is None else c
   ckv = exchange_capacity(moved_kv, t) if ckv is None else ckv
@@ -164,17 +169,20 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
     raise PlanMismatchError("plan keeps more than T rows at home")
   local_q_idx = np.zeros(n * t, np.int32)
   local_q_valid = np.zeros(n * t, bool)
-  fill_ranges(local_q_idx, local_q_valid, home[local] * t + pos[local], hoff[local], ql[local])
+  w = local & mine[home]
+  fill_ranges(local_q_idx, local_q_valid, home[w] * t + pos[w], hoff[w], ql[w])
   send_q_idx = np.zeros(n * n * c, np.int32)
   send_q_valid = np.zeros(n * n * c, bool)
-  fill_ranges(send_q_idx, send_q_valid, (block[order][~local]) * c + pos[~local], hoff[~local],
-              ql[~local])
+  w = ~local & (mine[home] | mine[server])
+  fill_ranges(send_q_idx, send_q_valid, block[order][w] * c + pos[w], hoff[w], ql[w])
   # Server-side query row of a task's first row: local rows first, then T + home * c + j.
   q_start = np.where(local, pos, t + home * c + pos)
   # Home-side row of each output: local rows, then T + server * c + j of the returned blocks.
   return_idx = np.zeros(n * t, np.int32)
   return_valid = np.zeros(n * t, bool)
-  fill_ranges(return_idx, return_valid, home * t + hoff, np.where(local, pos, t + server * c + pos), ql)
+  w = mine[home]
+  fill_ranges(return_idx, return_valid, home[w] * t + hoff[w],
+              np.where(local, pos, t + server * c + pos)[w], ql[w])
 
   # Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
   # server reads its own pieces from its buffer; the others arrive in (source, server) blocks.
@@ -188,15 +196,17 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   own = src == kdst
   send_kv_idx = np.zeros(n * n * ckv, np.int32)
   send_kv_valid = np.zeros(n * n * ckv, bool)
-  fill_ranges(send_kv_idx, send_kv_valid, kblk[korder][~own] * ckv + kpos[~own], src_off[~own],
-              rows[~own])
+  w = ~own & (mine[src] | mine[kdst])
+  fill_ranges(send_kv_idx, send_kv_valid, kblk[korder][w] * ckv + kpos[w], src_off[w], rows[w])
   # The server's K/V buffer: each (server, document) pair a contiguous prefix region.
   pair_base = cumsum_in_groups(kv.pair_need, kv.pair_server)
   server_kv_idx = np.zeros(n * skv, np.int32)
   server_kv_valid = np.zeros(n * skv, bool)
   pair = kv.piece_pair[korder]
-  fill_ranges(server_kv_idx, server_kv_valid, kdst * skv + pair_base[pair] + kv.piece_doc_off[korder],
-              np.where(own, src_off, t + src * ckv + kpos), rows)
+  w = mine[kdst]
+  fill_ranges(server_kv_idx, server_kv_valid,
+              (kdst * skv + pair_base[pair] + kv.piece_doc_off[korder])[w],
+              np.where(own, src_off, t + src * ckv + kpos)[w], rows[w])
 
   # Task tables: per server, in order of their query rows.
   num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
@@ -207,7 +217,8 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   if srv.size and slot.max() >= ctask:
     raise PlanMismatchError(f"plan has {int(slot.max()) + 1} tasks on one server, more than the "
                             f"capacity {ctask}")
-  flat = srv * ctask + slot
+  w = mine[srv]
+  flat, torder = (srv * ctask + slot)[w], torder[w]
   tab = {k: np.zeros(n * ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
   tab["q_start"][flat] = q_start[torder]
   tab["q_len"][flat] = ql[torder]
@@ -219,8 +230,11 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, t + n * ckv)
   send_q_valid = send_q_valid.reshape(n, n, c)
   send_kv_valid = send_kv_valid.reshape(n, n, ckv)
-  send_q_count = send_q_valid.sum(-1, dtype=np.int32)
-  send_kv_count = send_kv_valid.sum(-1, dtype=np.int32)
+  # Rows per block of the whole plan (every process agrees on them, whatever it filled).
+  send_q_count = np.bincount(block[order][~local], weights=ql[~local],
+                             minlength=n * n).astype(np.int32).reshape(n, n)
+  send_kv_count = np.bincount(kblk[korder][~own], weights=rows[~own],
+                              minlength=n * n).astype(np.int32).reshape(n, n)
   return DispatchPlan(
       local_q_idx=local_q_idx.reshape(n, t), local_q_valid=local_q_valid.reshape(n, t),
       send_q_idx=send_q_idx.reshape(n, n, c), send_q_valid=send_q_valid,
@@ -257,10 +271,10 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
   query row holding that same token; each task's query rows must be consecutive positions of one
   document ending at position kv_len - 1, and its key rows exactly that document's positions
   0 .. kv_len - 1. A plan made for another batch (other document boundaries) therefore fails even
-  when its shapes fit. `devices` (default: all) limits the row-by-row checks to the outputs of
-  those homes and the tasks of those servers (each process checks the devices it feeds; the
-  shape, range and count checks always cover the whole plan). Raises PlanMismatchError naming
-  what is wrong.
+  when its shapes fit. `devices` (default: all) limits the checks to what those devices hold,
+  send and receive: the outputs of those homes, the tasks of those servers, the blocks they send
+  and receive (each process checks the devices it feeds, `build_dispatch(devices=...)` fills only
+  those). Raises PlanMismatchError naming what is wrong.
   """
   N, T = layout.num_buffers, layout.buffer_len
   p = plan
@@ -268,27 +282,35 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
     raise PlanMismatchError(f"plan is for buffers {p.return_idx.shape}, the batch has ({N}, {T})")
   if p.send_q_idx.shape[:2] != (N, N) or p.q_start.shape[0] != N:
     raise PlanMismatchError(f"plan is for {p.send_q_idx.shape[0]} devices, the batch has {N}")
+  D = np.arange(N) if devices is None else np.unique(np.asarray(devices, np.int64))
+  if D.size and (D[0] < 0 or D[-1] >= N):
+    raise ValueError(f"validate_plan: devices {devices} outside the plan's {N} devices")
+  # Rows of per-device arrays, and the (device, server) blocks, that the devices D read or fill:
+  # their own rows, the blocks they send and the blocks they receive.
+  rows_of = lambda a: a[D]
+  blocks_of = lambda a: (a[D], a[:, D])
   seg = layout.segment_ids()
   pos = layout.positions()
   real = seg != PAD_SEGMENT
-  if not np.array_equal(p.return_valid, real):
-    bad = np.argwhere(p.return_valid != real)[0]
-    raise PlanMismatchError(f"plan does not match the batch: device {bad[0]} row {bad[1]} is "
-                            f"{'padding' if not real[tuple(bad)] else 'a real token'} in the batch")
+  if not np.array_equal(rows_of(p.return_valid), real[D]):
+    i, r = np.argwhere(rows_of(p.return_valid) != real[D])[0]
+    raise PlanMismatchError(f"plan does not match the batch: device {D[i]} row {r} is "
+                            f"{'padding' if not real[D[i], r] else 'a real token'} in the batch")
   c, ckv = p.send_q_idx.shape[-1], p.send_kv_idx.shape[-1]
   rows = T + N * c
-  if (p.return_idx < 0).any() or (p.return_idx >= rows).any():
+  if (rows_of(p.return_idx) < 0).any() or (rows_of(p.return_idx) >= rows).any():
     raise PlanMismatchError(f"plan return_idx outside the {rows} rows of a server's output")
-  ends = p.q_start + p.q_len
-  if (ends > rows).any() or (p.kv_start + p.kv_len > p.server_kv_idx.shape[-1]).any():
+  q_start, q_len, kv_start, kv_len = map(rows_of, (p.q_start, p.q_len, p.kv_start, p.kv_len))
+  if (q_start + q_len > rows).any() or (kv_start + kv_len > p.server_kv_idx.shape[-1]).any():
     raise PlanMismatchError("plan task table indexes rows past its capacities")
-  if (p.q_len > p.kv_len).any():
+  if (q_len > kv_len).any():
     raise PlanMismatchError("plan has a task with more queries than keys")
-  if (p.server_kv_idx < 0).any() or (p.server_kv_idx >= T + N * ckv).any():
+  server_kv_idx = rows_of(p.server_kv_idx)
+  if (server_kv_idx < 0).any() or (server_kv_idx >= T + N * ckv).any():
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
-  for name in ("local_q_idx", "send_q_idx", "send_kv_idx"):
-    a = getattr(p, name)
-    if a.size and (a.min() < 0 or a.max() >= T):
+  for name, parts in (("local_q_idx", (rows_of(p.local_q_idx),)),
+                      ("send_q_idx", blocks_of(p.send_q_idx)), ("send_kv_idx", blocks_of(p.send_kv_idx))):
+    if any(a.size and (a.min() < 0 or a.max() >= T) for a in parts):
       raise PlanMismatchError(f"plan {name} outside the {T} rows of a buffer")
   # The backward runs the exchange transposed (gathers by these inverses, `_server_exchange`):
   # exact only if every query row sits in at most one server slot and the K/V inverse matches.
@@ -296,10 +318,10 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
   # fills two slots and the inverse is exact (O(slots), no inverse rebuilt).
   if p.server_kv_inv.shape != (N, T + N * ckv) or p.server_kv_inv_valid.shape != (N, T + N * ckv):
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
-  d_, j_ = np.nonzero(p.server_kv_valid)
-  target = p.server_kv_idx[d_, j_]
-  if (int(p.server_kv_inv_valid.sum()) != d_.size or not p.server_kv_inv_valid[d_, target].all()
-      or (p.server_kv_inv[d_, target] != j_).any()):
+  i_, j_ = np.nonzero(rows_of(p.server_kv_valid))
+  d_, target = D[i_], server_kv_idx[i_, j_]
+  if (int(rows_of(p.server_kv_inv_valid).sum()) != d_.size
+      or not p.server_kv_inv_valid[d_, target].all() or (p.server_kv_inv[d_, target] != j_).any()):
     if np.unique(d_ * (T + N * ckv) + target).size < d_.size:  # (the failure path only)
       raise PlanMismatchError("plan gathers one K/V row into two server slots")
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
@@ -307,19 +329,22 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
   # rows [0, count) of a block), none on the diagonal, and what s receives from d is what d sends.
   for name, valid, send, recv in (("q", p.send_q_valid, p.send_q_count, p.recv_q_count),
                                   ("kv", p.send_kv_valid, p.send_kv_count, p.recv_kv_count)):
+    ramp = np.arange(valid.shape[-1])
     if (send.shape != (N, N) or not np.array_equal(recv, send.T) or np.diagonal(send).any()
-        or not np.array_equal(valid, np.arange(valid.shape[-1]) < send[..., None])):
+        or not all(np.array_equal(v, ramp < n[..., None])
+                   for v, n in zip(blocks_of(valid), blocks_of(send)))):
       raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count do not describe its "
                               f"send blocks (rows packed from the start, recv the transpose)")
-  off_diag = ~np.eye(N, dtype=bool)[:, :, None]
-  slots = int(p.local_q_valid.sum()) + int((p.send_q_valid & off_diag).sum())
-  if slots != int(p.return_valid.sum()):
+  # Every real token of a home in D sits in exactly one slot: a local row or a row it sends.
+  off_diag = D[:, None] != np.arange(N)[None, :]
+  slots = int(rows_of(p.local_q_valid).sum()) + int((rows_of(p.send_q_valid) & off_diag[..., None]).sum())
+  if slots != int(real[D].sum()):
     raise PlanMismatchError(f"plan places {slots} query rows on servers for "
-                            f"{int(p.return_valid.sum())} real tokens")
+                            f"{int(real[D].sum())} real tokens")
 
   # Outputs: each real token's output row holds that token. Home d's row r < T is its local
   # row r; row T + s*c + j comes back from server s, which received it as row j of d's block.
-  homes = np.arange(N) if devices is None else np.asarray(devices)
+  homes = D
   r = p.return_idx[homes].astype(np.int64)
   c1 = max(c, 1)  # c = 0: nothing is exchanged, every row is local (r < T)
   hb = np.broadcast_to(homes[:, None], r.shape)
@@ -359,7 +384,7 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
   # Tasks: rows expanded per task (vectorised), checked against the layout's documents.
   live = p.q_len > 0
   if devices is not None:
-    live &= np.isin(np.arange(N), devices)[:, None]
+    live &= np.isin(np.arange(N), D)[:, None]
   t_srv, t_idx = np.nonzero(live)
   qs, ql = p.q_start[live].astype(np.int64), p.q_len[live].astype(np.int64)
   ks, kl = p.kv_start[live].astype(np.int64), p.kv_len[live].astype(np.int64)
@@ -396,7 +421,8 @@ def plan_for_layout(attention_config, layout: Layout, shape,
   row by row for `devices` (default: all; a process passes the rows it feeds, `mesh.local_rows`)."""
   plan = make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
                    with_arrays=False)
-  dispatch = build_dispatch(plan.tasks, layout, plan.capacities.skv, plan.capacities.ctask)
+  dispatch = build_dispatch(plan.tasks, layout, plan.capacities.skv, plan.capacities.ctask,
+                            devices=devices)
   validate_plan(dispatch, layout, devices)
   return plan, dispatch
 
@@ -413,7 +439,7 @@ def plan_layouts(attention_config, layouts, shape,
   c, ckv = exchange_capacity(int(moved[0]), T), exchange_capacity(int(moved[1]), T)
   skv = max(p.capacities.skv for p in plans)
   ctask = max(p.capacities.ctask for p in plans)
-  dispatch = [build_dispatch(p.tasks, l, skv, ctask, c, ckv) for p, l in zip(plans, layouts)]
+  dispatch = [build_dispatch(p.tasks, l, skv, ctask, c, ckv, devices) for p, l in zip(plans, layouts)]
   for d, l in zip(dispatch, layouts):
     validate_plan(d, l, devices)
   return plans, dispatch

@@ -215,7 +215,10 @@ def test_validate_plan_checks_the_given_devices_rows():
   a = synthetic_from_config(cfg.data, 512, 4).batch(0)
   from distca_jax.models.presets import resolve
 
-  _, plan = dispatch.plan_for_layout(cfg.attention, a.layout, resolve(cfg.model), devices=[0, 2])
+  _, mine = dispatch.plan_for_layout(cfg.attention, a.layout, resolve(cfg.model), devices=[0, 2])
+  with pytest.raises(dispatch.PlanMismatchError, match="does not match the batch"):
+    dispatch.validate_plan(mine, a.layout)  # built for devices 0 and 2 only
+  _, plan = dispatch.plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
   swapped = plan.local_q_idx.copy()
   swapped[0, [0, 1]] = swapped[0, [1, 0]]
   bad = dataclasses.replace(plan, local_q_idx=swapped)
@@ -224,6 +227,40 @@ def test_validate_plan_checks_the_given_devices_rows():
       dispatch.validate_plan(bad, a.layout, devices)
   dispatch.validate_plan(bad, a.layout, [1, 2, 3])
   assert mesh_lib.local_rows(mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])) is None  # one process
+
+
+@pytest.mark.parametrize("dist", ["pretrain", "prolong"])
+def test_a_process_builds_only_its_devices_plan(dist):
+  """build_dispatch(devices=D): D's rows and the blocks D sends or receives equal the whole
+  plan's, every other row stays zero, the counts are the whole plan's, and it passes D's checks."""
+  from distca_jax.models.presets import resolve
+  from distca_jax.schedule.plan import make_plan
+
+  n = 8
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     f"data.distribution={dist}")
+  batch = synthetic_from_config(cfg.data, 512, n).batch(0)
+  comm = dispatch.comm_model(resolve(cfg.model), cfg.attention)
+  plan = make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon, with_arrays=False)
+  assert (plan.tasks.server != plan.tasks.home).any()
+  args = (plan.tasks, batch.layout, plan.capacities.skv, plan.capacities.ctask)
+  whole = dispatch.build_dispatch(*args)
+  blocks = ("send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid")
+  for D in (np.array([0]), np.array([2, 5, 7]), np.arange(4, 8)):
+    part = dispatch.build_dispatch(*args, devices=D)
+    dispatch.validate_plan(part, batch.layout, D)
+    others = np.setdiff1d(np.arange(n), D)
+    for f in dispatch._ARRAY_FIELDS:
+      x, y = getattr(whole, f), getattr(part, f)
+      if f.endswith("_count"):
+        np.testing.assert_array_equal(y, x, err_msg=f)
+      elif f in blocks:
+        np.testing.assert_array_equal(y[D], x[D], err_msg=f)
+        np.testing.assert_array_equal(y[:, D], x[:, D], err_msg=f)
+        assert not y[others][:, others].any(), f
+      else:
+        np.testing.assert_array_equal(y[D], x[D], err_msg=f)
+        assert not y[others].any(), f
 
 
 def test_ragged_exchange_is_refused_off_gpu():
