@@ -287,8 +287,10 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
     raise ValueError(f"validate_plan: devices {devices} outside the plan's {N} devices")
   # Rows of per-device arrays, and the (device, server) blocks, that the devices D read or fill:
   # their own rows, the blocks they send and the blocks they receive.
-  rows_of = lambda a: a[D]
-  blocks_of = lambda a: (a[D], a[:, D])
+  # A process's devices are usually consecutive rows: index them with a slice (views, no copies).
+  sel = slice(int(D[0]), int(D[-1]) + 1) if D.size and D[-1] - D[0] + 1 == D.size else D
+  rows_of = lambda a: a[sel]
+  blocks_of = lambda a: (a[sel], a[:, sel])
   seg = layout.segment_ids()
   pos = layout.positions()
   real = seg != PAD_SEGMENT

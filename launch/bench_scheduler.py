@@ -65,6 +65,11 @@ def main(argv=None):
   ap.add_argument("--tp", type=int, default=8)
   ap.add_argument("--step-devices", type=int, nargs="*", default=[],
                   help="device counts at which to time the trainer's host path (then exit)")
+  ap.add_argument("--local-devices", type=int, default=0,
+                  help="--step-devices: also time one process of a multi-process job that feeds "
+                       "this many of the devices (it builds and checks only their rows)")
+  ap.add_argument("--all-rows-upto", type=int, default=32,
+                  help="--step-devices: time the all-rows host path only up to this many devices")
   ap.add_argument("--pairs", type=int, nargs="*", default=[],
                   help="device counts at which to show how the moving rows use the exchange's "
                        "(device, server) pairs (then exit)")
@@ -155,28 +160,39 @@ def step_host_path(args):
   t = args.tokens
   print(f"# host path per step, {t} tokens/device, llama3_8b, ping-pong on; CPU "
         f"{platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}")
-  print("| dist | devices | host ms (wall) | of it schedule ms | imbalance before -> after "
+  k = args.local_devices
+  print("| dist | devices | host ms (wall), all rows | host ms, a process of "
+        f"{k or '-'} devices | of it schedule ms | imbalance before -> after "
         "| Q rows sent: padded / real | K/V rows sent: padded / real |")
-  print("|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|")
   for dist in args.dist:
     for n in args.step_devices:
       config, shape, batch = _trainer_batch(dist, n, t)
-      t0 = time.perf_counter()
-      ctx = dispatch.host_context(config.attention, batch, shape)
-      wall = (time.perf_counter() - t0) * 1e3
+
+      def timed(devices):
+        t0 = time.perf_counter()
+        ctx = dispatch.host_context(config.attention, batch, shape, devices)
+        return ctx, (time.perf_counter() - t0) * 1e3
+
+      ctx, wall = timed(None) if n <= args.all_rows_upto else (None, None)
+      if k and k < n:
+        ctx, local = timed(np.arange(k))
+      else:
+        local = None
       t0 = time.perf_counter()
       for b in ctx.batches:
         make_plan(b.layout, dispatch.comm_model(shape, config.attention),
-                  epsilon=config.attention.epsilon)
+                  epsilon=config.attention.epsilon, with_arrays=False)
       sched = (time.perf_counter() - t0) * 1e3
-      off = ~np.eye(n, dtype=bool)[:, :, None]
+      # The counts are the whole plan's on every process (off-diagonal blocks only).
       pad_q = sum(n * (n - 1) * d.send_q_idx.shape[-1] for d in ctx.dispatch)
       pad_kv = sum(n * (n - 1) * d.send_kv_idx.shape[-1] for d in ctx.dispatch)
-      real_q = sum(int((d.send_q_valid & off).sum()) for d in ctx.dispatch)
-      real_kv = sum(int((d.send_kv_valid & off).sum()) for d in ctx.dispatch)
+      real_q = sum(int(d.send_q_count.sum()) for d in ctx.dispatch)
+      real_kv = sum(int(d.send_kv_count.sum()) for d in ctx.dispatch)
       before, after = ctx.imbalance()
       ratio = lambda a, b: f"{a / b:.1f}x" if b else "-"
-      print(f"| {dist} | {n} | {wall:.0f} | {sched:.0f} | {before:.2f} -> {after:.2f} | "
+      ms = lambda x: "-" if x is None else f"{x:.0f}"
+      print(f"| {dist} | {n} | {ms(wall)} | {ms(local)} | {sched:.0f} | {before:.2f} -> {after:.2f} | "
             f"{pad_q:,} / {real_q:,} ({ratio(pad_q, real_q)}) | "
             f"{pad_kv:,} / {real_kv:,} ({ratio(pad_kv, real_kv)}) |", flush=True)
 
