@@ -19,6 +19,8 @@
 #   cadmem the cad suite compiled only (CAD_* as for cad; default: prolong with the ragged exchange),
 #          with XLA's buffer assignment of each variant's step and its ragged all-to-alls
 #   ppmem  the pp suite compiled only, with XLA's buffer assignment of each variant's step
+#   ragged all GPUs: tiled vs ragged exchange on one batch (R_BATCH, R_TOKENS), once per XLA
+#          ragged-all-to-all implementation (NCCL, one-shot kernel), each process under R_TIMEOUT
 #   tests  all GPUs: pytest T_FILES (default tests/test_dispatch.py) -k T_K (default ragged)
 #   uniform128  all GPUs: colocated vs distca on the uniform batch at 128K tokens per device
 # Logs and tables go to $OUT (or ./gpu_out).
@@ -37,9 +39,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpus.txt"
 for suite in "$@"; do
   case $suite in
-    mfu) CUDA_VISIBLE_DEVICES=0 timeout 230 python3 -P launch/bench_train.py --suite mfu --tokens 32768 65536 \
+    mfu) CUDA_VISIBLE_DEVICES=0 timeout -k 10 230 python3 -P launch/bench_train.py --suite mfu --tokens 32768 65536 \
            --warmup 1 --steps 3 --json "$OUT/mfu.json" model.preset=llama_1b data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/mfu.log" ;;
-    cad) timeout ${CAD_TIMEOUT:-330} python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
+    cad) timeout -k 10 ${CAD_TIMEOUT:-330} python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
            --batches ${CAD_BATCHES:-pretrain prolong skewed uniform} --pingpong-ablation "${CAD_ABLATION-pretrain}" \
            --resend-ablation "${CAD_RESEND-skewed}" --ragged-ablation "${CAD_RAGGED-prolong}" \
            ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
@@ -49,36 +51,49 @@ for suite in "$@"; do
            python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
          fi ;;
     cadmem) XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/caddump --xla_dump_hlo_module_re=.*train_step.*" \
-           timeout ${CAD_TIMEOUT:-300} python3 -P launch/bench_train.py --suite cad --compile-only \
+           timeout -k 10 ${CAD_TIMEOUT:-300} python3 -P launch/bench_train.py --suite cad --compile-only \
            --batches ${CAD_BATCHES:-prolong} --pingpong-ablation "${CAD_ABLATION-}" --resend-ablation "${CAD_RESEND-}" \
            --ragged-ablation "${CAD_RAGGED-prolong}" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=${CAD_TOKENS:-65536} data.length_scale=1 ${CAD_EXTRA:-} 2>&1 \
            | grep -v -i warn | tee -a "$OUT/cadmem.log"
          python3 -P launch/xla_buffers.py /tmp/caddump --top 20 2>&1 | tee -a "$OUT/cadmem.log"
          grep -h "ragged-all-to-all(" /tmp/caddump/*after_optimizations.txt | cut -c1-400 | head -20 | tee -a "$OUT/cadmem.log" ;;
-    pp) timeout ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
+    pp) timeout -k 10 ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
            --microbatches ${PP_MICROBATCHES:-4} --warmup 1 --steps 2 --json "$OUT/pp.json" \
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/pp.log" ;;
     ppmem) XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/ppdump --xla_dump_hlo_module_re=.*train_step.*" \
-           timeout ${PP_TIMEOUT:-300} python3 -P launch/bench_train.py --suite pp --compile-only \
+           timeout -k 10 ${PP_TIMEOUT:-300} python3 -P launch/bench_train.py --suite pp --compile-only \
            --batches ${PP_BATCHES:-skewed} --microbatches ${PP_MICROBATCHES:-4} model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/ppmem.log"
          python3 -P launch/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
     kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
-           timeout ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 \
+           timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 \
              | grep -v -i warn | tail -25 | tee "$OUT/kernel_tests.log"
-           [ "${K_ARGS:-}" = none ] || timeout ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
+           [ "${K_ARGS:-}" = none ] || timeout -k 10 ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
              | tee "$OUT/kernels.log"
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
-    tests) JAX_PLATFORMS=cuda timeout ${T_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider ${T_FILES:-tests/test_dispatch.py} \
+    ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
+           # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
+           # hang costs only its own R_TIMEOUT (SIGKILL 10 s later: a hung NCCL process that
+           # ignores SIGTERM would hold the GPUs for the next command).
+           for impl in nccl oneshot; do
+             flags=""; [ $impl = oneshot ] && flags="--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"
+             mkdir -p "$OUT/ragged_$impl"
+             XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout -k 10 ${R_TIMEOUT:-240} python3 -P launch/bench_train.py --suite cad \
+               --warmup 1 --steps 3 --json "$OUT/ragged_$impl/cad.json" --batches ${R_BATCH:-prolong} \
+               --pingpong-ablation "" --ragged-ablation ${R_BATCH:-prolong} model.preset=llama3_8b model.layers=2 \
+               data.tokens_per_device=${R_TOKENS:-65536} data.length_scale=1 2>&1 | grep -v -i warn \
+               | sed "s/^/[$impl] /" | tee -a "$OUT/ragged.log"
+           done ;;
+    tests) JAX_PLATFORMS=cuda timeout -k 10 ${T_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider ${T_FILES:-tests/test_dispatch.py} \
            -k "${T_K:-ragged}" 2>&1 | grep -v -i warn | tail -15 | tee -a "$OUT/tests.log" ;;
-    uniform128) timeout ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
+    uniform128) timeout -k 10 ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
            --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=${U_TOKENS:-131072} data.length_scale=1 2>&1 | grep -v -i warn | tee -a "$OUT/uniform128.log" ;;
-    train) timeout 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
+    train) timeout -k 10 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
            attention.impl=distca train.steps=8 train.progress=false train.out_dir=/tmp/run 2>&1 \
            | grep -v -i warn | tee "$OUT/train.log" ;;
     *) echo "unknown suite $suite" ;;
