@@ -122,13 +122,14 @@ class DispatchPlan:
 # ----------------------------------------------------------------------------- host side
 
 
-def exchange_rows(tasks: Tasks, layout: Layout) -> tuple[int, int]:
-  """Most query rows, and most K/V rows, one device sends to one other device under `tasks`."""
+def exchange_rows(tasks: Tasks, layout: Layout, kv=None) -> tuple[int, int]:
+  """Most query rows, and most K/V rows, one device sends to one other device under `tasks`
+  (`kv`: their `kv_requests`, when already at hand)."""
   n = layout.num_buffers
   remote = tasks.server != tasks.home
   q = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=tasks.q_len[remote],
                   minlength=n * n)
-  kv = kv_requests(tasks, layout)
+  kv = kv_requests(tasks, layout) if kv is None else kv
   dst = kv.pair_server[kv.piece_pair]
   r = dst != kv.piece_src
   k = np.bincount(kv.piece_src[r] * n + dst[r], weights=kv.piece_rows[r], minlength=n * n)
@@ -149,7 +150,8 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   too small."""
   n, t = layout.num_buffers, layout.buffer_len
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
-  moved_q, moved_kv = exchange_rows(tasks, layout)
+  kv = kv_requests(tasks, layout)
+  moved_q, moved_kv = exchange_rows(tasks, layout, kv)
   c = exchange_capacity(moved_q, t) if c is None else c
   ckv = exchange_capacity(moved_kv, t) if ckv is None else ckv
   if moved_q > c or moved_kv > ckv:
@@ -186,7 +188,6 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
 
   # Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
   # server reads its own pieces from its buffer; the others arrive in (source, server) blocks.
-  kv = kv_requests(tasks, layout)
   dst = kv.pair_server[kv.piece_pair]
   kblk = kv.piece_src * n + dst
   korder = np.lexsort((kv.piece_doc_off, kv.piece_pair, kblk))
@@ -199,6 +200,10 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   w = ~own & (mine[src] | mine[kdst])
   fill_ranges(send_kv_idx, send_kv_valid, kblk[korder][w] * ckv + kpos[w], src_off[w], rows[w])
   # The server's K/V buffer: each (server, document) pair a contiguous prefix region.
+  need = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n).max(initial=0)
+  if need > skv:
+    raise PlanMismatchError(f"plan gathers {int(need)} K/V rows on one server, more than the "
+                            f"capacity {skv}")
   pair_base = cumsum_in_groups(kv.pair_need, kv.pair_server)
   server_kv_idx = np.zeros(n * skv, np.int32)
   server_kv_valid = np.zeros(n * skv, bool)

@@ -245,6 +245,12 @@ def test_a_process_builds_only_its_devices_plan(dist):
   assert (plan.tasks.server != plan.tasks.home).any()
   args = (plan.tasks, batch.layout, plan.capacities.skv, plan.capacities.ctask)
   whole = dispatch.build_dispatch(*args)
+  req = plan.requirements  # capacities one short of what the plan needs: refused
+  moved_q, _ = dispatch.exchange_rows(plan.tasks, batch.layout)
+  for small in ({"skv": req.skv - 1}, {"ctask": req.ctask - 1}, {"c": moved_q - 1}):
+    kw = dict(zip(("skv", "ctask"), args[2:]), **small)
+    with pytest.raises(dispatch.PlanMismatchError, match="capacit"):
+      dispatch.build_dispatch(*args[:2], **kw)
   blocks = ("send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid")
   for D in (np.array([0]), np.array([2, 5, 7]), np.arange(4, 8)):
     part = dispatch.build_dispatch(*args, devices=D)
