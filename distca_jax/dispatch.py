@@ -232,7 +232,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
 
   server_kv_idx = server_kv_idx.reshape(n, skv)
   server_kv_valid = server_kv_valid.reshape(n, skv)
-  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, t + n * ckv)
+  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, t + n * ckv, devices)
   send_q_valid = send_q_valid.reshape(n, n, c)
   send_kv_valid = send_kv_valid.reshape(n, n, ckv)
   # Rows per block of the whole plan (every process agrees on them, whatever it filled).
@@ -252,12 +252,15 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
       send_kv_count=send_kv_count, recv_kv_count=np.ascontiguousarray(send_kv_count.T))
 
 
-def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray,
-                rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray, rows: int,
+                servers=None) -> tuple[np.ndarray, np.ndarray]:
   """For each of a server's `rows` K/V rows, the slot of its gathered K/V buffer holding it
-  (`server_kv_idx`'s inverse), and whether one does. Raises if a row fills two slots."""
+  (`server_kv_idx`'s inverse), and whether one does; for `servers` only (default: all, the
+  others' rows stay zero). Raises if a row fills two slots."""
   N = server_kv_idx.shape[0]
-  d, j = np.nonzero(server_kv_valid)
+  sel = _rows_selector(N, servers)
+  d, j = np.nonzero(server_kv_valid[sel])
+  d = np.arange(N)[sel][d]
   target = server_kv_idx[d, j]
   inv = np.zeros((N, rows), np.int32)
   valid = np.zeros((N, rows), bool)
@@ -269,7 +272,16 @@ def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray,
   return inv, valid
 
 
-def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
+def _rows_selector(n: int, devices):
+  """An index for the rows `devices` (default: all) of an [n, ...] array: a slice when they are
+  consecutive, as a process's devices usually are (a view, no copy), else the sorted rows."""
+  if devices is None:
+    return slice(None)
+  d = np.unique(np.asarray(devices, np.int64))
+  return slice(int(d[0]), int(d[-1]) + 1) if d.size and d[-1] - d[0] + 1 == d.size else d
+
+
+def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch | None = None) -> None:
   """Refuses a plan that does not belong to `layout` or breaks its own capacities.
 
   Follows every row through the plan, vectorised: each real token's output must come from a
@@ -279,7 +291,8 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
   when its shapes fit. `devices` (default: all) limits the checks to what those devices hold,
   send and receive: the outputs of those homes, the tasks of those servers, the blocks they send
   and receive (each process checks the devices it feeds, `build_dispatch(devices=...)` fills only
-  those). Raises PlanMismatchError naming what is wrong.
+  those). `batch`: the Batch packed by `layout`, whose segment ids and positions are then not
+  computed again. Raises PlanMismatchError naming what is wrong.
   """
   N, T = layout.num_buffers, layout.buffer_len
   p = plan
@@ -292,12 +305,13 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None) -> None:
     raise ValueError(f"validate_plan: devices {devices} outside the plan's {N} devices")
   # Rows of per-device arrays, and the (device, server) blocks, that the devices D read or fill:
   # their own rows, the blocks they send and the blocks they receive.
-  # A process's devices are usually consecutive rows: index them with a slice (views, no copies).
-  sel = slice(int(D[0]), int(D[-1]) + 1) if D.size and D[-1] - D[0] + 1 == D.size else D
+  sel = _rows_selector(N, D)
   rows_of = lambda a: a[sel]
   blocks_of = lambda a: (a[sel], a[:, sel])
-  seg = layout.segment_ids()
-  pos = layout.positions()
+  if batch is not None and batch.layout is not layout:
+    raise ValueError("validate_plan: `batch` is not packed by `layout`")
+  seg = layout.segment_ids() if batch is None else batch.segment_ids
+  pos = layout.positions() if batch is None else batch.positions
   real = seg != PAD_SEGMENT
   if not np.array_equal(rows_of(p.return_valid), real[D]):
     i, r = np.argwhere(rows_of(p.return_valid) != real[D])[0]
@@ -422,15 +436,16 @@ def comm_model(shape, attention_config) -> CommModel:
   return CommModel.for_model(shape, resend=attention_config.memory_mode == "resend")
 
 
-def plan_for_layout(attention_config, layout: Layout, shape,
-                    devices=None) -> tuple[Plan, DispatchPlan]:
+def plan_for_layout(attention_config, layout: Layout, shape, devices=None,
+                    batch: Batch | None = None) -> tuple[Plan, DispatchPlan]:
   """Schedules one nano-batch and returns the scheduler's plan and its dispatch arrays, checked
-  row by row for `devices` (default: all; a process passes the rows it feeds, `mesh.local_rows`)."""
+  row by row for `devices` (default: all; a process passes the rows it feeds, `mesh.local_rows`).
+  `batch`: the nano-batch itself, when at hand (see `validate_plan`)."""
   plan = make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
                    with_arrays=False)
   dispatch = build_dispatch(plan.tasks, layout, plan.capacities.skv, plan.capacities.ctask,
                             devices=devices)
-  validate_plan(dispatch, layout, devices)
+  validate_plan(dispatch, layout, devices, batch)
   return plan, dispatch
 
 
@@ -478,7 +493,7 @@ def host_context(attention_config, batch: Batch, shape, devices=None) -> StepCon
     batches = split_pingpong_batch(batch)
   else:
     batches = (batch,)
-  planned = [plan_for_layout(attention_config, b.layout, shape, devices) for b in batches]
+  planned = [plan_for_layout(attention_config, b.layout, shape, devices, b) for b in batches]
   return StepContext(batches=batches, dispatch=tuple(d for _, d in planned),
                      plans=tuple(p for p, _ in planned))
 
