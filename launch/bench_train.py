@@ -266,6 +266,10 @@ def main(argv=None) -> int:
           r["imbalance"] = (metrics_lib.imbalance(load), metrics_lib.imbalance(load))
         r.update(batch=kind, variant=name, speedup=base_time / r["median_s"])
         rows.append(r)
+        if args.compile_only:  # a memory report: no steps ran
+          print(f"{kind:9s} {name:14s} compiled  host {r['host_ms']:.0f} ms  temp {r['temp_gib']:.1f} GiB  "
+                f"args {r['args_gib']:.1f} GiB  compile {r['compile_s']:.0f}s", flush=True)
+          continue
         print(f"{kind:9s} {name:14s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
               f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  host {r['host_ms']:.0f} ms  "
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
