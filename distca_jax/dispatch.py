@@ -56,7 +56,7 @@ from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.items import Tasks, exchange_capacity
 from distca_jax.schedule.plan import Plan, cumsum_in_groups, fill_ranges, make_plan
-from distca_jax.schedule.planner import kv_requests
+from distca_jax.schedule.planner import kv_requests, pair_rows
 
 log = logging.getLogger(__name__)
 
@@ -125,19 +125,12 @@ class DispatchPlan:
 def exchange_rows(tasks: Tasks, layout: Layout, kv=None) -> tuple[int, int]:
   """Most query rows, and most K/V rows, one device sends to one other device under `tasks`
   (`kv`: their `kv_requests`, when already at hand)."""
-  n = layout.num_buffers
-  remote = tasks.server != tasks.home
-  q = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=tasks.q_len[remote],
-                  minlength=n * n)
-  kv = kv_requests(tasks, layout) if kv is None else kv
-  dst = kv.pair_server[kv.piece_pair]
-  r = dst != kv.piece_src
-  k = np.bincount(kv.piece_src[r] * n + dst[r], weights=kv.piece_rows[r], minlength=n * n)
+  q, k = pair_rows(tasks, layout, kv)
   return int(q.max(initial=0)), int(k.max(initial=0))
 
 
 def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | None = None,
-                   ckv: int | None = None, devices=None) -> DispatchPlan:
+                   ckv: int | None = None, devices=None, kv=None) -> DispatchPlan:
   """The dispatch arrays of a task placement (`DispatchPlan`), straight from the scheduler's
   tasks: stay-home rows local, every off-diagonal (device, server) block padded to the smallest
   bucket that holds the rows that really move (or to `c` / `ckv` when given: several plans of one
@@ -146,12 +139,14 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   receive (their rows, and the blocks they send or receive); the other rows stay zero, never
   touched (numpy's zeros are not committed until written), so a process of a large job pays
   for its own devices; shapes and counts are those of the whole plan on every process. Work is a
-  loop over tasks and K/V pieces, never over tokens. Raises PlanMismatchError when a capacity is
-  too small."""
+  loop over tasks and K/V pieces, never over tokens. `kv`: the tasks' `kv_requests`, when
+  already at hand. Raises PlanMismatchError when a capacity is too small."""
   n, t = layout.num_buffers, layout.buffer_len
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
-  kv = kv_requests(tasks, layout)
-  moved_q, moved_kv = exchange_rows(tasks, layout, kv)
+  kv = kv_requests(tasks, layout) if kv is None else kv
+  # Rows per block of the whole plan (every process agrees on them, whatever it fills).
+  q_pairs, kv_pairs = pair_rows(tasks, layout, kv)
+  moved_q, moved_kv = int(q_pairs.max(initial=0)), int(kv_pairs.max(initial=0))
   c = exchange_capacity(moved_q, t) if c is None else c
   ckv = exchange_capacity(moved_kv, t) if ckv is None else ckv
   if moved_q > c or moved_kv > ckv:
@@ -235,11 +230,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, t + n * ckv, devices)
   send_q_valid = send_q_valid.reshape(n, n, c)
   send_kv_valid = send_kv_valid.reshape(n, n, ckv)
-  # Rows per block of the whole plan (every process agrees on them, whatever it filled).
-  send_q_count = np.bincount(block[order][~local], weights=ql[~local],
-                             minlength=n * n).astype(np.int32).reshape(n, n)
-  send_kv_count = np.bincount(kblk[korder][~own], weights=rows[~own],
-                              minlength=n * n).astype(np.int32).reshape(n, n)
+  send_q_count, send_kv_count = q_pairs.astype(np.int32), kv_pairs.astype(np.int32)
   return DispatchPlan(
       local_q_idx=local_q_idx.reshape(n, t), local_q_valid=local_q_valid.reshape(n, t),
       send_q_idx=send_q_idx.reshape(n, n, c), send_q_valid=send_q_valid,
@@ -366,7 +357,7 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   # Outputs: each real token's output row holds that token. Home d's row r < T is its local
   # row r; row T + s*c + j comes back from server s, which received it as row j of d's block.
   homes = D
-  r = p.return_idx[homes].astype(np.int64)
+  r = rows_of(p.return_idx).astype(np.int64)
   c1 = max(c, 1)  # c = 0: nothing is exchanged, every row is local (r < T)
   hb = np.broadcast_to(homes[:, None], r.shape)
   rl, s_, j_ = np.minimum(r, T - 1), np.maximum(r - T, 0) // c1, np.maximum(r - T, 0) % c1
@@ -457,11 +448,13 @@ def plan_layouts(attention_config, layouts, shape,
   plans = [make_plan(l, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
                      with_arrays=False) for l in layouts]
   T = layouts[0].buffer_len
-  moved = np.array([exchange_rows(p.tasks, l) for p, l in zip(plans, layouts)]).max(0)
+  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
+  moved = np.array([exchange_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]).max(0)
   c, ckv = exchange_capacity(int(moved[0]), T), exchange_capacity(int(moved[1]), T)
   skv = max(p.capacities.skv for p in plans)
   ctask = max(p.capacities.ctask for p in plans)
-  dispatch = [build_dispatch(p.tasks, l, skv, ctask, c, ckv, devices) for p, l in zip(plans, layouts)]
+  dispatch = [build_dispatch(p.tasks, l, skv, ctask, c, ckv, devices, kv)
+              for p, l, kv in zip(plans, layouts, kvs)]
   for d, l in zip(dispatch, layouts):
     validate_plan(d, l, devices)
   return plans, dispatch

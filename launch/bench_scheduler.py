@@ -204,7 +204,7 @@ def pair_usage(args):
   rows it sends or receives) is its cost relative to a transport that sends only what moves."""
   from distca_jax import dispatch
   from distca_jax.schedule.items import exchange_capacity
-  from distca_jax.schedule.planner import kv_requests
+  from distca_jax.schedule.planner import pair_rows
 
   t = args.tokens
   print(f"# (device, server) pairs of the exchange, {t} tokens/device, llama3_8b, ping-pong on, batch 0")
@@ -218,14 +218,7 @@ def pair_usage(args):
       for k, nano in enumerate(dispatch.split_pingpong_batch(batch)):
         lay = nano.layout
         tasks = make_plan(lay, comm, epsilon=config.attention.epsilon, with_arrays=False).tasks
-        remote = tasks.server != tasks.home
-        q = np.zeros((n, n))
-        np.add.at(q, (tasks.home[remote], tasks.server[remote]), tasks.q_len[remote])
-        kv = kv_requests(tasks, lay)
-        dst = kv.pair_server[kv.piece_pair]
-        r = dst != kv.piece_src
-        kvm = np.zeros((n, n))
-        np.add.at(kvm, (kv.piece_src[r], dst[r]), kv.piece_rows[r])
+        q, kvm = pair_rows(tasks, lay)
         for name, m in (("Q", q), ("K/V", kvm)):
           used = int((m > 0).sum())
           cap = exchange_capacity(int(m.max(initial=0)), lay.buffer_len)

@@ -38,13 +38,10 @@ def row_bucket(rows: int, buffer_len: int) -> int:
   return buffer_len * (1 << math.ceil(math.log2(rows / buffer_len)))
 
 
-def exchange_capacity(moved: int, buffer_len: int, limit: int | None = None) -> int:
+def exchange_capacity(moved: int, buffer_len: int) -> int:
   """Rows per (device, server) block of the all_to_all: 0 when no row moves (the exchange is
   skipped: a balanced batch costs what colocated attention costs), else a bucket."""
-  if moved == 0:
-    return 0
-  c = row_bucket(moved, buffer_len)
-  return c if limit is None else min(c, limit)
+  return 0 if moved == 0 else row_bucket(moved, buffer_len)
 
 
 @dataclasses.dataclass(frozen=True)

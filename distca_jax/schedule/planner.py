@@ -309,6 +309,21 @@ def kv_requests(tasks: Tasks, layout: Layout) -> KVRequests:
                     piece_doc_off=np.asarray(d_off, np.int64), piece_rows=np.asarray(rows, np.int64))
 
 
+def pair_rows(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Rows each (device, server) pair moves under `tasks`: query rows [N, N] (home -> server) and
+  deduplicated K/V rows [N, N] (holder -> server), int64, zero on the diagonal (rows that stay
+  on their device do not move). `kv`: the tasks' `kv_requests`, when already at hand."""
+  n = layout.num_buffers
+  remote = tasks.server != tasks.home
+  q = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=tasks.q_len[remote],
+                  minlength=n * n)
+  kv = kv_requests(tasks, layout) if kv is None else kv
+  dst = kv.pair_server[kv.piece_pair]
+  r = dst != kv.piece_src
+  k = np.bincount(kv.piece_src[r] * n + dst[r], weights=kv.piece_rows[r], minlength=n * n)
+  return q.astype(np.int64).reshape(n, n), k.astype(np.int64).reshape(n, n)
+
+
 @dataclasses.dataclass(frozen=True)
 class Traffic:
   """Bytes per device per layer (for the server's heads; multiply by layers for a step).
@@ -351,10 +366,8 @@ def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = Fals
   kv_out = np.bincount(kv.piece_src[r], weights=rows[r], minlength=n)
   kv_in = np.bincount(dst[r], weights=rows[r], minlength=n)
   if tiled:
-    q_pair = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=q_len[remote],
-                         minlength=n * n)
-    kv_pair = np.bincount(kv.piece_src[r] * n + dst[r], weights=rows[r], minlength=n * n)
-    cap = lambda rows: exchange_capacity(int(np.ceil(rows.max(initial=0))), layout.buffer_len)
+    q_pair, kv_pair = pair_rows(tasks, layout, kv)
+    cap = lambda rows: exchange_capacity(int(rows.max(initial=0)), layout.buffer_len)
     off = ~np.eye(n, dtype=bool)
     pair = off * (cap(q_pair) * comm.q_row_bytes + cap(kv_pair) * comm.kv_row_bytes)
     return Traffic(send=pair.sum(1), recv=pair.sum(0), q_rows_out=q_out, kv_rows_out=kv_out,
