@@ -5,8 +5,8 @@
 `tasks` is a `TaskTable` (see `tasks.py` for its rules). Backends: `reference` (plain XLA, the
 oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU through the Pallas Triton
 lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
-`cudnn` (cuDNN fused attention on packed segments, each task as prefix part + causal square merged
-by LSE; Hopper GPU); `auto` picks the fastest measured for the platform (`FASTEST`). All return
+`cudnn` (cuDNN fused attention forward on packed segments, each task as prefix part + causal
+square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto` picks the fastest measured for the platform (`FASTEST`). All return
 O [T, H, D] in q's dtype and LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed
 over the query heads of a group and over tasks sharing key rows); rows outside every task give
 O = 0, LSE = -inf and zero gradients.
@@ -21,10 +21,12 @@ from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owne
 BACKENDS = ("reference", "pallas", "triton", "cudnn")
 
 
-# Backends per platform, fastest measured forward+backward first (launch/bench_kernels.py on an
-# H200: triton 397, cudnn 369, pallas 355 TF/s on Pretrain 128K batches; docs/PERFORMANCE.md,
-# section Kernels). `auto` takes the first one that is installed. On CPU only the reference is
-# fast enough to matter (Pallas runs interpreted).
+# Backends per platform, fastest measured forward+backward first (launch/bench_kernels.py, H100,
+# Pretrain 64K batch: cudnn 417 (cuDNN forward + Triton backward), triton 411, pallas ~355 TF/s;
+# docs/PERFORMANCE.md, section Kernels). `triton` leads all the same: cudnn's 0.5-1.8% is inside
+# run-to-run noise and it needs Hopper and a [tasks, H, T] statistics tensor per part. `auto`
+# takes the first one that is installed. On CPU only the reference is fast enough to matter
+# (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "cudnn", "pallas")}
 
 

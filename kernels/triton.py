@@ -357,3 +357,21 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   o, lse_HxT = _attention(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp),
                           _pad_rows(v_SxKxD, Sp), tasks, scale, cfg)
   return o[:T], lse_HxT[:, :T].T
+
+
+def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
+                        dlse_TxH, scale: float, config: Config | None = None):
+  """dQ, dK, dV from saved O and LSE (any backend's forward): the Triton backward kernels alone."""
+  T, S = q_TxHxD.shape[0], k_SxKxD.shape[0]
+  cfg = config or GPU_CONFIG
+  row_q = max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
+  row_k = max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)
+  Tp, Sp = cdiv(T, row_q) * row_q, cdiv(S, row_k) * row_k
+  C = tasks.q_start.shape[-1]
+  tasks = TaskTable(*(_pad_rows(jnp.asarray(a, jnp.int32), _pow2(C)) for a in tasks))
+  lse_HxT = jnp.pad(lse_TxH.T, [(0, 0), (0, Tp - T)], constant_values=float("-inf"))
+  dlse_HxT = jnp.pad(dlse_TxH.T.astype(jnp.float32), [(0, 0), (0, Tp - T)])
+  dq, dk, dv = _backward(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
+                         tasks, _pad_rows(o_TxHxD, Tp), lse_HxT, _pad_rows(do_TxHxD, Tp),
+                         dlse_HxT, scale, cfg)
+  return dq[:T], dk[:S], dv[:S]
