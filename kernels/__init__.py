@@ -6,10 +6,10 @@
 oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU through the Pallas Triton
 lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
 `cudnn` (cuDNN fused attention forward on packed segments, each task as prefix part + causal
-square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto` picks the fastest measured for the platform (`FASTEST`). All return
-O [T, H, D] in q's dtype and LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed
-over the query heads of a group and over tasks sharing key rows); rows outside every task give
-O = 0, LSE = -inf and zero gradients.
+square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto` picks the fastest
+measured for the platform (`FASTEST`). All return O [T, H, D] in q's dtype and LSE [T, H]
+float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
+tasks sharing key rows); rows outside every task give O = 0, LSE = -inf and zero gradients.
 """
 
 from __future__ import annotations

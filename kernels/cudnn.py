@@ -116,7 +116,8 @@ def interval_colors(start, length, live):
   [0, C) such that live intervals of one colour never overlap (-1 for dead ones), and the number
   of colours used. Intervals are taken by start; each gets the lowest colour whose last interval
   has ended, which uses as few colours as the deepest overlap (optimal for intervals)."""
-  start, length, live = jnp.asarray(start, jnp.int32), jnp.asarray(length, jnp.int32), jnp.asarray(live)
+  start, length = jnp.asarray(start, jnp.int32), jnp.asarray(length, jnp.int32)
+  live = jnp.asarray(live)
   C = start.shape[0]
   end = start + length
   order = jnp.argsort(jnp.where(live, start, jnp.iinfo(jnp.int32).max), stable=True)

@@ -91,7 +91,7 @@ def inputs(T, S, seed=0):
 def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
   """(fwd ms, fwd+bwd ms) of one fused batch; `attn(q, k, v, tasks) -> (O, LSE)` overrides the
   backend (config tuning)."""
-  if attn is None and backend.startswith("cudnn/"):  # cudnn/<backward>: cuDNN forward, that backward
+  if attn is None and backend.startswith("cudnn/"):  # cuDNN forward, backward after the slash
     from distca_jax.kernels import cudnn
     attn = lambda q, k, v, t: cudnn.attention(q, k, v, t, backward=backend.split("/")[1])
   if attn is None:
@@ -170,7 +170,7 @@ def dense_equivalent(area):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--backends", default="pallas,cudnn,triton",
-                  help="comma list; also cudnn/<triton|pallas|cudnn> (cuDNN forward, that backward)")
+                  help="comma list; also cudnn/<triton|pallas|cudnn>: cuDNN forward, that backward")
   ap.add_argument("--contexts", default="65536,131072")
   ap.add_argument("--datasets", default="pretrain,prolong")
   ap.add_argument("--max-shard", type=int, default=8192,
