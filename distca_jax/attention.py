@@ -113,7 +113,7 @@ def make_colocated_attention(mesh: Mesh, backend: str = "auto") -> Callable:
 
   Rows (buffers) are spread over `ROW_AXES` = (pipe, data); documents never cross a pipeline
   stage's rows, so earlier rows' K/V are gathered over `data` only."""
-  backend = kernels.resolve_backend(backend)
+  kernels.resolve_backend(backend)  # a bad name or platform fails here; `auto` resolves per call
   qkv_spec = P(ROW_AXES, None, "tensor", None)
   task_spec = P(ROW_AXES, None)
 

@@ -653,7 +653,8 @@ def make_distca_attention(attention_config, mesh: Mesh):
                 "about %d servers (docs/SIMULATOR.md); attention.exchange=ragged sends only the "
                 "moving rows but XLA 0.11 blocks the host on each one (docs/PERFORMANCE.md)",
                 pool, TILED_POOL_LIMIT)
-  backend = kernels.resolve_backend(attention_config.kernel)
+  backend = attention_config.kernel
+  kernels.resolve_backend(backend)  # a bad name or platform fails here; `auto` resolves per call
   qkv_spec = P(ROW_AXES, None, "tensor", None)
   plan_spec = P(ROW_AXES)
   exchange = functools.partial(_server_exchange, backend=backend,

@@ -14,7 +14,10 @@ tasks sharing key rows); rows outside every task give O = 0, LSE = -inf and zero
 
 from __future__ import annotations
 
+import logging
+
 import jax
+import jax.numpy as jnp
 
 from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owner
 
@@ -25,9 +28,11 @@ BACKENDS = ("reference", "pallas", "triton", "cudnn")
 # Pretrain 64K batch: cudnn 417 (cuDNN forward + Triton backward), triton 411, pallas ~355 TF/s;
 # docs/PERFORMANCE.md, section Kernels). `triton` leads all the same: cudnn's 0.5-1.8% is inside
 # run-to-run noise and it needs Hopper and a [tasks, H, T] statistics tensor per part. `auto`
-# takes the first one that is installed. On CPU only the reference is fast enough to matter
-# (Pallas runs interpreted).
+# takes the first one that is installed and runs the call's head dim and dtype (`unsupported`).
+# On CPU only the reference is fast enough to matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "cudnn", "pallas")}
+
+log = logging.getLogger(__name__)
 
 
 def _installed(backend: str) -> bool:
@@ -40,22 +45,66 @@ def _installed(backend: str) -> bool:
     return False
 
 
-def resolve_backend(backend: str) -> str:
-  """The concrete backend `auto` stands for on the default platform."""
+def _compute_capability() -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in jax.devices()[0].compute_capability.split("."))
+  except (AttributeError, ValueError):
+    return (0,)
+
+
+def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform: str | None = None,
+                compute_capability: tuple[int, ...] | None = None) -> str | None:
+  """Why `backend` cannot run attention of this head dim and dtype on `platform` (default: JAX's
+  default backend), or None if it can. Without head dim and dtype: whether it runs here at all."""
+  platform = platform or jax.default_backend()
+  if backend in ("triton", "cudnn") and platform != "gpu":
+    return f"the {backend} kernel backend needs a GPU (this platform is {platform})"
+  if backend == "triton" and not _installed("triton"):
+    return "the triton kernel backend needs jax-triton, which is not installed"
+  if head_dim is None or dtype is None:
+    return None
+  dtype = jnp.dtype(dtype)
+  pow2 = head_dim > 0 and head_dim & (head_dim - 1) == 0
+  if backend in ("triton", "pallas") and platform == "gpu" and not pow2:
+    return f"the {backend} kernels take power-of-two head dims on GPU, not {head_dim}"
+  if backend == "cudnn":
+    if dtype not in (jnp.bfloat16, jnp.float16):
+      return f"the cudnn kernel backend takes bf16 or fp16, not {dtype.name}"
+    if head_dim % 8 or head_dim > 256:
+      return f"the cudnn kernel backend takes head dims in multiples of 8 up to 256, not {head_dim}"
+    cc = compute_capability or _compute_capability()
+    if cc < (9,):
+      return "the cudnn kernel backend's packed layout needs a Hopper or later GPU"
+  return None
+
+
+def resolve_backend(backend: str, head_dim: int | None = None, dtype=None) -> str:
+  """The concrete backend for `backend` on the default platform: `auto` is the fastest measured
+  one that runs this head dim and dtype (when given); a named one is refused with the reason if
+  it cannot run them, or cannot run here at all."""
+  if backend not in ("auto",) + BACKENDS:
+    raise ValueError(f"kernel backend {backend!r}: choose one of {('auto',) + BACKENDS}")
   if backend != "auto":
-    if backend not in BACKENDS:
-      raise ValueError(f"kernel backend {backend!r}: choose one of {('auto',) + BACKENDS}")
+    why = unsupported(backend, head_dim, dtype)
+    if why:
+      raise ValueError(f"kernel backend {backend!r}: {why}")
     return backend
-  for b in FASTEST.get(jax.default_backend(), ("reference",)):
-    if _installed(b):
+  platform = jax.default_backend()
+  for b in FASTEST.get(platform, ("reference",)):
+    if unsupported(b, head_dim, dtype) is None:
       return b
+  if platform != "cpu":
+    log.warning("kernel backend auto: no fast backend runs head dim %s, %s on %s; using the "
+                "reference (dense O(T x S) attention, for small shapes only)", head_dim,
+                jnp.dtype(dtype).name if dtype is not None else "?", platform)
   return "reference"
 
 
 def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "auto",
               scale: float | None = None):
-  """Causal (bottom-right, per task) GQA attention over a fused task batch -> (O, LSE)."""
-  backend = resolve_backend(backend)
+  """Causal (bottom-right, per task) GQA attention over a fused task batch -> (O, LSE).
+  `backend="auto"` picks per call, from this call's head dim and dtype (`resolve_backend`)."""
+  backend = resolve_backend(backend, q_TxHxD.shape[-1], q_TxHxD.dtype)
   if backend == "reference":
     from . import reference as impl
   elif backend == "pallas":
@@ -68,4 +117,4 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "au
 
 
 __all__ = ["BACKENDS", "TaskTable", "attention", "causal_area", "make_task_table",
-           "resolve_backend", "row_bounds", "row_owner"]
+           "resolve_backend", "row_bounds", "row_owner", "unsupported"]

@@ -344,6 +344,35 @@ def test_auto_backend_on_cpu():
   assert kernels.resolve_backend("auto") == "reference"
   with pytest.raises(ValueError):
     kernels.resolve_backend("nope")
+  with pytest.raises(ValueError, match="needs a GPU"):
+    kernels.resolve_backend("cudnn")
+  tasks = make_task_table([0], [4], [0], [4], capacity=1)
+  q = jnp.zeros((4, 2, 8), jnp.float32)
+  with pytest.raises(ValueError, match="needs a GPU"):
+    kernels.attention(q, q[:, :1], q[:, :1], tasks, backend="cudnn")
+
+
+@pytest.mark.parametrize("triton_installed", [True, False])
+def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
+  """`auto` on a (simulated) GPU: the fastest measured backend that runs the call's head dim and
+  dtype; a named backend that cannot run them is refused with the reason."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels, "_installed", lambda b: b != "triton" or triton_installed)
+  monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
+  r = kernels.resolve_backend
+  first = "triton" if triton_installed else "cudnn"
+  assert r("auto", 128, jnp.bfloat16) == first
+  assert r("auto", 96, jnp.bfloat16) == "cudnn"  # Triton and Pallas tiles need powers of two
+  assert r("auto", 128, jnp.float32) == ("triton" if triton_installed else "pallas")
+  assert r("auto", 96, jnp.float32) == "reference"  # nothing fast runs it: the oracle, warned
+  with pytest.raises(ValueError, match="power-of-two"):
+    r("pallas", 96, jnp.bfloat16)
+  with pytest.raises(ValueError, match="bf16 or fp16"):
+    r("cudnn", 128, jnp.float32)
+  monkeypatch.setattr(kernels, "_compute_capability", lambda: (8, 0))
+  assert r("auto", 96, jnp.bfloat16) == "reference"
+  with pytest.raises(ValueError, match="Hopper"):
+    r("cudnn", 128, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------- cuDNN backward, decomposed
