@@ -323,6 +323,32 @@ def _pow2(n):
   return 1 << max(n - 1, 0).bit_length()
 
 
+def _padded(cfg: Config, T: int, S: int, tasks: TaskTable):
+  """(T, S) rounded up to every kernel's block sizes, and the task table padded to a power-of-two
+  capacity (Triton wants power-of-two block shapes, and the dK/dV kernel reads the whole table).
+  Shared by the Pallas and the Triton backends."""
+  row_q = max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
+  row_k = max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)
+  C = tasks.q_start.shape[-1]
+  tasks = TaskTable(*(_pad_rows(jnp.asarray(a, jnp.int32), _pow2(C)) for a in tasks))
+  return cdiv(T, row_q) * row_q, cdiv(S, row_k) * row_k, tasks
+
+
+def from_stats(backward, cfg: Config, q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD,
+               lse_TxH, do_TxHxD, dlse_TxH, scale: float):
+  """dQ, dK, dV from saved O and LSE through `backward` (a backend's padded-shape backward,
+  called as backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg)): pads the rows and
+  the table, runs it, cuts the padding off."""
+  T, S = q_TxHxD.shape[0], k_SxKxD.shape[0]
+  Tp, Sp, tasks = _padded(cfg, T, S, tasks)
+  lse_HxT = jnp.pad(lse_TxH.T, [(0, 0), (0, Tp - T)], constant_values=NEG_INF)
+  dlse_HxT = jnp.pad(dlse_TxH.T.astype(jnp.float32), [(0, 0), (0, Tp - T)])
+  dq, dk, dv = backward(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
+                        tasks, _pad_rows(o_TxHxD, Tp), lse_HxT, _pad_rows(do_TxHxD, Tp),
+                        dlse_HxT, scale, cfg)
+  return dq[:T], dk[:S], dv[:S]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, cfg, interpret):
   o, lse_HxT = _forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, cfg, interpret)
@@ -361,12 +387,7 @@ def attention(q_TxHxD: jax.Array, k_SxKxD: jax.Array, v_SxKxD: jax.Array, tasks:
     interpret = jax.default_backend() == "cpu"
   cfg = config or (CPU_CONFIG if interpret else GPU_CONFIG)
   scale = D ** -0.5 if scale is None else float(scale)
-  row_q = max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
-  row_k = max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)
-  Tp, Sp = cdiv(T, row_q) * row_q, cdiv(S, row_k) * row_k
-  # Triton wants power-of-two block shapes, and the dK/dV kernel reads the whole table.
-  C = tasks.q_start.shape[-1]
-  tasks = TaskTable(*(_pad_rows(jnp.asarray(a, jnp.int32), _pow2(C)) for a in tasks))
+  Tp, Sp, tasks = _padded(cfg, T, S, tasks)
   o, lse_HxT = _attention(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
                           tasks, scale, cfg, bool(interpret))
   return o[:T], lse_HxT[:, :T].T
@@ -376,19 +397,8 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
                         dlse_TxH, scale: float, config: Config | None = None,
                         interpret: bool | None = None):
   """dQ, dK, dV from saved O and LSE (any backend's forward): the Pallas backward kernels alone."""
-  T, S = q_TxHxD.shape[0], k_SxKxD.shape[0]
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   cfg = config or (CPU_CONFIG if interpret else GPU_CONFIG)
-  Tp = cdiv(T, max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)) * max(
-      cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
-  Sp = cdiv(S, max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)) * max(
-      cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)
-  C = tasks.q_start.shape[-1]
-  tasks = TaskTable(*(_pad_rows(jnp.asarray(a, jnp.int32), _pow2(C)) for a in tasks))
-  lse_HxT = jnp.pad(lse_TxH.T, [(0, 0), (0, Tp - T)], constant_values=NEG_INF)
-  dlse_HxT = jnp.pad(dlse_TxH.T.astype(jnp.float32), [(0, 0), (0, Tp - T)])
-  dq, dk, dv = _backward(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
-                         tasks, _pad_rows(o_TxHxD, Tp), lse_HxT, _pad_rows(do_TxHxD, Tp),
-                         dlse_HxT, scale, cfg, bool(interpret))
-  return dq[:T], dk[:S], dv[:S]
+  return from_stats(functools.partial(_backward, interpret=bool(interpret)), cfg, q_TxHxD,
+                    k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_TxH, do_TxHxD, dlse_TxH, scale)

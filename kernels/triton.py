@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from .blocks import cdiv, key_task_ranges, query_schedule
-from .pallas import GPU_CONFIG, Config, _pad_rows, _pow2
+from .blocks import key_task_ranges, query_schedule
+from .pallas import GPU_CONFIG, Config, _pad_rows, _padded, from_stats
 from .tasks import TaskTable
 
 LOG2E = math.log2(math.e)
@@ -349,11 +349,7 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   if cfg.fused_bwd and cfg.bwd_transposed:
     raise ValueError("triton backend: fused_bwd and bwd_transposed cannot be combined")
   scale = D ** -0.5 if scale is None else float(scale)
-  row_q = max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
-  row_k = max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)
-  Tp, Sp = cdiv(T, row_q) * row_q, cdiv(S, row_k) * row_k
-  C = tasks.q_start.shape[-1]
-  tasks = TaskTable(*(_pad_rows(jnp.asarray(a, jnp.int32), _pow2(C)) for a in tasks))
+  Tp, Sp, tasks = _padded(cfg, T, S, tasks)
   o, lse_HxT = _attention(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp),
                           _pad_rows(v_SxKxD, Sp), tasks, scale, cfg)
   return o[:T], lse_HxT[:, :T].T
@@ -362,16 +358,5 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
 def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
                         dlse_TxH, scale: float, config: Config | None = None):
   """dQ, dK, dV from saved O and LSE (any backend's forward): the Triton backward kernels alone."""
-  T, S = q_TxHxD.shape[0], k_SxKxD.shape[0]
-  cfg = config or GPU_CONFIG
-  row_q = max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
-  row_k = max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)
-  Tp, Sp = cdiv(T, row_q) * row_q, cdiv(S, row_k) * row_k
-  C = tasks.q_start.shape[-1]
-  tasks = TaskTable(*(_pad_rows(jnp.asarray(a, jnp.int32), _pow2(C)) for a in tasks))
-  lse_HxT = jnp.pad(lse_TxH.T, [(0, 0), (0, Tp - T)], constant_values=float("-inf"))
-  dlse_HxT = jnp.pad(dlse_TxH.T.astype(jnp.float32), [(0, 0), (0, Tp - T)])
-  dq, dk, dv = _backward(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
-                         tasks, _pad_rows(o_TxHxD, Tp), lse_HxT, _pad_rows(do_TxHxD, Tp),
-                         dlse_HxT, scale, cfg)
-  return dq[:T], dk[:S], dv[:S]
+  return from_stats(_backward, config or GPU_CONFIG, q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD,
+                    lse_TxH, do_TxHxD, dlse_TxH, scale)
