@@ -68,6 +68,17 @@ GPU_CONFIG = Config(block_q=128, block_k=128, block_q_dq=64, block_k_dq=64, bloc
                     block_k_dkv=64, num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=2,
                     bwd_transposed=True)
 CPU_CONFIG = Config(16, 16, 16, 16, 16, 16, 4, 1, 4, 1)
+# GPU tiles per head dim, shared by the Pallas and Triton backends (launch/bench_kernels.py --tune
+# --head-dim D writes its best here for the rest of its run). A head dim not listed takes the
+# config of the smallest listed one above it (or the largest listed): tiles that fit a larger
+# head dim's registers and shared memory fit a smaller one's.
+GPU_CONFIGS: dict[int, Config] = {128: GPU_CONFIG}
+
+
+def gpu_config(head_dim: int) -> Config:
+  """The GPU tiles for `head_dim` (see GPU_CONFIGS)."""
+  dims = sorted(GPU_CONFIGS)
+  return GPU_CONFIGS[next((d for d in dims if d >= head_dim), dims[-1])]
 
 
 def _dot_nt(a, b):
@@ -385,7 +396,7 @@ def attention(q_TxHxD: jax.Array, k_SxKxD: jax.Array, v_SxKxD: jax.Array, tasks:
     raise ValueError(f"GQA: {H} query heads are not a multiple of {K} KV heads")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  cfg = config or (CPU_CONFIG if interpret else GPU_CONFIG)
+  cfg = config or (CPU_CONFIG if interpret else gpu_config(D))
   scale = D ** -0.5 if scale is None else float(scale)
   Tp, Sp, tasks = _padded(cfg, T, S, tasks)
   o, lse_HxT = _attention(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
@@ -399,6 +410,6 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   """dQ, dK, dV from saved O and LSE (any backend's forward): the Pallas backward kernels alone."""
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  cfg = config or (CPU_CONFIG if interpret else GPU_CONFIG)
+  cfg = config or (CPU_CONFIG if interpret else gpu_config(q_TxHxD.shape[-1]))
   return from_stats(functools.partial(_backward, interpret=bool(interpret)), cfg, q_TxHxD,
                     k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_TxH, do_TxHxD, dlse_TxH, scale)

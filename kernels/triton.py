@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .blocks import key_task_ranges, query_schedule
-from .pallas import GPU_CONFIG, Config, _pad_rows, _padded, from_stats
+from .pallas import Config, _pad_rows, _padded, from_stats, gpu_config
 from .tasks import TaskTable
 
 LOG2E = math.log2(math.e)
@@ -345,7 +345,7 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
     raise ValueError(f"GQA: {H} query heads are not a multiple of {K} KV heads")
   if D & (D - 1):
     raise ValueError(f"triton backend: head dim {D} is not a power of two")
-  cfg = config or GPU_CONFIG
+  cfg = config or gpu_config(D)
   if cfg.fused_bwd and cfg.bwd_transposed:
     raise ValueError("triton backend: fused_bwd and bwd_transposed cannot be combined")
   scale = D ** -0.5 if scale is None else float(scale)
@@ -358,5 +358,6 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
 def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
                         dlse_TxH, scale: float, config: Config | None = None):
   """dQ, dK, dV from saved O and LSE (any backend's forward): the Triton backward kernels alone."""
-  return from_stats(_backward, config or GPU_CONFIG, q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD,
-                    lse_TxH, do_TxHxD, dlse_TxH, scale)
+  cfg = config or gpu_config(q_TxHxD.shape[-1])
+  return from_stats(_backward, cfg, q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_TxH, do_TxHxD,
+                    dlse_TxH, scale)

@@ -109,14 +109,36 @@ def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
   return fms, (float("nan") if fwd_only else median_ms(fwdbwd, q, k, v, tasks, do))
 
 
-def tune_configs(backend):
-  """Tile/launch variants tried by --tune (name -> Config); Triton gets a short list because its
-  dK/dV kernel takes ~30 s to compile."""
-  from distca_jax.kernels.pallas import GPU_CONFIG as base
+def tune_configs(backend, head_dim):
+  """Tile/launch variants tried by --tune (name -> Config) at `head_dim`; Triton gets short lists
+  because its dK/dV kernel takes ~30 s to compile. At d = 128 the variants around the measured
+  default; at 64 larger tiles (smaller accumulators); at 256 smaller ones (128 x 128 forward tiles
+  and 64-row dK/dV accumulators at 4 warps do not fit)."""
+  from distca_jax.kernels.pallas import gpu_config
+  base = gpu_config(head_dim)
   bwd64 = dict(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_warps_bwd=4,
                num_stages_bwd=2)
   configs = {"default": base}
-  if backend == "triton":
+  if backend == "triton" and head_dim <= 64:
+    configs.update({
+        "fwd128x64w4s3": base._replace(block_k=64, num_warps=4),
+        "dkv128x64w8s2": base._replace(block_k_dkv=128, num_warps_bwd=8),
+        "dkv128x128w8s2": base._replace(block_q_dkv=128, block_k_dkv=128, num_warps_bwd=8),
+        "dq128x64w8s2": base._replace(block_q_dq=128, num_warps_dq=8, num_stages_dq=2),
+        "bwd64x64w4s3": base._replace(num_stages_bwd=3),
+    })
+  elif backend == "triton" and head_dim >= 256:
+    small = base._replace(block_q=64, block_k=64, num_warps=4, num_stages=2)
+    configs = {
+        "fwd64x64w4s2": small,
+        "fwd128x64w8s2": small._replace(block_q=128, num_warps=8),
+        "fwd64x64w4s1": small._replace(num_stages=1),
+        "bwd64x64w8s2": small._replace(num_warps_bwd=8),
+        "dkv64x32w4s2": small._replace(block_k_dkv=32, block_q_dq=32),
+        "bwd32x32w4s2": small._replace(block_q_dkv=32, block_k_dkv=32, block_q_dq=32,
+                                       block_k_dq=32),
+    }
+  elif backend == "triton":
     configs.update({
         "untransposed_dkv": base._replace(bwd_transposed=False),
         "dkv64x64w4s3": base._replace(num_stages_bwd=3),
@@ -168,6 +190,7 @@ def dense_equivalent(area):
 
 
 def main():
+  global H, K, D
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--backends", default="pallas,cudnn,triton",
                   help="comma list; also cudnn/<triton|pallas|cudnn>: cuDNN forward, that backward")
@@ -183,8 +206,12 @@ def main():
   ap.add_argument("--tune", default="",
                   help="comma list of backends (pallas, triton) whose tune_configs() to time on "
                        "the first batch")
+  ap.add_argument("--head-dim", type=int, default=D)
+  ap.add_argument("--heads", default=f"{H},{K}", help="query heads, KV heads")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  H, K = (int(x) for x in args.heads.split(","))
+  D = args.head_dim
   t_start = time.time()
   over = lambda: time.time() - t_start > args.budget_s
   device = jax.devices()[0].device_kind
@@ -223,7 +250,7 @@ def main():
       for tb in (t for t in args.tune.split(",") if t):
         mod = __import__(f"distca_jax.kernels.{tb}", fromlist=["attention"])
         tried = []
-        for cname, cfg in tune_configs(tb).items():
+        for cname, cfg in tune_configs(tb, D).items():
           if over():
             break
           try:
@@ -238,11 +265,12 @@ def main():
           except Exception as e:  # noqa: BLE001
             print(f"tune {tb} {cname}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         if tried:
-          # The rest of the run (batches, sweep) uses the tuned tiles; the cudnn backend's
-          # backward is the Pallas one, so tuning pallas retunes it too.
-          mod.GPU_CONFIG = best_config(tried)
-          print(f"tune {tb}: using {mod.GPU_CONFIG}", flush=True)
-          results.setdefault("tuned", {})[tb] = mod.GPU_CONFIG._asdict()
+          # The rest of the run (batches, sweep) uses the tuned tiles: GPU_CONFIGS is shared by
+          # the pallas and triton backends (and the cudnn backend's triton/pallas backward).
+          from distca_jax.kernels import pallas
+          pallas.GPU_CONFIGS[D] = best = best_config(tried)
+          print(f"tune {tb} d={D}: using {best}", flush=True)
+          results.setdefault("tuned", {})[tb] = dict(best._asdict(), head_dim=D)
       args.tune = ""  # first batch only
       for b in backends:
         if over():

@@ -9,8 +9,9 @@
 #          CAD_TRACE: where to trace the first batch's distca step, "" for no trace, CAD_EXTRA:
 #          more key=value overrides, e.g. data.elongate_factor=2; a batch "prolong@N" is the
 #          sampler's batch of step N)
-#   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter), then
-#          launch/bench_kernels.py with K_ARGS
+#   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter; none: skip), then
+#          launch/bench_kernels.py with K_ARGS (none: skip); logs append, so it can run repeatedly
+#   mgpu   1 GPU: launch/probe_mgpu.py (JAX's Mosaic GPU attention vs cuDNN vs ours, non-causal)
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -70,11 +71,13 @@ for suite in "$@"; do
            | grep -v -i warn | tee -a "$OUT/ppmem.log"
          python3 -P launch/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
     kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
-           timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 \
-             | grep -v -i warn | tail -25 | tee "$OUT/kernel_tests.log"
+           [ "${K_TESTS:-}" = none ] || timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+             -k "${K_TESTS:-bfloat16}" 2>&1 | grep -v -i warn | tail -25 | tee -a "$OUT/kernel_tests.log"
            [ "${K_ARGS:-}" = none ] || timeout -k 10 ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
-             | tee "$OUT/kernels.log"
+             | tee -a "$OUT/kernels.log"
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
+    mgpu) CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${M_TIMEOUT:-200} python3 -P launch/probe_mgpu.py ${M_ARGS:-} 2>&1 \
+           | grep -v -i warn | tee -a "$OUT/mgpu.log" ;;
     ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
            # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
            # hang costs only its own R_TIMEOUT (SIGKILL 10 s later: a hung NCCL process that

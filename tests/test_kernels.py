@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from distca_jax import kernels
-from distca_jax.kernels import blocks, make_task_table
+from distca_jax.kernels import blocks, make_task_table, pallas
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -201,10 +201,13 @@ def test_bfloat16(backend, case):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU-sized shapes")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("backend", _backends())
-def test_bfloat16_gpu_sizes(backend):
-  """Lengths not multiples of 128, shared prefixes, q << kv, at head_dim 128 and GQA 4."""
-  tasks, T, S, H, K, D = case_gpu_sizes()
+def test_bfloat16_gpu_sizes(backend, head_dim):
+  """Lengths not multiples of 128, shared prefixes, q << kv, at GQA 4 and the head dims whose GPU
+  tiles are tuned (each runs its own tiles, `pallas.gpu_config`)."""
+  tasks, T, S, H, K, _ = case_gpu_sizes()
+  D = head_dim
   q, k, v, do, dlse = _inputs(T, S, H, K, D, jnp.bfloat16)
   got = _run(q, k, v, tasks, do, dlse, backend)
   want = oracle(q, k, v, tasks, do, dlse)
@@ -213,6 +216,14 @@ def test_bfloat16_gpu_sizes(backend):
     assert not np.isnan(g).any(), name
     g, w = np.where(np.isfinite(w), g, 0.0), np.where(np.isfinite(w), w, 0.0)
     assert _rel(g, w) < 1e-2, f"{backend}: {name} rel err {_rel(g, w):.2e}"
+
+
+def test_gpu_config_per_head_dim(monkeypatch):
+  """A tuned head dim takes its own tiles; others the next larger tuned one's, else the largest."""
+  a, b = pallas.GPU_CONFIG._replace(block_q=16), pallas.GPU_CONFIG._replace(block_q=32)
+  monkeypatch.setattr(pallas, "GPU_CONFIGS", {64: a, 256: b})
+  assert [pallas.gpu_config(d).block_q for d in (32, 64, 96, 128, 256, 512)] == [16, 16, 32, 32,
+                                                                                 32, 32]
 
 
 def test_pallas_fused_backward_float32():
@@ -266,7 +277,7 @@ def test_bfloat16_backward_variants(backend, variant, case):
   if backend == "pallas" and variant == "untransposed":
     pytest.skip("Pallas has one dK/dV step")
   mod = __import__(f"distca_jax.kernels.{backend}", fromlist=["attention"])
-  cfg = mod.GPU_CONFIG._replace(**_BWD_VARIANTS[variant])
+  cfg = pallas.gpu_config(128)._replace(**_BWD_VARIANTS[variant])
   tasks, T, S, H, K, _ = case()
   q, k, v, do, dlse = _inputs(T, S, H, K, 128, jnp.bfloat16)
   (o, lse), vjp = jax.vjp(lambda q, k, v: mod.attention(q, k, v, tasks, config=cfg), q, k, v)

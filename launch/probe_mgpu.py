@@ -1,0 +1,117 @@
+"""Would a Mosaic GPU (Pallas, Hopper wgmma + warp specialisation) backward beat our Triton one?
+
+    python3 launch/probe_mgpu.py [--seq 16384] [--heads 32,8] [--head-dim 128]
+
+A probe before building one (issue 4: our packed backward runs at ~375 TF/s on an H100, cuDNN's
+dense backward at ~550). JAX ships an FA3-style Mosaic GPU attention
+(`jax.experimental.pallas.ops.gpu.attention_mgpu`) whose backward is non-causal only, so the probe
+compares non-causal work: one dense sequence of T tokens for JAX's Mosaic GPU kernel and for cuDNN
+(`jax.nn.dot_product_attention(implementation="cudnn")`), and for our kernels a fused batch of
+T / q tasks of q queries over one shared T-row prefix (bottom-right causal, so (1 - q/2T) of the
+rectangle; TF/s are counted on each one's real area). float16 (the Mosaic GPU backward's scratch
+type), GQA. Prints one table; every backend's ratio is to cuDNN dense in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+
+def median_ms(fn, *args, warmup=2, iters=7):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return float(np.median(times))
+
+
+def timed(attn, q, k, v, do):
+  """(fwd ms, fwd+bwd ms) of `attn(q, k, v) -> O`."""
+  fwd = jax.jit(attn)
+
+  @jax.jit
+  def fwdbwd(q, k, v, do):
+    _, vjp = jax.vjp(attn, q, k, v)
+    return vjp(do)
+
+  return median_ms(fwd, q, k, v), median_ms(fwdbwd, q, k, v, do)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--seq", type=int, default=16384)
+  ap.add_argument("--heads", default="32,8", help="query heads, KV heads")
+  ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--task-q", type=int, default=1024, help="queries per task of our kernels")
+  ap.add_argument("--backends", default="triton,pallas")
+  args = ap.parse_args()
+  T, D, q_task = args.seq, args.head_dim, args.task_q
+  H, K = (int(x) for x in args.heads.split(","))
+  dt = jnp.float16
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(ks[0], (T, H, D), dt)
+  k = jax.random.normal(ks[1], (T, K, D), dt)
+  v = jax.random.normal(ks[2], (T, K, D), dt)
+  do = jax.random.normal(ks[3], (T, H, D), dt)
+  print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, T={T} H={H} K={K} d={D} "
+        f"float16, non-causal", flush=True)
+  rect = 4.0 * D * H * T * T  # forward FLOPs of the full rectangle
+  rows = []
+
+  def record(name, area_flops, fn):
+    try:
+      fms, fbms = timed(fn, q, k, v, do)
+    except Exception as e:  # noqa: BLE001 (a probe reports and goes on)
+      print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+      return
+    rows.append((name, area_flops / fms / 1e9, 2.5 * area_flops / max(fbms - fms, 1e-6) / 1e9,
+                 3.5 * area_flops / fbms / 1e9))
+    print(f"{name}: fwd {fms:.2f} ms, f+b {fbms:.2f} ms", flush=True)
+
+  dense = lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None],
+                                                       implementation="cudnn")[0]
+  record("cuDNN dense", rect, dense)
+
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as mg
+  for bq, bkv, wgs in ((64, 128, 1), (64, 64, 1), (64, 128, 2)):
+    try:
+      cfg = mg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                            block_q_dkv=bq, block_kv_dkv=bkv, block_q_dq=bq, block_kv_dq=bkv,
+                            compute_wgs_bwd=wgs)
+    except (TypeError, ValueError) as e:
+      print(f"mgpu config {bq}x{bkv} wgs{wgs}: {e}", flush=True)
+      continue
+    fn = lambda q, k, v, cfg=cfg: mg.attention(q[None], k[None], v[None], cfg)[0]
+    record(f"Mosaic GPU (JAX's FA3) bwd {bq}x{bkv} wgs{wgs}", rect, fn)
+
+  from distca_jax import kernels
+  n = T // q_task
+  tasks = kernels.make_task_table([i * q_task for i in range(n)], [q_task] * n, [0] * n, [T] * n,
+                                  num_q_rows=T, num_kv_rows=T)
+  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  area = float(kernels.causal_area(tasks).sum())
+  for b in (b for b in args.backends.split(",") if b):
+    record(f"ours: {b} ({n} tasks of {q_task} over {T})", 4.0 * D * H * area,
+           functools.partial(lambda q, k, v, b: kernels.attention(q, k, v, tasks, backend=b)[0],
+                             b=b))
+
+  if not rows:
+    return
+  base = rows[0][3] if rows[0][0] == "cuDNN dense" else float("nan")
+  print("\n| kernel | fwd TF/s | bwd TF/s | f+b TF/s | f+b vs cuDNN dense |\n|---|---|---|---|---|")
+  for name, f, b, fb in rows:
+    print(f"| {name} | {f:.1f} | {b:.1f} | {fb:.1f} | {fb / base:.2f} |")
+
+
+if __name__ == "__main__":
+  main()
