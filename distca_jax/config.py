@@ -83,6 +83,10 @@ class AttentionConfig:
   kernel: Literal["auto", "reference", "pallas", "triton", "cudnn"] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
+  # Below this attention-load imbalance (max / mean over devices, per nano-batch) nothing moves:
+  # the exchange costs more than balancing buys. Measured (docs/PERFORMANCE.md): 1.19-1.20 lost
+  # 0-2.7% on 2 and 4 H100s, 1.48 and above gained; 1.0 turns the gate off.
+  min_imbalance: float = 1.25
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU), or `ragged`
@@ -327,6 +331,9 @@ def validate(config: Config) -> None:
   a = config.attention
   if not 0 <= a.epsilon < 1:
     raise ConfigError(f"attention.epsilon: must be in [0, 1), got {a.epsilon}")
+  if not a.min_imbalance >= 1:
+    raise ConfigError(f"attention.min_imbalance: a max / mean ratio, must be >= 1 (1 turns the "
+                      f"gate off), got {a.min_imbalance}")
   o = config.optim
   if o.lr <= 0:
     raise ConfigError(f"optim.lr: must be positive, got {o.lr}")

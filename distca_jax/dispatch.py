@@ -433,7 +433,7 @@ def plan_for_layout(attention_config, layout: Layout, shape, devices=None,
   row by row for `devices` (default: all; a process passes the rows it feeds, `mesh.local_rows`).
   `batch`: the nano-batch itself, when at hand (see `validate_plan`)."""
   plan = make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
-                   with_arrays=False)
+                   min_imbalance=attention_config.min_imbalance, with_arrays=False)
   dispatch = build_dispatch(plan.tasks, layout, plan.capacities.skv, plan.capacities.ctask,
                             devices=devices)
   validate_plan(dispatch, layout, devices, batch)
@@ -446,7 +446,8 @@ def plan_layouts(attention_config, layouts, shape,
   shape: capacities are the largest any of them needs, so the plans stack and the step compiles
   once per combination of buckets."""
   plans = [make_plan(l, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
-                     with_arrays=False) for l in layouts]
+                     min_imbalance=attention_config.min_imbalance, with_arrays=False)
+           for l in layouts]
   T = layouts[0].buffer_len
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
   moved = np.array([exchange_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]).max(0)

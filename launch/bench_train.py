@@ -162,6 +162,9 @@ def main(argv=None) -> int:
                       help="batch on which distca also runs with attention.memory_mode=resend")
   parser.add_argument("--ragged-ablation", default="",
                       help="batch on which distca also runs with attention.exchange=ragged (GPU)")
+  parser.add_argument("--ungated-ablation", default="",
+                      help="batches (space-separated) on which distca also runs with "
+                           "attention.min_imbalance=1 (it moves work however balanced the batch is)")
   parser.add_argument("--trace-dir", default=None,
                       help="xprof trace of the last step, with its busy time per phase and device "
                            "(DIR/<batch>-<variant>); cad: the first batch's colocated and distca "
@@ -241,6 +244,9 @@ def main(argv=None) -> int:
       if kind == args.resend_ablation:  # the other memory mode: servers keep only O and LSE
         variants.append(("distca-resend", ["attention.impl=distca", "attention.pingpong=true",
                                            "attention.memory_mode=resend"]))
+      if kind in args.ungated_ablation.split():  # balance below attention.min_imbalance too
+        variants.append(("distca-ungated", ["attention.impl=distca", "attention.pingpong=true",
+                                            "attention.min_imbalance=1.0"]))
       if kind == args.ragged_ablation:  # only the rows that move travel
         variants.append(("distca-ragged", ["attention.impl=distca", "attention.pingpong=true",
                                            "attention.exchange=ragged"]))

@@ -99,6 +99,7 @@ def test_tokens_per_device_multiple_of_128(tokens):
     ("mesh.pipe=0", "mesh.pipe"),
     ("train.microbatches=0", "train.microbatches"),
     ("attention.epsilon=1.5", "attention.epsilon"),
+    ("attention.min_imbalance=0.9", "attention.min_imbalance"),
     ("optim.lr=-1", "optim.lr"),
     ("train.steps=0", "train.steps"),
 ])

@@ -97,6 +97,24 @@ def test_distca_equals_colocated_on_same_batch():
   assert tree_rel_err(dist[1], colo[1]) <= 1e-5
 
 
+def test_gated_distca_moves_nothing_and_equals_colocated():
+  """attention.min_imbalance above the batch's imbalance: every nano-batch's plan keeps its tasks
+  home, no query row moves (capacity 0; only the K/V prefixes of documents that span buffers
+  travel, as colocated attention needs them too), and loss and gradients are colocated's."""
+  batch_cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
+                           "model.layers=1")
+  batch = synthetic_from_config(batch_cfg.data, 512, 4).batch(2)
+  colo = _run(batch_cfg, batch, 4)
+  dist_cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
+                          "attention.pingpong=false", "model.layers=1", "attention.min_imbalance=100")
+  dist = _run(dist_cfg, batch, 4)
+  ctx = dist[4]
+  assert all(p.stats.moves == 0 for p in ctx.plans)
+  assert all(d.send_q_idx.shape[-1] == 0 for d in ctx.dispatch)
+  assert abs(colo[0] - dist[0]) <= 1e-5 * abs(colo[0])
+  assert tree_rel_err(dist[1], colo[1]) <= 1e-5
+
+
 def test_plan_for_another_batch_is_refused():
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
                      "attention.pingpong=false")

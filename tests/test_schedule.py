@@ -371,3 +371,24 @@ def test_plan_json_dump(tmp_path):
   k = AnalyticKernel(heads=COMM.heads, head_dim=COMM.head_dim, tile=1)
   ms = plan.server_ms(k, backward=False)
   assert np.allclose(ms, plan.server_flops() / (k.tflops_fwd * 1e12) * 1e3)
+
+
+def test_min_imbalance_gate():
+  """Below min_imbalance nothing moves (the colocated plan); at or above it the plan is the
+  ungated one; a ratio below 1 is refused."""
+  lens = [1024, 64, 64, 128, 256, 512, 1024, 128, 640, 256]  # two buffers hold one long document each
+  layout = pack(lens, 4, 1024)
+  base = np.bincount(layout.buffer, weights=layout.length * (layout.length + 1) / 2.0, minlength=4)
+  ratio = base.max() / base.mean()
+  assert ratio > 1.3
+  free = make_plan(layout, COMM, epsilon=0.05)
+  assert free.stats.moves > 0
+  gated = make_plan(layout, COMM, epsilon=0.05, min_imbalance=ratio + 0.01)
+  assert gated.stats.moves == 0 and (gated.tasks.server == gated.tasks.home).all()
+  assert np.array_equal(gated.stats.load_after, gated.stats.load_before)
+  check_plan(gated, layout)
+  open_gate = make_plan(layout, COMM, epsilon=0.05, min_imbalance=ratio - 0.01)
+  assert open_gate.stats.moves == free.stats.moves
+  assert np.array_equal(open_gate.tasks.server, free.tasks.server)
+  with pytest.raises(ValueError, match="min_imbalance"):
+    make_plan(layout, COMM, min_imbalance=0.5)

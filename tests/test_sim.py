@@ -95,6 +95,20 @@ def test_simulator_pingpong_costs_bytes_not_balance():
   assert r2.bytes_per_layer > r1.bytes_per_layer and r2.hidden
 
 
+def test_min_imbalance_gate_moves_nothing():
+  """Gate above the batch's imbalance: CAD's plans keep every task home (only the K/V prefixes of
+  documents that span ranks travel); a ratio below 1 is refused."""
+  base = ["gpus=[64]", "batches=1"]
+  point = Point("llama3_8b", 64, 131072, "pretrain")
+  free = Simulator(load_sim_config(None, base), point).batch(0)[0]["cad"]
+  gated = Simulator(load_sim_config(None, base + ["min_imbalance=100"]), point).batch(0)[0]["cad"]
+  assert free.shards_max > 0 and gated.shards_max == 0
+  assert gated.bytes_per_layer < free.bytes_per_layer
+  assert gated.compute_imbalance > free.compute_imbalance
+  with pytest.raises(ConfigError, match="min_imbalance"):
+    load_sim_config(None, ["min_imbalance=0.5"])
+
+
 def test_one_rank_cad_equals_colocated(tmp_path):
   # One rank: nothing to balance, and the ping-pong cut must not make attention cheaper.
   path = tmp_path / "lens.json"

@@ -376,15 +376,27 @@ def _finish(tasks, layout, comm, epsilon, stats, caps, with_arrays) -> Plan:
 
 def make_plan(layout: Layout, comm: CommModel, epsilon: float = 0.1,
               capacities: Capacities = Capacities(), *, epsilon_step: float = 0.05,
-              max_epsilon: float = 1.0, with_arrays: bool = True, **balance_kw) -> Plan:
+              max_epsilon: float = 1.0, with_arrays: bool = True, min_imbalance: float = 1.0,
+              **balance_kw) -> Plan:
   """Schedules `layout` and builds its dispatch arrays, with capacity feedback.
 
-  Tries epsilon, epsilon + epsilon_step, ... up to max_epsilon, then the colocated plan; returns
-  the first that fits `capacities` (None fields: chosen from the buckets). Raises CapacityError
-  if none fits, ValueError on a bad layout. `with_arrays=False` skips the O(N² C) arrays (used
-  by the simulator at hundreds of devices).
+  Below `min_imbalance` (the colocated attention load's max / mean over devices) nothing moves:
+  the colocated plan, whose exchange is empty. Otherwise tries epsilon, epsilon + epsilon_step,
+  ... up to max_epsilon, then the colocated plan; returns the first that fits `capacities` (None
+  fields: chosen from the buckets). Raises CapacityError if none fits, ValueError on a bad layout.
+  `with_arrays=False` skips the O(N² C) arrays (used by the simulator at hundreds of devices).
   """
   validate_layout(layout)
+  if min_imbalance < 1.0:
+    raise ValueError(f"min_imbalance: a max / mean ratio, must be >= 1, got {min_imbalance}")
+  if min_imbalance > 1.0:
+    base = initial_tasks(layout, validate=False)
+    load = np.bincount(base.server, weights=base.area(), minlength=layout.num_buffers)
+    if load.mean() > 0 and load.max() / load.mean() < min_imbalance:
+      try:
+        return colocated_plan(layout, comm, capacities=capacities, with_arrays=with_arrays)
+      except CapacityError:
+        pass  # fixed capacities the colocated plan exceeds: a balanced plan may still fit
   tried = []
   eps = float(epsilon)
   max_epsilon = max(max_epsilon, eps)  # the requested tolerance is always tried

@@ -70,6 +70,9 @@ class SimConfig:
   elongate_factor: int = 0
   upsample_long_factor: int = 2
   epsilon: float = 0.05
+  # CAD moves nothing in a (nano-)batch whose attention imbalance is below this (training's
+  # attention.min_imbalance); 1: off, so the simulator shows what moving costs on balanced batches.
+  min_imbalance: float = 1.0
   # Baselines: WLB token cap (× T) and the CP sizes swept (0: every power of two up to 32).
   wlb_token_cap: float = 1.5
   cp_sizes: tuple = (0,)
@@ -195,6 +198,8 @@ def validate(c: SimConfig) -> None:
     raise ConfigError(f"batches: must be >= 1, got {c.batches}")
   if not 0 <= c.epsilon < 1:
     raise ConfigError(f"epsilon: must be in [0, 1), got {c.epsilon}")
+  if not c.min_imbalance >= 1:
+    raise ConfigError(f"min_imbalance: a max / mean ratio, must be >= 1, got {c.min_imbalance}")
   if c.wlb_token_cap < 1:
     raise ConfigError(f"wlb_token_cap: must be >= 1, got {c.wlb_token_cap}")
   if c.exchange not in ("ragged", "tiled"):
