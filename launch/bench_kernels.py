@@ -52,6 +52,20 @@ def median_ms(fn, *args, warmup=2, iters=7):
   return float(np.median(times))
 
 
+def fwd_fwdbwd_ms(attn, q, k, v, do, *extra, fwd_only=False):
+  """(fwd ms, fwd+bwd ms) of `attn(q, k, v, *extra) -> O`, each jitted; `extra` (a task table)
+  travels as an argument, not as a constant of the program."""
+  fwd = jax.jit(attn)
+
+  @jax.jit
+  def fwdbwd(q, k, v, do, *e):
+    _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, *e), q, k, v)
+    return vjp(do)
+
+  fms = median_ms(fwd, q, k, v, *extra)
+  return fms, (float("nan") if fwd_only else median_ms(fwdbwd, q, k, v, do, *extra))
+
+
 def fwd_flops(area):
   return 4.0 * D * H * area
 
@@ -98,15 +112,8 @@ def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
     attn = lambda q, k, v, t: kernels.attention(q, k, v, t, backend=backend)
   q, k, v, do = inputs(T, S)
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  fwd = jax.jit(lambda q, k, v, t: attn(q, k, v, t)[0])
-
-  @jax.jit
-  def fwdbwd(q, k, v, t, do):
-    o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, t)[0], q, k, v)
-    return vjp(do)
-
-  fms = median_ms(fwd, q, k, v, tasks)
-  return fms, (float("nan") if fwd_only else median_ms(fwdbwd, q, k, v, tasks, do))
+  return fwd_fwdbwd_ms(lambda q, k, v, t: attn(q, k, v, t)[0], q, k, v, do, tasks,
+                       fwd_only=fwd_only)
 
 
 def tune_configs(backend, head_dim):
@@ -174,14 +181,7 @@ def time_dense_cudnn(T):
   q, k, v, do = inputs(T, T, seed=1)
   attn = lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
                                                       implementation="cudnn")[0]
-  fwd = jax.jit(attn)
-
-  @jax.jit
-  def fwdbwd(q, k, v, do):
-    _, vjp = jax.vjp(attn, q, k, v)
-    return vjp(do)
-
-  return median_ms(fwd, q, k, v), median_ms(fwdbwd, q, k, v, do)
+  return fwd_fwdbwd_ms(attn, q, k, v, do)
 
 
 def dense_equivalent(area):

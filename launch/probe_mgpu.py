@@ -15,36 +15,14 @@ type), GQA. Prints one table; every backend's ratio is to cuDNN dense in the sam
 from __future__ import annotations
 
 import argparse
-import functools
-import time
-
-import numpy as np
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
-
-def median_ms(fn, *args, warmup=2, iters=7):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return float(np.median(times))
-
-
-def timed(attn, q, k, v, do):
-  """(fwd ms, fwd+bwd ms) of `attn(q, k, v) -> O`."""
-  fwd = jax.jit(attn)
-
-  @jax.jit
-  def fwdbwd(q, k, v, do):
-    _, vjp = jax.vjp(attn, q, k, v)
-    return vjp(do)
-
-  return median_ms(fwd, q, k, v), median_ms(fwdbwd, q, k, v, do)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
+from bench_kernels import fwd_fwdbwd_ms  # noqa: E402
 
 
 def main():
@@ -68,9 +46,9 @@ def main():
   rect = 4.0 * D * H * T * T  # forward FLOPs of the full rectangle
   rows = []
 
-  def record(name, area_flops, fn):
+  def record(name, area_flops, fn, *extra):
     try:
-      fms, fbms = timed(fn, q, k, v, do)
+      fms, fbms = fwd_fwdbwd_ms(fn, q, k, v, do, *extra)
     except Exception as e:  # noqa: BLE001 (a probe reports and goes on)
       print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
       return
@@ -102,8 +80,7 @@ def main():
   area = float(kernels.causal_area(tasks).sum())
   for b in (b for b in args.backends.split(",") if b):
     record(f"ours: {b} ({n} tasks of {q_task} over {T})", 4.0 * D * H * area,
-           functools.partial(lambda q, k, v, b: kernels.attention(q, k, v, tasks, backend=b)[0],
-                             b=b))
+           lambda q, k, v, t, b=b: kernels.attention(q, k, v, t, backend=b)[0], tasks)
 
   if not rows:
     return
