@@ -83,9 +83,10 @@ class AttentionConfig:
   kernel: Literal["auto", "reference", "pallas", "triton", "cudnn"] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
-  # Below this attention-load imbalance (max / mean over devices, per nano-batch) nothing moves:
-  # the exchange costs more than balancing buys. Measured (docs/PERFORMANCE.md): 1.19-1.20 lost
-  # 0-2.7% on 2 and 4 H100s, 1.48 and above gained; 1.0 turns the gate off.
+  # A batch whose colocated attention load (max / mean over devices) is below this runs colocated
+  # attention that step, and a nano-batch below it moves nothing: the exchange costs more than
+  # balancing buys. Measured on 2 and 4 H100s (docs/PERFORMANCE.md): batches at 1.04-1.19 lost
+  # 0-2.7% with CAD, 2.07 and above gained 8-38%. 1.0 turns the gate off.
   min_imbalance: float = 1.25
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"

@@ -479,10 +479,21 @@ class StepContext:
     return ratio(before), ratio(after)
 
 
-def host_context(attention_config, batch: Batch, shape, devices=None) -> StepContext:
+def host_context(attention_config, batch: Batch, shape, devices=None):
   """Splits the batch into nano-batches (if ping-pong) and plans each; runs on the host, in the
   trainer's prefetch thread, one step ahead of the devices. `devices`: the rows this process
-  checks (`plan_for_layout`)."""
+  checks (`plan_for_layout`).
+
+  A batch whose colocated attention imbalance is below `attention.min_imbalance` has nothing
+  worth moving: the step runs colocated attention instead (its `ColocatedContext`: one stream, no
+  exchange, no ping-pong split; compiled once beside the distca step)."""
+  from distca_jax.train import metrics
+
+  load = metrics.attention_load_per_device(batch.layout)
+  if metrics.imbalance(load) < attention_config.min_imbalance:
+    from distca_jax.attention import colocated_context
+
+    return colocated_context(batch.layout)
   if attention_config.pingpong:
     batches = split_pingpong_batch(batch)
   else:
@@ -670,7 +681,13 @@ def make_distca_attention(attention_config, mesh: Mesh):
   sharded = jax.shard_map(local, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, plan_spec),
                           out_specs=qkv_spec, check_vma=False)
 
-  def core_attention(q, k, v, ctx: DispatchPlan):
+  from distca_jax.attention import ColocatedContext, make_colocated_attention
+
+  colocated = make_colocated_attention(mesh, attention_config.kernel)
+
+  def core_attention(q, k, v, ctx):
+    if isinstance(ctx, ColocatedContext):  # a step below attention.min_imbalance (host_context)
+      return colocated(q, k, v, ctx)
     return sharded(q, k, v, ctx)
 
   return core_attention

@@ -268,8 +268,12 @@ def main(argv=None) -> int:
           continue
         if name == "colocated":
           base_time = r["median_s"]
+        if r["imbalance"] is None:  # colocated, or distca below attention.min_imbalance
           load = metrics_lib.attention_load_per_device(batch.layout)
           r["imbalance"] = (metrics_lib.imbalance(load), metrics_lib.imbalance(load))
+          if name != "colocated":
+            print(f"{kind:9s} {name:14s} ran colocated attention (imbalance below "
+                  f"attention.min_imbalance)", flush=True)
         r.update(batch=kind, variant=name, speedup=base_time / r["median_s"])
         rows.append(r)
         if args.compile_only:  # a memory report: no steps ran

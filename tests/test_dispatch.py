@@ -85,34 +85,48 @@ def test_distca_matches_reference(data, tensor, layout, pingpong, mode, T):
     assert after < before
 
 
-def test_distca_equals_colocated_on_same_batch():
+@pytest.mark.parametrize("gate", [1.0, 100.0])
+def test_distca_equals_colocated_on_same_batch(gate):
+  """CAD (gate 1: every step moves work), or a batch below attention.min_imbalance (gate 100:
+  host_context hands the step colocated attention's context, no exchange and no ping-pong
+  split), against colocated on the same batch: loss and gradients equal."""
   batch_cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
                            "model.layers=1")
   batch = synthetic_from_config(batch_cfg.data, 512, 4).batch(2)
   colo = _run(batch_cfg, batch, 4)
   dist_cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
-                          "attention.pingpong=false", "model.layers=1")
+                          "attention.pingpong=false", "model.layers=1",
+                          f"attention.min_imbalance={gate}")
   dist = _run(dist_cfg, batch, 4)
+  assert isinstance(dist[4], attn.ColocatedContext) == (gate > 1)
   assert abs(colo[0] - dist[0]) <= 1e-5 * abs(colo[0])
   assert tree_rel_err(dist[1], colo[1]) <= 1e-5
 
 
-def test_gated_distca_moves_nothing_and_equals_colocated():
-  """attention.min_imbalance above the batch's imbalance: every nano-batch's plan keeps its tasks
-  home, no query row moves (capacity 0; only the K/V prefixes of documents that span buffers
-  travel, as colocated attention needs them too), and loss and gradients are colocated's."""
-  batch_cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
-                           "model.layers=1")
-  batch = synthetic_from_config(batch_cfg.data, 512, 4).batch(2)
-  colo = _run(batch_cfg, batch, 4)
-  dist_cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
-                          "attention.pingpong=false", "model.layers=1", "attention.min_imbalance=100")
-  dist = _run(dist_cfg, batch, 4)
-  ctx = dist[4]
-  assert all(p.stats.moves == 0 for p in ctx.plans)
-  assert all(d.send_q_idx.shape[-1] == 0 for d in ctx.dispatch)
-  assert abs(colo[0] - dist[0]) <= 1e-5 * abs(colo[0])
-  assert tree_rel_err(dist[1], colo[1]) <= 1e-5
+def test_training_mixes_gated_and_balanced_steps(tmp_path):
+  """min_imbalance between the steps' imbalances: some steps run colocated attention, the others
+  CAD, in one run (two executables); every step's loss is colocated's."""
+  from distca_jax.train import loop, metrics
+
+  common = ["mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
+            "model.layers=1", "train.steps=4", "attention.pingpong=false", "optim.warmup_steps=0",
+            "train.imbalance_after=false"]
+  cfg = small_config(*common)
+  src = loop.make_source(cfg, 4)
+  imb = [metrics.imbalance(metrics.attention_load_per_device(src.batch(i).layout))
+         for i in range(4)]
+  assert len(set(np.round(imb, 6))) > 1, imb
+  gate = float(np.median(imb))
+  colo = loop.run(small_config(*common, f"train.out_dir={tmp_path / 'c'}"),
+                  devices=jax.devices()[:4], log=lambda *a: None)
+  dist = loop.run(small_config(*common, "attention.impl=distca", f"attention.min_imbalance={gate}",
+                               f"train.out_dir={tmp_path / 'd'}"),
+                  devices=jax.devices()[:4], log=lambda *a: None)
+  assert dist.colocated_steps == sum(i < gate for i in imb) and 0 < dist.colocated_steps < 4
+  assert colo.colocated_steps is None
+  assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
+  assert dist.compile_count >= 2
+  np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)
 
 
 def test_plan_for_another_batch_is_refused():

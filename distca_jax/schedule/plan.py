@@ -1,4 +1,11 @@
-"""A step's plan as fixed-capacity int32 arrays: the contract with the dispatch layer.
+"""A step's plan: the scheduler's CA-tasks, their capacities, and a reference array layout.
+
+What training uses from here: `make_plan` (tasks placed on servers, capacities chosen from
+buckets) and its `Plan.tasks`. The dispatch layer lays those tasks out in its own format
+(`dispatch.build_dispatch` -> `dispatch.DispatchPlan`: stay-home rows kept apart, only the
+off-diagonal blocks exchanged). The arrays below (`PlanArrays`, `with_arrays=True`) are the
+scheduler's own, simpler layout, which `simulate_dispatch` runs in numpy against per-document
+attention: the executable specification of what any dispatch must compute.
 
 Setting. N devices on the `data` axis. Each device d is the *home* of a buffer of T tokens (rows
 0..T-1, the packed layout) and is also an attention *server*. Every CA-task has one home, and
@@ -33,7 +40,7 @@ Capacities. Cq, Ckv, Skv, Ctask are chosen from a small set of buckets (`row_buc
 that the s == d block holds every token that stays home, so Cq is usually T (and the all_to_all
 buffers N*Cq rows): the format trades padding for one uniform exchange. `make_plan` raises ε step
 by step until the plan fits the fixed capacities and raises `CapacityError` if even the colocated
-plan does not.
+plan does not. Below `min_imbalance` (colocated load max / mean) it returns the colocated plan.
 
 `simulate_dispatch` runs this exact data movement in numpy with reference attention and checks
 it against per-document causal attention on the packed layout: the executable specification.

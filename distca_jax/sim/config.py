@@ -70,8 +70,8 @@ class SimConfig:
   elongate_factor: int = 0
   upsample_long_factor: int = 2
   epsilon: float = 0.05
-  # CAD moves nothing in a (nano-)batch whose attention imbalance is below this (training's
-  # attention.min_imbalance); 1: off, so the simulator shows what moving costs on balanced batches.
+  # A batch whose colocated attention imbalance is below this runs colocated (training's
+  # attention.min_imbalance); 1: off, so the simulator shows what CAD costs on balanced batches.
   min_imbalance: float = 1.0
   # Baselines: WLB token cap (× T) and the CP sizes swept (0: every power of two up to 32).
   wlb_token_cap: float = 1.5

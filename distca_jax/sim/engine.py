@@ -219,6 +219,35 @@ class Simulator:
     lens = self.sampler.sample(n * t, step)
     layout = pack(lens, n, t)
     out = {}
+    # Colocated.
+    col = colocated(layout, self.comm, kernel=self.kernel)
+    trc = traffic(initial_tasks(layout), layout, self.comm, pairwise=True)
+    out["colocated"] = self._result("colocated", col, self._comm_ms_pairwise(trc.pair_bytes),
+                                    cfg.cp_overlap, col.area, col.tokens, col.attn_ms,
+                                    np.maximum(col.send, col.recv))
+    # CAD; below min_imbalance nothing moves and the step runs colocated (the trainer's gate).
+    if col.area.max() < cfg.min_imbalance * col.area.mean():
+      out["cad"], area_after = dataclasses.replace(out["colocated"], name="cad"), col.area
+    else:
+      out["cad"], area_after = self._cad(lens, layout, step, dump_dir)
+    # WLB packing (cp = 1), the best DP x CP sweep, and per-document CP over everything.
+    token_weight = self.lin_ms_per_token / max(float(self.kernel.fwdbwd_ms(4096, 4096))
+                                               / float(4096 * 4097 / 2), 1e-30)
+    sweep = {}
+    for cp in self._cp_sizes():
+      load = wlb_packing(lens, n, t, self.comm, cp=cp, token_cap=cfg.wlb_token_cap,
+                         token_weight=token_weight, kernel=self.kernel)
+      sweep[cp] = self._baseline(load, 0.0 if cp == 1 else cfg.cp_overlap)
+    out["wlb"] = dataclasses.replace(sweep[1], name="wlb")
+    best = min(sweep.values(), key=lambda r: r.iter_s)
+    out["wlb_best"] = dataclasses.replace(best, name="wlb_best")
+    pdc = per_document_cp(lens, n, t, self.comm, kernel=self.kernel)
+    out["per_doc_cp"] = self._baseline(pdc, cfg.cp_overlap, "per_doc_cp")
+    return out, {"before": col.area, "after": area_after}
+
+  def _cad(self, lens, layout, step, dump_dir):
+    """CAD's result on one batch and its attention area per rank after scheduling."""
+    cfg, n, t = self.cfg, self.ranks, self.t
     # CAD: with ping-pong, one plan per nano-batch (equal tokens, balanced Σl², half buffers);
     # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
     if cfg.pingpong:
@@ -229,8 +258,7 @@ class Simulator:
     per = []
     shards = 0
     for k, lay in enumerate(halves):
-      plan = make_plan(lay, self.comm, cfg.epsilon, with_arrays=False,
-                       min_imbalance=cfg.min_imbalance)
+      plan = make_plan(lay, self.comm, cfg.epsilon, with_arrays=False)
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)
@@ -257,27 +285,7 @@ class Simulator:
           rank = int(lay.buffer[np.flatnonzero((lay.doc == j) & (lay.doc_offset == 0))[0]])
           attn_ms[rank] += float(self.kernel.fwdbwd_ms(lq, a + lq) - self.kernel.fwdbwd_ms(lq, lq))
           area_after[rank] += float(range_area(a, a + lq) - range_area(0, lq))
-    out["cad"] = self._cad_result(cfg, per, area_after, attn_ms, shards)
-    # Colocated.
-    col = colocated(layout, self.comm, kernel=self.kernel)
-    trc = traffic(initial_tasks(layout), layout, self.comm, pairwise=True)
-    out["colocated"] = self._result("colocated", col, self._comm_ms_pairwise(trc.pair_bytes),
-                                    cfg.cp_overlap, col.area, col.tokens, col.attn_ms,
-                                    np.maximum(col.send, col.recv))
-    # WLB packing (cp = 1), the best DP x CP sweep, and per-document CP over everything.
-    token_weight = self.lin_ms_per_token / max(float(self.kernel.fwdbwd_ms(4096, 4096))
-                                               / float(4096 * 4097 / 2), 1e-30)
-    sweep = {}
-    for cp in self._cp_sizes():
-      load = wlb_packing(lens, n, t, self.comm, cp=cp, token_cap=cfg.wlb_token_cap,
-                         token_weight=token_weight, kernel=self.kernel)
-      sweep[cp] = self._baseline(load, 0.0 if cp == 1 else cfg.cp_overlap)
-    out["wlb"] = dataclasses.replace(sweep[1], name="wlb")
-    best = min(sweep.values(), key=lambda r: r.iter_s)
-    out["wlb_best"] = dataclasses.replace(best, name="wlb_best")
-    pdc = per_document_cp(lens, n, t, self.comm, kernel=self.kernel)
-    out["per_doc_cp"] = self._baseline(pdc, cfg.cp_overlap, "per_doc_cp")
-    return out, {"before": col.area, "after": area_after}
+    return self._cad_result(cfg, per, area_after, attn_ms, shards), area_after
 
   def _cp_sizes(self):
     sizes = [c for c in self.cfg.cp_sizes if c > 0]

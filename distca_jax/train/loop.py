@@ -69,6 +69,9 @@ class Summary:
   # without a micro-batch, whose devices only serve attention under CAD).
   microbatches: int = 1
   pipeline_bubble: float = 0.0
+  # attention.impl=distca: steps that ran colocated attention because the batch's imbalance was
+  # below attention.min_imbalance (None: colocated attention configured, or a pipelined run).
+  colocated_steps: int | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -194,6 +197,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
   trace_dir = out_dir / "trace"
   tracing = False
   traced_steps = 0
+  colocated_steps = 0 if config.attention.impl == "distca" and trainer.pipeline is None else None
   last_args = None
   saved_step = None
   run_start = time.perf_counter()
@@ -230,6 +234,8 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       flops = metrics_lib.step_flops(shape, batch.layout)
       # A pipelined step's loads are summed over its ticks; each tick waits for its slowest
       # device, so its imbalance is the mean over ticks of each tick's.
+      if colocated_steps is not None:
+        colocated_steps += isinstance(ctx, attention_lib.ColocatedContext)
       tick_imbalance = ctx.imbalance() if trainer.pipeline is not None else None
       imb = tick_imbalance[0] if tick_imbalance else metrics_lib.imbalance(load_before)
       imbalances.append(imb)
@@ -300,7 +306,8 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       devices=mesh.size, mesh_shape=dict(mesh.shape), start_step=start_step,
       attention_imbalance_after=float(np.mean(imbalances_after)) if imbalances_after else None,
       step_time_median_s=stats["median_s"], step_time_p90_s=stats["p90_s"],
-      peak_memory_bytes=memory, microbatches=microbatches, pipeline_bubble=bubble)
+      peak_memory_bytes=memory, microbatches=microbatches, pipeline_bubble=bubble,
+      colocated_steps=colocated_steps)
   if main:
     (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     if config.train.profile:
@@ -426,6 +433,9 @@ def format_summary(s: Summary) -> str:
       + (f", scheduled {s.attention_imbalance_after:.2f}" if s.attention_imbalance_after is not None else "")
       + f"; host wait {s.host_wait_s:.2f}s",
   ]
+  if s.colocated_steps:
+    lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran colocated "
+                 f"attention (imbalance below attention.min_imbalance)")
   if s.peak_memory_bytes:
     lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")
   return "\n".join(lines)
