@@ -33,6 +33,10 @@ def main(argv=None) -> int:
   ap.add_argument("--config", default=None, help="YAML file overriding distca_jax/sim/config.py")
   ap.add_argument("--dump-plans", default=None, metavar="DIR",
                   help="write each CAD plan as JSON (format: schedule/plan.py Plan.dump_json)")
+  ap.add_argument("--per-batch", action="store_true",
+                  help="also print each batch's colocated and CAD step time (batch k is the "
+                       "trainer's batch of step k with the same data settings: "
+                       "bench_train.py's <distribution>@k)")
   ap.add_argument("overrides", nargs="*", help="key=value, e.g. gpus=[64,128] epsilon=0.1")
   args = ap.parse_args(argv)
   try:
@@ -60,6 +64,12 @@ def main(argv=None) -> int:
     for b in range(cfg.batches):
       res, loads = sim.batch(b, dump)
       results.append(res)
+      if args.per_batch:
+        col, cad = res["colocated"], res["cad"]
+        print(f"{p.model} {p.gpus} GPUs pp {pp} {p.tokens_per_rank} {Path(p.distribution).stem}@{b}: "
+              f"attention imbalance {col.compute_imbalance:.2f} -> {cad.compute_imbalance:.2f}, "
+              f"colocated {col.iter_s * 1e3:.0f} ms, CAD {cad.iter_s * 1e3:.0f} ms, "
+              f"x{col.iter_s / cad.iter_s:.3f}", file=sys.stderr if bar else sys.stdout)
       if first_loads is None:
         first_loads = (p, loads)
       if bar:

@@ -108,6 +108,25 @@ def test_min_imbalance_gate_runs_colocated():
     load_sim_config(None, ["min_imbalance=0.5"])
 
 
+def test_layers_override():
+  """layers=2: the preset with two decoder layers; the LM head's share of a layer grows, so the
+  step is more than 2/32 of the 32-layer one and CAD's gain on an imbalanced batch is smaller."""
+  base = ["gpus=[8]", "tensor_parallel=1", "batches=1", "tokens_per_rank=[65536]",
+          "distributions=[prolong]"]
+  point = Point("llama3_8b", 8, 65536, "prolong")
+  full = Simulator(load_sim_config(None, base), point)
+  short = Simulator(load_sim_config(None, base + ["layers=2"]), point)
+  assert short.shape.layers == 2 and full.shape.layers == PRESETS["llama3_8b"].layers
+  f, s = full.batch(0)[0], short.batch(0)[0]
+  assert s["colocated"].iter_s > f["colocated"].iter_s * 2 / full.shape.layers
+  gain = lambda r: r["colocated"].iter_s / r["cad"].iter_s
+  assert 1 < gain(s) < gain(f)
+  with pytest.raises(ConfigError, match="layers"):
+    load_sim_config(None, ["layers=-1"])
+  with pytest.raises(ConfigError, match="must divide the 2 layers"):
+    load_sim_config(None, ["layers=2", "pipeline_parallel=[4]"])
+
+
 def test_one_rank_cad_equals_colocated(tmp_path):
   # One rank: nothing to balance, and the ping-pong cut must not make attention cheaper.
   path = tmp_path / "lens.json"
@@ -151,10 +170,11 @@ def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
 
   out, plans = tmp_path / "out", tmp_path / "plans"
   rc = main(["--config", str(ROOT / "configs" / "sim_quick.yaml"), f"out_dir={out}", "progress=false",
-             "--dump-plans", str(plans)])
+             "--dump-plans", str(plans), "--per-batch"])
   assert rc == 0
   text = capsys.readouterr().out
   assert "wlb_best" in text and "per_doc_cp" in text
+  assert "pretrain@0: attention imbalance" in text  # --per-batch
   rows = list(csv.DictReader(open(out / "sim.csv")))
   assert {r["system"] for r in rows} == {"cad", "colocated", "wlb", "wlb_best", "per_doc_cp"}
   assert "exchange modelled as 'ragged'" in text and {r["exchange"] for r in rows} == {"ragged"}

@@ -55,6 +55,10 @@ class SimConfig:
   models: tuple = ("llama3_8b",)
   gpus: tuple = (64, 128, 256)
   tensor_parallel: int = 8
+  # Decoder layers of every model (0: each preset's own). Fewer layers make the embedding and LM
+  # head, which CAD does not change, a larger share of the step: set it to compare with a short
+  # benchmark model (docs/SIMULATOR.md, "Against measurements").
+  layers: int = 0
   # Pipeline stages (4D). GPUs = DP x PP x TP; every stage holds layers / PP layers. 1: the 3D
   # model, unchanged (distca_jax/sim/pipeline.py has the 4D one).
   pipeline_parallel: tuple = (1,)
@@ -167,6 +171,8 @@ def load_sim_config(path: str | Path | None = None, overrides=()) -> SimConfig:
 def validate(c: SimConfig) -> None:
   from distca_jax.models.presets import PRESETS  # lazy: keeps the schema importable alone
 
+  if c.layers < 0:
+    raise ConfigError(f"layers: must be >= 0 (0: each model's own), got {c.layers}")
   if c.tensor_parallel < 1:
     raise ConfigError(f"tensor_parallel: must be >= 1, got {c.tensor_parallel}")
   if c.microbatches < 0:
@@ -183,9 +189,9 @@ def validate(c: SimConfig) -> None:
       if pp < 1:
         raise ConfigError(f"{at}pipeline_parallel: {pp} must be >= 1")
       for m in axes["models"]:
-        if PRESETS[m].layers % pp:
-          raise ConfigError(f"{at}pipeline_parallel: {pp} must divide the {PRESETS[m].layers} "
-                            f"layers of {m}")
+        layers = c.layers or PRESETS[m].layers
+        if layers % pp:
+          raise ConfigError(f"{at}pipeline_parallel: {pp} must divide the {layers} layers of {m}")
     for g in axes["gpus"]:
       for pp in axes["pipeline_parallel"]:
         if g < 1 or g % (c.tensor_parallel * pp):

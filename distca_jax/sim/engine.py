@@ -115,7 +115,8 @@ class Simulator:
 
   def __init__(self, cfg: SimConfig, point: Point):
     self.cfg, self.point = cfg, point
-    self.shape = PRESETS[point.model]
+    shape = PRESETS[point.model]
+    self.shape = dataclasses.replace(shape, layers=cfg.layers) if cfg.layers else shape
     tp = cfg.tensor_parallel
     self.ranks = point.gpus // tp
     self.t = point.tokens_per_rank
