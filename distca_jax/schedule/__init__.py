@@ -1,8 +1,8 @@
 """The CA-task scheduler (numpy only; no JAX here).
 
 items.py (CA-task items from the packed layout), cost.py (area, bytes, kernel time), planner.py
-(the greedy ΔF/bytes balancer and byte accounting), plan.py (the plan as fixed-capacity dispatch
-arrays: the dispatch layer's contract), baselines.py (colocated, WLB-style packing, per-document
+(the greedy ΔF/bytes balancer and byte accounting), plan.py (the plan: placed tasks, capacities,
+and the scheduler's reference array layout with its numpy simulation), baselines.py (colocated, WLB-style packing, per-document
 CP), pingpong.py (the two nano-batches).
 """
 
