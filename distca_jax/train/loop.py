@@ -232,10 +232,10 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       loss = float(m["loss"])
       losses.append(loss)
       flops = metrics_lib.step_flops(shape, batch.layout)
+      if colocated_steps is not None:  # a distca step below attention.min_imbalance
+        colocated_steps += isinstance(ctx, attention_lib.ColocatedContext)
       # A pipelined step's loads are summed over its ticks; each tick waits for its slowest
       # device, so its imbalance is the mean over ticks of each tick's.
-      if colocated_steps is not None:
-        colocated_steps += isinstance(ctx, attention_lib.ColocatedContext)
       tick_imbalance = ctx.imbalance() if trainer.pipeline is not None else None
       imb = tick_imbalance[0] if tick_imbalance else metrics_lib.imbalance(load_before)
       imbalances.append(imb)
