@@ -84,8 +84,8 @@ class AttentionConfig:
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
   # A batch whose colocated attention load (max / mean over devices) is below this runs colocated
-  # attention that step, and a nano-batch below it moves nothing: the exchange costs more than
-  # balancing buys. Measured on 2 and 4 H100s (docs/PERFORMANCE.md): batches at 1.04-1.19 lost
+  # attention that step, and a nano-batch (with mesh.pipe > 1: a tick) below it moves nothing: the
+  # exchange costs more than balancing buys. Measured on 2 and 4 H100s (docs/PERFORMANCE.md): batches at 1.04-1.19 lost
   # 0-2.7% with CAD, 2.07 and above gained 8-38%. 1.0 turns the gate off.
   min_imbalance: float = 1.25
   pingpong: bool = True
