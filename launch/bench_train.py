@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                       help="batch on which distca also runs with attention.exchange=ragged (GPU)")
   parser.add_argument("--ungated-ablation", default="",
                       help="batches (space-separated) on which distca also runs with "
-                           "attention.min_imbalance=1 (it moves work however balanced the batch is)")
+                           "attention.min_imbalance=1 (moving work however balanced the batch)")
   parser.add_argument("--trace-dir", default=None,
                       help="xprof trace of the last step, with its busy time per phase and device "
                            "(DIR/<batch>-<variant>); cad: the first batch's colocated and distca "

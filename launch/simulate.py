@@ -66,7 +66,8 @@ def main(argv=None) -> int:
       results.append(res)
       if args.per_batch:
         col, cad = res["colocated"], res["cad"]
-        print(f"{p.model} {p.gpus} GPUs pp {pp} {p.tokens_per_rank} {Path(p.distribution).stem}@{b}: "
+        name = f"{p.model} {p.gpus} GPUs pp {pp} {p.tokens_per_rank} {Path(p.distribution).stem}"
+        print(f"{name}@{b}: "
               f"attention imbalance {col.compute_imbalance:.2f} -> {cad.compute_imbalance:.2f}, "
               f"colocated {col.iter_s * 1e3:.0f} ms, CAD {cad.iter_s * 1e3:.0f} ms, "
               f"x{col.iter_s / cad.iter_s:.3f}", file=sys.stderr if bar else sys.stdout)

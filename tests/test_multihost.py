@@ -25,8 +25,9 @@ from helpers import small_config
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["model.dtype=float32", "model.remat=none", "model.layers=1", "model.hidden=64", "model.ffn=128",
         "model.vocab_size=256", "data.tokens_per_device=256", "data.length_scale=64",
-        "train.progress=false", "train.tensorboard=false", "train.imbalance_after=false", "train.steps=2",
-        "attention.min_imbalance=1.0"]  # distca: the exchange runs on every step, balanced or not
+        "train.progress=false", "train.tensorboard=false", "train.imbalance_after=false",
+        "train.steps=2",
+        "attention.min_imbalance=1.0"]  # distca: the exchange runs on every step, however balanced
 
 
 def _cache_dir() -> str:

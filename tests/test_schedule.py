@@ -376,7 +376,7 @@ def test_plan_json_dump(tmp_path):
 def test_min_imbalance_gate():
   """Below min_imbalance nothing moves (the colocated plan); at or above it the plan is the
   ungated one; a ratio below 1 is refused."""
-  lens = [1024, 64, 64, 128, 256, 512, 1024, 128, 640, 256]  # two buffers hold one long document each
+  lens = [1024, 64, 64, 128, 256, 512, 1024, 128, 640, 256]  # two long documents, one buffer each
   layout = pack(lens, 4, 1024)
   base = np.bincount(layout.buffer, weights=layout.length * (layout.length + 1) / 2.0, minlength=4)
   ratio = base.max() / base.mean()

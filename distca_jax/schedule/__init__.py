@@ -2,8 +2,8 @@
 
 items.py (CA-task items from the packed layout), cost.py (area, bytes, kernel time), planner.py
 (the greedy ΔF/bytes balancer and byte accounting), plan.py (the plan: placed tasks, capacities,
-and the scheduler's reference array layout with its numpy simulation), baselines.py (colocated, WLB-style packing, per-document
-CP), pingpong.py (the two nano-batches).
+and the scheduler's reference array layout with its numpy simulation), baselines.py (colocated,
+WLB-style packing, per-document CP), pingpong.py (the two nano-batches).
 """
 
 from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable

@@ -389,10 +389,10 @@ def make_plan(layout: Layout, comm: CommModel, epsilon: float = 0.1,
 
   Below `min_imbalance` (the colocated attention load's max / mean over devices) nothing moves:
   the colocated plan (its exchange carries only the K/V prefixes of documents that continue from
-  an earlier buffer, which colocated attention needs too). Otherwise tries epsilon, epsilon + epsilon_step,
-  ... up to max_epsilon, then the colocated plan; returns the first that fits `capacities` (None
-  fields: chosen from the buckets). Raises CapacityError if none fits, ValueError on a bad layout.
-  `with_arrays=False` skips the O(N² C) arrays (used by the simulator at hundreds of devices).
+  an earlier buffer, which colocated attention needs too). Otherwise tries epsilon,
+  epsilon + epsilon_step, ... up to max_epsilon, then the colocated plan; returns the first that
+  fits `capacities` (None fields: chosen from the buckets). Raises CapacityError if none fits,
+  ValueError on a bad layout. `with_arrays=False` skips the O(N² C) arrays (used by the simulator at hundreds of devices).
   """
   validate_layout(layout)
   if min_imbalance < 1.0:

@@ -434,8 +434,8 @@ def format_summary(s: Summary) -> str:
       + f"; host wait {s.host_wait_s:.2f}s",
   ]
   if s.colocated_steps:
-    lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran colocated "
-                 f"attention (imbalance below attention.min_imbalance)")
+    lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran "
+                 f"colocated attention (imbalance below attention.min_imbalance)")
   if s.peak_memory_bytes:
     lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")
   return "\n".join(lines)
