@@ -392,7 +392,8 @@ def make_plan(layout: Layout, comm: CommModel, epsilon: float = 0.1,
   an earlier buffer, which colocated attention needs too). Otherwise tries epsilon,
   epsilon + epsilon_step, ... up to max_epsilon, then the colocated plan; returns the first that
   fits `capacities` (None fields: chosen from the buckets). Raises CapacityError if none fits,
-  ValueError on a bad layout. `with_arrays=False` skips the O(N² C) arrays (used by the simulator at hundreds of devices).
+  ValueError on a bad layout. `with_arrays=False` skips the O(N² C) arrays (training, the
+  simulator).
   """
   validate_layout(layout)
   if min_imbalance < 1.0:
