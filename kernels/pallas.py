@@ -73,8 +73,8 @@ CPU_CONFIG = Config(16, 16, 16, 16, 16, 16, 4, 1, 4, 1)
 # config of the smallest listed one above it (or the largest listed): tiles that fit a larger
 # head dim's registers and shared memory fit a smaller one's.
 # d = 64 and 256: `bench_kernels.py --tune triton --head-dim D` on an H100 (PERFORMANCE.md, "Tiles
-# per head dim"); at 256 the 128 x 128 forward tiles ask for twice the shared memory there is, and
-# the dK/dV accumulators want 8 warps.
+# per head dim"); at 256 d = 128's tiles ask for twice the shared memory there is, and the dK/dV
+# accumulators want 8 warps.
 GPU_CONFIGS: dict[int, Config] = {
     64: GPU_CONFIG._replace(block_k=64, num_warps=4, num_stages_bwd=3),
     128: GPU_CONFIG,
