@@ -119,11 +119,14 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   gate = float(np.median(imb))
   colo = loop.run(small_config(*common, f"train.out_dir={tmp_path / 'c'}"),
                   devices=jax.devices()[:4], log=lambda *a: None)
+  lines = []
   dist = loop.run(small_config(*common, "attention.impl=distca", f"attention.min_imbalance={gate}",
                                f"train.out_dir={tmp_path / 'd'}"),
-                  devices=jax.devices()[:4], log=lambda *a: None)
+                  devices=jax.devices()[:4], log=lines.append)
   assert dist.colocated_steps == sum(i < gate for i in imb) and 0 < dist.colocated_steps < 4
   assert colo.colocated_steps is None
+  cad = [" cad=1 " in l + " " for l in lines if l.startswith("step ")]  # per step: CAD ran
+  assert cad == [i >= gate for i in imb], (lines, imb)
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
   assert dist.compile_count >= 2
   np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)

@@ -232,8 +232,10 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       loss = float(m["loss"])
       losses.append(loss)
       flops = metrics_lib.step_flops(shape, batch.layout)
-      if colocated_steps is not None:  # a distca step below attention.min_imbalance
-        colocated_steps += isinstance(ctx, attention_lib.ColocatedContext)
+      ran_cad = None
+      if colocated_steps is not None:  # a distca step below attention.min_imbalance runs colocated
+        ran_cad = not isinstance(ctx, attention_lib.ColocatedContext)
+        colocated_steps += not ran_cad
       # A pipelined step's loads are summed over its ticks; each tick waits for its slowest
       # device, so its imbalance is the mean over ticks of each tick's.
       tick_imbalance = ctx.imbalance() if trainer.pipeline is not None else None
@@ -243,6 +245,8 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       record = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
                 "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
                 "compile_count": trainer.compile_count()}
+      if ran_cad is not None:
+        record["cad"] = float(ran_cad)  # 1: CAD ran, 0: below attention.min_imbalance
       if load_after is not None:
         imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
         record["attention_imbalance_after"] = imbalances_after[-1]
