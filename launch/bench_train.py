@@ -157,7 +157,8 @@ def main(argv=None) -> int:
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--pingpong-ablation", default="pretrain",
-                      help="batch on which distca also runs with ping-pong off ('' for none)")
+                      help="batch on which distca also runs with ping-pong off ('' for none); this "
+                           "and the other ablations run CAD on every batch (min_imbalance=1)")
   parser.add_argument("--resend-ablation", default="",
                       help="batch on which distca also runs with attention.memory_mode=resend")
   parser.add_argument("--ragged-ablation", default="",
@@ -238,18 +239,21 @@ def main(argv=None) -> int:
       T = base.data.tokens_per_device
       shape = resolve(base.model)
       batch = _batches(kind, n, T, base, shape.vocab_size)
-      variants = [("colocated", ["attention.impl=colocated"]), ("distca", ["attention.impl=distca", "attention.pingpong=true"])]
+      variants = [("colocated", ["attention.impl=colocated"]),
+                  ("distca", ["attention.impl=distca", "attention.pingpong=true"])]
+      # The ablations vary CAD's own mechanisms, so they run CAD on the batch however balanced it
+      # is (min_imbalance=1); `distca-ungated` is the ping-pong, keep, tiled CAD they compare with.
+      cad = ["attention.impl=distca", "attention.min_imbalance=1.0"]
+      if kind in args.ungated_ablation.split():
+        variants.append(("distca-ungated", cad + ["attention.pingpong=true"]))
       if kind == args.pingpong_ablation:
-        variants.append(("distca-single", ["attention.impl=distca", "attention.pingpong=false"]))
+        variants.append(("distca-single", cad + ["attention.pingpong=false"]))
       if kind == args.resend_ablation:  # the other memory mode: servers keep only O and LSE
-        variants.append(("distca-resend", ["attention.impl=distca", "attention.pingpong=true",
-                                           "attention.memory_mode=resend"]))
-      if kind in args.ungated_ablation.split():  # balance below attention.min_imbalance too
-        variants.append(("distca-ungated", ["attention.impl=distca", "attention.pingpong=true",
-                                            "attention.min_imbalance=1.0"]))
+        variants.append(("distca-resend", cad + ["attention.pingpong=true",
+                                                 "attention.memory_mode=resend"]))
       if kind == args.ragged_ablation:  # only the rows that move travel
-        variants.append(("distca-ragged", ["attention.impl=distca", "attention.pingpong=true",
-                                           "attention.exchange=ragged"]))
+        variants.append(("distca-ragged", cad + ["attention.pingpong=true",
+                                                 "attention.exchange=ragged"]))
       base_time = None
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)

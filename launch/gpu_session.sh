@@ -9,7 +9,7 @@
 #          that also run distca with attention.min_imbalance=1 (balancing however small the gain),
 #          CAD_TRACE: where to trace the first batch's distca step, "" for no trace, CAD_EXTRA:
 #          more key=value overrides, e.g. data.elongate_factor=2; a batch "prolong@N" is the
-#          sampler's batch of step N)
+#          sampler's batch of step N; the ablations run CAD on every batch, min_imbalance=1)
 #   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter; none: skip), then
 #          launch/bench_kernels.py with K_ARGS (none: skip); logs append, so it can run repeatedly
 #   mgpu   1 GPU: launch/probe_mgpu.py (JAX's Mosaic GPU attention vs cuDNN vs ours, non-causal)
