@@ -72,8 +72,8 @@ for suite in "$@"; do
            | grep -v -i warn | tee -a "$OUT/ppmem.log"
          python3 -P launch/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
     kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
-           [ "${K_TESTS:-}" = none ] || timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_kernels.py \
-             -k "${K_TESTS:-bfloat16}" 2>&1 | grep -v -i warn | tail -25 | tee -a "$OUT/kernel_tests.log"
+           [ "${K_TESTS:-}" = none ] || timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -rf --tb=line --disable-warnings -p no:cacheprovider \
+             tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 | grep -v Warning | tail -25 | tee -a "$OUT/kernel_tests.log"
            [ "${K_ARGS:-}" = none ] || timeout -k 10 ${K_TIMEOUT:-330} python3 -P launch/bench_kernels.py --out "$OUT" ${K_ARGS:-} 2>&1 | grep -v -i warn \
              | tee -a "$OUT/kernels.log"
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
