@@ -80,7 +80,7 @@ class AttentionConfig:
   """How core attention runs: where the tokens are (`colocated`) or on attention servers."""
 
   impl: Literal["colocated", "distca"] = "colocated"
-  kernel: Literal["auto", "reference", "pallas", "triton", "cudnn"] = "auto"
+  kernel: Literal["auto", "reference", "pallas", "triton", "mosaic", "cudnn"] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
   # A batch whose colocated attention load (max / mean over devices) is below this runs colocated

@@ -5,10 +5,11 @@
 `tasks` is a `TaskTable` (see `tasks.py` for its rules). Backends: `reference` (plain XLA, the
 oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU through the Pallas Triton
 lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
-`cudnn` (cuDNN fused attention forward on packed segments, each task as prefix part + causal
-square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto` picks the fastest
-measured for the platform (`FASTEST`). All return O [T, H, D] in q's dtype and LSE [T, H]
-float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
+`mosaic` (the Triton forward with a one-kernel FA3-style Mosaic GPU backward; Hopper GPU,
+bf16/fp16, head dim 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
+prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto`
+picks the fastest measured for the platform (`FASTEST`). All return O [T, H, D] in q's dtype and
+LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
 tasks sharing key rows); rows outside every task give O = 0, LSE = -inf and zero gradients.
 """
 
@@ -21,16 +22,17 @@ import jax.numpy as jnp
 
 from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owner
 
-BACKENDS = ("reference", "pallas", "triton", "cudnn")
+BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
-# Backends per platform, fastest measured forward+backward first (launch/bench_kernels.py, H100,
-# Pretrain 64K batch: cudnn 417 (cuDNN forward + Triton backward), triton 411, pallas ~355 TF/s;
-# docs/PERFORMANCE.md, section Kernels). `triton` leads all the same: cudnn's 0.5-1.8% is inside
-# run-to-run noise and it needs Hopper and a [tasks, H, T] statistics tensor per part. `auto`
-# takes the first one that is installed and runs the call's head dim and dtype (`unsupported`).
-# On CPU only the reference is fast enough to matter (Pallas runs interpreted).
-FASTEST = {"cpu": ("reference",), "gpu": ("triton", "cudnn", "pallas")}
+# Backends per platform, fastest measured forward+backward first (launch/bench_kernels.py, H100;
+# docs/PERFORMANCE.md, section Kernels): mosaic (Triton forward, one-kernel Mosaic GPU backward)
+# 432 TF/s on the Pretrain 64K batch and 358 on ProLong 64K, triton 408 / 339 in the same run;
+# cudnn (cuDNN forward + Triton backward) was within noise of triton, pallas ~355 / ~320. `auto`
+# takes the first one that is installed and runs the call's head dim, dtype and GPU
+# (`unsupported`): mosaic only at head dim 128 in bf16/fp16 on Hopper, triton elsewhere. On CPU
+# only the reference is fast enough to matter (Pallas runs interpreted).
+FASTEST = {"cpu": ("reference",), "gpu": ("mosaic", "triton", "cudnn", "pallas")}
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +59,23 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
   """Why `backend` cannot run attention of this head dim and dtype on `platform` (default: JAX's
   default backend), or None if it can. Without head dim and dtype: whether it runs here at all."""
   platform = platform or jax.default_backend()
-  if backend in ("triton", "cudnn") and platform != "gpu":
+  if backend in ("triton", "mosaic", "cudnn") and platform != "gpu":
     return f"the {backend} kernel backend needs a GPU (this platform is {platform})"
-  if backend == "triton" and not _installed("triton"):
-    return "the triton kernel backend needs jax-triton, which is not installed"
+  if backend in ("triton", "mosaic") and not _installed("triton"):  # mosaic: the Triton forward
+    return f"the {backend} kernel backend needs jax-triton, which is not installed"
   if head_dim is None or dtype is None:
     return None
   dtype = jnp.dtype(dtype)
   pow2 = head_dim > 0 and head_dim & (head_dim - 1) == 0
   if backend in ("triton", "pallas") and platform == "gpu" and not pow2:
     return f"the {backend} kernels take power-of-two head dims on GPU, not {head_dim}"
+  if backend == "mosaic":
+    from .mosaic import unsupported as mosaic_unsupported
+    why = mosaic_unsupported(head_dim, dtype)
+    if why:
+      return why
+    if (compute_capability or _compute_capability()) < (9,):
+      return "the mosaic kernel backend's backward needs a Hopper GPU (wgmma, TMA)"
   if backend == "cudnn":
     if dtype not in (jnp.bfloat16, jnp.float16):
       return f"the cudnn kernel backend takes bf16 or fp16, not {dtype.name}"
@@ -111,6 +120,8 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "au
     from . import pallas as impl
   elif backend == "triton":
     from . import triton as impl
+  elif backend == "mosaic":
+    from . import mosaic as impl
   else:
     from . import cudnn as impl
   return impl.attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale=scale)

@@ -39,7 +39,7 @@ from . import pallas
 from .tasks import TaskTable, row_owner
 
 NEG_INF = float("-inf")
-BACKWARDS = ("auto", "triton", "pallas", "cudnn")
+BACKWARDS = ("auto", "triton", "pallas", "mosaic", "cudnn")
 
 
 def _fa():
@@ -203,6 +203,9 @@ def _attention_bwd(scale, backward, res, cts):
   if backward == "triton":
     from . import triton
     ours = lambda: triton.backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale)
+  elif backward == "mosaic":
+    from . import mosaic
+    ours = lambda: mosaic.backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale)
   else:
     ours = lambda: pallas.backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale)
   if backward != "cudnn":
@@ -219,9 +222,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | None = None,
               backward: str = "auto"):
   """O [T, H, D] in q's dtype and LSE [T, H] float32. GPU (Hopper+) only; bf16/fp16 inputs.
-  `backward`: "triton" or "pallas" (our backward kernels fed the merged statistics; "auto" takes
-  triton where jax-triton is installed) or "cudnn" (cuDNN's backward per part and colour; an
-  ablation, see the module docstring)."""
+  `backward`: "triton", "mosaic" or "pallas" (our backward kernels fed the merged statistics;
+  "auto" takes triton where jax-triton is installed) or "cudnn" (cuDNN's backward per part and
+  colour; an ablation, see the module docstring)."""
   if jax.default_backend() != "gpu":
     raise RuntimeError("the cudnn kernel backend needs a GPU")
   if q_TxHxD.dtype not in (jnp.bfloat16, jnp.float16):

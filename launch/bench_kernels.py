@@ -117,10 +117,15 @@ def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
 
 
 def tune_configs(backend, head_dim):
-  """Tile/launch variants tried by --tune (name -> Config) at `head_dim`; Triton gets short lists
-  because its dK/dV kernel takes ~30 s to compile. At d = 128 the variants around the measured
-  default; at 64 larger tiles (smaller accumulators); at 256 smaller ones (128 x 128 forward tiles
-  and 64-row dK/dV accumulators at 4 warps do not fit)."""
+  """Tile/launch variants tried by --tune (name -> Config, or mosaic.Options) at `head_dim`;
+  Triton gets short lists because its dK/dV kernel takes ~30 s to compile. At d = 128 the
+  variants around the measured default; at 64 larger tiles (smaller accumulators); at 256 smaller
+  ones (128 x 128 forward tiles and 64-row dK/dV accumulators at 4 warps do not fit)."""
+  if backend == "mosaic":  # its own options (kernels/mosaic.py), one kernel, fast to compile
+    from distca_jax.kernels.mosaic import Options
+    o = Options()
+    return {"default": o, "memory_regs40": o._replace(memory_registers=40),
+            "head_major": o._replace(kv_major=False)}
   from distca_jax.kernels.pallas import gpu_config
   base = gpu_config(head_dim)
   bwd64 = dict(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_warps_bwd=4,
@@ -264,7 +269,10 @@ def main():
             tried.append((cfg, fms, fbms))
           except Exception as e:  # noqa: BLE001
             print(f"tune {tb} {cname}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        if tried:
+        if tried and tb == "mosaic":  # reported only: its options are not shared tiles
+          best = min(tried, key=lambda t: t[2] - t[1])[0]
+          print(f"tune mosaic d={D}: fastest backward {best}", flush=True)
+        elif tried:
           # The rest of the run (batches, sweep) uses the tuned tiles: GPU_CONFIGS is shared by
           # the pallas and triton backends (and the cudnn backend's triton/pallas backward).
           from distca_jax.kernels import pallas

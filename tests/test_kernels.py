@@ -34,6 +34,8 @@ def _backends():
   out = [pytest.param("reference"), pytest.param("pallas")]
   out.append(pytest.param("triton", marks=pytest.mark.skipif(
       not (ON_GPU and _have_jax_triton()), reason="triton backend needs a GPU and jax-triton")))
+  out.append(pytest.param("mosaic", marks=pytest.mark.skipif(
+      not (ON_GPU and _have_jax_triton()), reason="mosaic backend needs a GPU and jax-triton")))
   out.append(pytest.param("cudnn", marks=pytest.mark.skipif(
       not ON_GPU, reason="cudnn backend needs a GPU")))
   return out
@@ -197,7 +199,7 @@ def test_float32(backend, case):
 def test_bfloat16(backend, case):
   if not ON_GPU:
     pytest.skip("bfloat16 accuracy is specified on GPU")
-  _check(backend, case, jnp.bfloat16, 1e-2, min_d=64)
+  _check(backend, case, jnp.bfloat16, 1e-2, min_d=128 if backend == "mosaic" else 64)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU-sized shapes")
@@ -208,6 +210,9 @@ def test_bfloat16_gpu_sizes(backend, head_dim):
   tiles are tuned (each runs its own tiles, `pallas.gpu_config`)."""
   tasks, T, S, H, K, _ = case_gpu_sizes()
   D = head_dim
+  why = kernels.unsupported(backend, D, jnp.bfloat16)
+  if why:
+    pytest.skip(why)
   q, k, v, do, dlse = _inputs(T, S, H, K, D, jnp.bfloat16)
   got = _run(q, k, v, tasks, do, dlse, backend)
   want = oracle(q, k, v, tasks, do, dlse)
@@ -305,6 +310,59 @@ def test_check_grads(backend):
   jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
 
 
+# ------------------------------------------------------------------------- mosaic (Hopper) bwd
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mosaic_visit_lists(seed):
+  """Every visible (query row, key) pair lies in a (query tile, key block) the lists visit, once;
+  lists are in row order and `count` long. The kernel masks each element to its row's range, so
+  covering is what it needs (a superset costs time only)."""
+  from distca_jax.kernels import mosaic
+  rng = np.random.default_rng(seed)
+  docs = [int(x) for x in rng.integers(1, 700, size=5)]
+  shards = []
+  for d, L in enumerate(docs):
+    cuts = sorted(set(int(c) for c in rng.integers(1, L, size=2))) if L > 2 else []
+    bounds = [0] + cuts + [L]
+    shards += [(d, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+  tasks, T, S = _layout(docs, shards, gaps=[0, 70, 3], capacity=len(shards) + 2,
+                        order=rng.permutation(len(shards)))
+  bq, bk = mosaic.BLOCK_Q, mosaic.WGS * mosaic.BLOCK_KV
+  Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+  tiles, count, lo, hi = (np.asarray(a) for a in mosaic.visit_lists(tasks, Tp, Sp))
+  want_lo, want_hi = _row_bounds_np(tasks, Tp)
+  assert (lo == want_lo).all() and (hi == want_hi).all()
+  listed = [set(tiles[kb, :count[kb]].tolist()) for kb in range(Sp // bk)]
+  for kb in range(Sp // bk):
+    row = tiles[kb, :count[kb]]
+    assert (np.diff(row) > 0).all(), f"key block {kb}: not in row order, or repeated"
+  seen_any = False
+  for r in range(T):
+    for kb in range(want_lo[r] // bk, -(-want_hi[r] // bk)):
+      seen_any = True
+      assert r // bq in listed[kb], f"row {r} sees key block {kb}, which never visits its tile"
+  assert seen_any
+
+
+def test_mosaic_lowers_for_cuda():
+  """The Mosaic GPU backward traces and lowers for CUDA on this machine (no GPU needed): its
+  layouts, transforms, barriers and pipeline are checked up to the PTX compiler."""
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  from jax import export
+  from distca_jax.kernels import mosaic
+  tasks, T, S, H, K, _ = case_gpu_sizes()
+  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  f = jax.jit(lambda q, k, v, o, lse, do, dlse: mosaic.backward_from_stats(
+      q, k, v, tasks, o, lse, do, dlse, 0.1))
+  exported = export.export(f, platforms=["cuda"])(bf16(T, H, 128), bf16(S, K, 128),
+                                                  bf16(S, K, 128), bf16(T, H, 128), f32(T, H),
+                                                  bf16(T, H, 128), f32(T, H))
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
 # ------------------------------------------------------------------------------ block schedule
 
 
@@ -387,8 +445,8 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
   monkeypatch.setattr(kernels, "_installed", lambda b: b != "triton" or triton_installed)
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
   r = kernels.resolve_backend
-  first = "triton" if triton_installed else "cudnn"
-  assert r("auto", 128, jnp.bfloat16) == first
+  assert r("auto", 128, jnp.bfloat16) == ("mosaic" if triton_installed else "cudnn")
+  assert r("auto", 64, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
   assert r("auto", 96, jnp.bfloat16) == "cudnn"  # Triton and Pallas tiles need powers of two
   assert r("auto", 128, jnp.float32) == ("triton" if triton_installed else "pallas")
   assert r("auto", 96, jnp.float32) == "reference"  # nothing fast runs it: the oracle, warned
@@ -396,10 +454,16 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
     r("pallas", 96, jnp.bfloat16)
   with pytest.raises(ValueError, match="bf16 or fp16"):
     r("cudnn", 128, jnp.float32)
+  with pytest.raises(ValueError, match="head dim 128" if triton_installed else "jax-triton"):
+    r("mosaic", 256, jnp.bfloat16)
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (8, 0))
   assert r("auto", 96, jnp.bfloat16) == "reference"
+  assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "pallas")
   with pytest.raises(ValueError, match="Hopper"):
     r("cudnn", 128, jnp.bfloat16)
+  if triton_installed:
+    with pytest.raises(ValueError, match="Hopper"):
+      r("mosaic", 128, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------- cuDNN backward, decomposed
@@ -504,7 +568,7 @@ def test_cudnn_backward_decomposition_emulated(case, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN")
-@pytest.mark.parametrize("backward", ["cudnn", "pallas", "triton"])
+@pytest.mark.parametrize("backward", ["cudnn", "pallas", "triton", "mosaic"])
 @pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes, case_deep])
 def test_cudnn_backward_bfloat16(case, backward):
   """The cudnn backend's backward choices on the GPU, bf16, with a zero LSE cotangent (cuDNN's own

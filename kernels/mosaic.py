@@ -1,0 +1,302 @@
+"""Mosaic GPU backward (Hopper): dQ, dK and dV of a fused CA-task batch from one kernel, FA3-style.
+
+The `mosaic` backend is our Triton forward with this backward; the `cudnn` backend takes it as
+`backward="mosaic"`.
+
+Why: our Triton and Pallas backwards run two kernels (dQ over key blocks; dK/dV over query
+blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
+cost more than they save (docs/PERFORMANCE.md, Kernels). Here each tile's dQ share goes to shared
+memory and the TMA unit adds it into a float32 dQ in global memory (`cp.reduce.async.bulk`): one
+bulk operation per tile, off the math warps. H100, Pretrain 64K batch: backward 410 TF/s against
+the Triton pair's 376, forward+backward 0.77x dense cuDNN against 0.72x (PERFORMANCE.md).
+
+One CTA per (128 key rows, KV head). Two compute warpgroups each own 64 of the key rows (their dK
+and dV accumulators stay in registers and sum over the group's query heads and over every task
+that sees the keys); a memory warpgroup streams the 64-row query tiles that see the key block
+(Q, dO, LSE, delta and the rows' visible key ranges), one (tile, query head) per step, through
+Pallas' warp-specialised pipeline with a per-CTA step count. Per step each compute warpgroup
+computes, transposed as FA2/FA3's dK/dV loop does, Sᵀ = K Qᵀ, Pᵀ (masked to each row's key
+range), dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ and dK += dSᵀ Q, and stores dSᵀ to shared memory; once both
+have (an mbarrier of two arrivals, double-buffered by step parity), warpgroup w computes columns
+[D/2 · w, D/2 · (w+1)) of the tile's dQ = dS K over all 128 keys and reduce-adds them.
+
+The tiles a key block visits come from the query-side block schedule (`blocks.py`): query tile i
+sees key blocks [kb_lo, kb_hi) (the hull of its rows' ranges; every element is masked to its
+row's range, so a tile that straddles two tasks is visited once and each (row, key) pair counts
+once). The per-key-block lists are a dense [key blocks, query tiles] array: S · T / 8192 int32
+(8 MB at 128K rows).
+
+Conventions as the other backends: O, natural-log LSE in; rows outside every task (LSE = -inf)
+get zero gradients. Head dim 128 (at 256 these tiles need more shared memory than a Hopper card
+has), bf16 or fp16, Hopper (wgmma, TMA). The GPU tests compare it with the float64 oracle; on the
+CPU a test lowers it for CUDA, which checks everything up to PTX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .blocks import cdiv, query_schedule
+from .tasks import TaskTable
+
+LOG2E = math.log2(math.e)
+WGS = 2          # compute warpgroups per CTA
+BLOCK_Q = 64     # query rows per step
+BLOCK_KV = 64    # key rows per compute warpgroup (a CTA covers WGS * BLOCK_KV)
+STAGES = 2       # query tiles in flight
+
+
+class Options(NamedTuple):
+  """Kernel variants (`launch/bench_kernels.py --tune mosaic` times them against each other)."""
+
+  stages: int = STAGES
+  kv_major: bool = True  # grid (key block, KV head): the KV heads of a key block side by side read
+                         # the same query tiles; 2.6-3.6% faster than (KV head, key block), H100
+  memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the rest
+                              # and still spill ~250 bytes): 24 +1.8% over 40, 56 -20% (H100)
+
+
+def unsupported(head_dim: int, dtype) -> str | None:
+  """Why this backward cannot run attention of this head dim and dtype, or None."""
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return f"the mosaic backward takes bf16 or fp16, not {jnp.dtype(dtype).name}"
+  if head_dim != 128:  # 256 needs more shared memory than the card has with these tiles
+    return f"the mosaic backward takes head dim 128, not {head_dim}"
+  return None
+
+
+def visit_lists(tasks: TaskTable, num_q_rows: int, num_kv_rows: int):
+  """Per key block of WGS * BLOCK_KV rows: the query tiles that see it, in row order.
+
+  Returns (tiles [nk, nq] int32: row kb lists its tiles in its first count[kb] entries; count [nk];
+  row_lo, row_hi [nq * BLOCK_Q]: each query row's visible key range, from `blocks.py`)."""
+  sch = query_schedule(tasks, num_q_rows, BLOCK_Q, WGS * BLOCK_KV)
+  nq = sch.kb_lo.shape[0]
+  kb = jnp.arange(cdiv(num_kv_rows, WGS * BLOCK_KV), dtype=jnp.int32)[:, None]
+  vis = (kb >= sch.kb_lo[None]) & (kb < sch.kb_hi[None])
+  qb = jnp.arange(nq, dtype=jnp.int32)[None]
+  tiles = jnp.sort(jnp.where(vis, qb, nq), axis=1) % nq  # unseen tiles sort last
+  return tiles.astype(jnp.int32), jnp.sum(vis, axis=1, dtype=jnp.int32), sch.row_lo, sch.row_hi
+
+
+def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref, *, heads: int,
+            scale: float, opts: Options):
+  """The kernel over the first count[kb] tiles of each key block's list: adds dQ into the float32
+  Ref, returns dK and dV."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  S, K, D = k.shape
+  G = heads // K
+  dtype = k.dtype
+  half = D // WGS
+  nk = S // (WGS * BLOCK_KV)
+  scale2 = scale * LOG2E
+  tiles16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  tiles32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+  row_layout = plgpu.Layout.WGMMA.reduce(0)  # per query row of a transposed [keys, rows] tile
+
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, tiles_ref, count_ref, dq_ref,
+           dk_ref, dv_ref, smem, bars):
+    kh = lax.axis_index("kv_head")
+    kb = lax.axis_index("kv_block")
+    wg = lax.axis_index("wg")
+    k_smem2, v_smem2, ds_smem, out_smem = smem
+    kv_bar, ds_bar, end_bar = bars
+    key0 = kb * (WGS * BLOCK_KV) + wg * BLOCK_KV
+    qb_of = lambda s: tiles_ref[kb, lax.div(s, G)]
+    h_of = lambda s: kh * G + lax.rem(s, G)
+
+    def compute(run):
+      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      keys = pl.ds(key0, BLOCK_KV)
+      plgpu.copy_gmem_to_smem(k_ref.at[keys, kh], k_smem, kv_bar.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[keys, kh], v_smem, kv_bar.at[WGS + wg])
+      plgpu.barrier_wait(kv_bar.at[wg])
+      plgpu.barrier_wait(kv_bar.at[WGS + wg])
+      dk, dv = run((zeros((BLOCK_KV, D)), zeros((BLOCK_KV, D))))
+      # The other warpgroup's last dQ read this warpgroup's K tile: wait for it before reuse.
+      plgpu.barrier_arrive(end_bar)
+      plgpu.barrier_wait(end_bar)
+      k_smem[...] = (dk * scale).astype(dtype)
+      v_smem[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[keys, kh], commit_group=False)
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[keys, kh], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, q_smem, do_smem, stat_smem, bound_smem, q_done, do_done, stat_done, bound_done,
+             carry):
+      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      dk, dv = carry
+      s = idx[0]
+      par = lax.rem(s, 2)
+
+      def s_t(acc):
+        plgpu.wgmma(acc, k_smem, plgpu.transpose_ref(q_smem, (1, 0)))
+        return acc[...]
+
+      st = pl.run_scoped(s_t, plgpu.ACC((BLOCK_KV, BLOCK_Q), jnp.float32)) * scale2
+      # Each row to its visible key range [lo, hi), on every tile: exact where a tile needs no
+      # mask, and cheaper than branching (a lax.cond around it cost 28% in spills).
+      lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
+      hi = plgpu.load(bound_smem.at[1], (), layout=row_layout)
+      plgpu.barrier_arrive(bound_done)
+      col = key0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, BLOCK_Q), 0,
+                                          layout=plgpu.Layout.WGMMA)
+      seen = ((col >= lax.broadcast_in_dim(lo, (BLOCK_KV, BLOCK_Q), [1]))
+              & (col < lax.broadcast_in_dim(hi, (BLOCK_KV, BLOCK_Q), [1])))
+      st = jnp.where(seen, st, -jnp.inf)
+      lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
+      p = jnp.exp2(st - lax.broadcast_in_dim(lse2, (BLOCK_KV, BLOCK_Q), [1]))
+
+      def dv_dp(refs):
+        dv_acc, dp_acc = refs
+        plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
+        plgpu.wgmma(dp_acc, v_smem, plgpu.transpose_ref(do_smem, (1, 0)))
+
+      dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv),
+                                    plgpu.ACC.init(zeros((BLOCK_KV, BLOCK_Q)))))
+      plgpu.barrier_arrive(do_done)
+      delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+      plgpu.barrier_arrive(stat_done)
+      ds = (p * (dp - lax.broadcast_in_dim(delta, (BLOCK_KV, BLOCK_Q), [1]))).astype(dtype)
+      ds_smem.at[par, wg][...] = ds
+      plgpu.commit_smem()
+
+      def dk_mm(acc):
+        plgpu.wgmma(acc, ds, q_smem)
+
+      dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(q_done)
+      # Both warpgroups' dSᵀ are in shared memory: each computes half of dQ's columns from all
+      # WGS * BLOCK_KV keys (double-buffered by step parity, so one barrier per step suffices).
+      plgpu.barrier_arrive(ds_bar.at[par])
+      plgpu.barrier_wait(ds_bar.at[par])
+      rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
+      for w in range(WGS):  # static column slices, one branch per warpgroup
+
+        @pl.when(wg == w)
+        def _(w=w):
+          cols = pl.ds(w * half, half)
+
+          def dq_mm(acc):
+            for src in range(WGS):
+              plgpu.wgmma(acc, plgpu.transpose_ref(ds_smem.at[par, src], (1, 0)),
+                          k_smem2.at[src, :, cols])
+            return acc[...]
+
+          dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, half), jnp.float32))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
+          out_smem.at[w][...] = dq * scale
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[w], dq_ref.at[rows, h_of(s), cols],
+                                  reduction_op="add")
+
+      return dk, dv
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        step, grid=(count_ref[kb] * G,), max_concurrent_steps=opts.stages,
+        num_compute_wgs=WGS, memory_registers=opts.memory_registers, wg_axis="wg",
+        manual_consumed_barriers=True,
+        compute_context=compute,
+        in_specs=[
+            plgpu.BlockSpec((BLOCK_Q, D), lambda s: (qb_of(s), h_of(s)), transforms=tiles16),
+            plgpu.BlockSpec((BLOCK_Q, D), lambda s: (qb_of(s), h_of(s)), transforms=tiles16),
+            plgpu.BlockSpec((2, BLOCK_Q), lambda s: (h_of(s), qb_of(s))),
+            plgpu.BlockSpec((2, BLOCK_Q), lambda s: (0, qb_of(s))),
+        ])
+    pipeline(q_ref, do_ref, stats_ref, bounds_ref)
+
+  smem = (
+      plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # K
+      plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # V
+      plgpu.SMEM((2, WGS, BLOCK_KV, BLOCK_Q), dtype, transforms=tiles16),  # dSᵀ by step parity
+      plgpu.SMEM((WGS, BLOCK_Q, half), jnp.float32, transforms=tiles32),   # dQ reduce staging
+  )
+  bars = (plgpu.Barrier(num_barriers=2 * WGS), plgpu.Barrier(num_arrivals=WGS, num_barriers=2),
+          plgpu.Barrier(num_arrivals=WGS))
+  grid, names = ((nk, K), ("kv_block", "kv_head")) if opts.kv_major else (
+      (K, nk), ("kv_head", "kv_block"))
+  mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=WGS + 1, thread_name="wg")
+
+  def kernel_body(*refs):  # plgpu.kernel less its vmap wrapper, which refuses Ref operands
+    pl.run_scoped(functools.partial(body, *refs), smem, bars, collective_axes="wg")
+
+  return pl.kernel(kernel_body, out_type=[jax.ShapeDtypeStruct(k.shape, dtype)] * 2, mesh=mesh,
+                   compiler_params=plgpu.CompilerParams(approx_math=True), name="ca_tasks_bwd")(
+      q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref)
+
+
+def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
+                        dlse_TxH, scale: float, opts: Options = Options()):
+  """dQ, dK, dV from saved O and LSE (any backend's forward), in the inputs' dtypes."""
+  T, H, D = q_TxHxD.shape
+  S, K, _ = k_SxKxD.shape
+  why = unsupported(D, q_TxHxD.dtype)
+  if why:
+    raise ValueError(why)
+  if H % K:
+    raise ValueError(f"GQA: {H} query heads are not a multiple of {K} KV heads")
+  Tp = cdiv(T, BLOCK_Q) * BLOCK_Q
+  Sp = cdiv(S, WGS * BLOCK_KV) * WGS * BLOCK_KV
+  pad = lambda x, n: jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  f32 = jnp.float32
+  lse_HxT = pad(lse_TxH, Tp).T
+  lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0).astype(f32)
+  delta_HxT = pad(jnp.sum(do_TxHxD.astype(f32) * o_TxHxD.astype(f32), -1)
+                  - dlse_TxH.astype(f32), Tp).T
+  tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp)
+  # Inputs as the kernel's TMA tiles read them: Q and dO [T, H * D] (a tile is 64 rows of one
+  # head), LSE and delta interleaved per head [2H, T], the rows' key ranges [2, T].
+  args = (pad(q_TxHxD, Tp).reshape(Tp, H * D), pad(k_SxKxD, Sp), pad(v_SxKxD, Sp),
+          pad(do_TxHxD, Tp).reshape(Tp, H * D),
+          jnp.stack([lse2_HxT, delta_HxT], axis=1).reshape(2 * H, Tp),
+          jnp.stack([row_lo, row_hi]), tiles)
+  # dQ is reduced into a float32 buffer, so it starts as zeros (a Ref operand is aliased in and
+  # out of the kernel).
+  dq = jax.new_ref(jnp.zeros((Tp, H, D), f32))
+  dk, dv = _launch(*args, count, dq, heads=H, scale=float(scale), opts=opts)
+  return dq[...][:T].astype(q_TxHxD.dtype), dk[:S], dv[:S]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, tasks, scale, opts):
+  from . import triton
+  return triton.attention(q, k, v, tasks, scale=scale)
+
+
+def _attention_fwd(q, k, v, tasks, scale, opts):
+  out = _attention(q, k, v, tasks, scale, opts)
+  return out, (q, k, v, tasks, *out)
+
+
+def _attention_bwd(scale, opts, res, cts):
+  q, k, v, tasks, o, lse = res
+  do, dlse = cts
+  dlse = jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+  return (*backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale, opts), None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | None = None,
+              config: Options | None = None):
+  """O [T, H, D] in q's dtype and LSE [T, H] float32: the Triton forward, this backward. Hopper
+  GPU with jax-triton; bf16 or fp16; head dim 128 or 256."""
+  T, H, D = q_TxHxD.shape
+  why = unsupported(D, q_TxHxD.dtype)
+  if why:
+    raise ValueError(why)
+  scale = D ** -0.5 if scale is None else float(scale)
+  tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
+  return _attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, config or Options())
