@@ -8,8 +8,8 @@ lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-t
 `mosaic` (the Triton forward with a one-kernel FA3-style Mosaic GPU backward; Hopper GPU,
 bf16/fp16, head dim 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
 prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto`
-picks the fastest measured for the platform (`FASTEST`). All return O [T, H, D] in q's dtype and
-LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
+picks per platform and shape (`FASTEST`). All return O [T, H, D] in q's dtype and LSE [T, H]
+float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
 tasks sharing key rows); rows outside every task give O = 0, LSE = -inf and zero gradients.
 """
 
@@ -25,14 +25,16 @@ from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owne
 BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
-# Backends per platform, fastest measured forward+backward first (launch/bench_kernels.py, H100;
-# docs/PERFORMANCE.md, section Kernels): mosaic (Triton forward, one-kernel Mosaic GPU backward)
-# 432 TF/s on the Pretrain 64K batch and 358 on ProLong 64K, triton 408 / 339 in the same run;
-# cudnn (cuDNN forward + Triton backward) was within noise of triton, pallas ~355 / ~320. `auto`
-# takes the first one that is installed and runs the call's head dim, dtype and GPU
-# (`unsupported`): mosaic only at head dim 128 in bf16/fp16 on Hopper, triton elsewhere. On CPU
-# only the reference is fast enough to matter (Pallas runs interpreted).
-FASTEST = {"cpu": ("reference",), "gpu": ("mosaic", "triton", "cudnn", "pallas")}
+# Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
+# section Kernels). Kernel alone, Pretrain / ProLong 64K batches: mosaic (Triton forward,
+# one-kernel Mosaic GPU backward) 432 / 358 TF/s forward+backward, triton 408 / 339 in the same
+# run, cudnn (cuDNN forward + Triton backward) within noise of triton, pallas ~355 / ~320. `auto`
+# still leads with triton: in a training step (Llama-3-8B shape, 2 layers, 64K tokens, one H100)
+# mosaic was no faster (1290 vs 1280 ms) and held 2.7 GiB more at peak (its float32 dQ buffer);
+# name `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head
+# dim, dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas
+# runs interpreted).
+FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
 
 log = logging.getLogger(__name__)
 

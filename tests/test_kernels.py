@@ -445,8 +445,7 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
   monkeypatch.setattr(kernels, "_installed", lambda b: b != "triton" or triton_installed)
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
   r = kernels.resolve_backend
-  assert r("auto", 128, jnp.bfloat16) == ("mosaic" if triton_installed else "cudnn")
-  assert r("auto", 64, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
+  assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
   assert r("auto", 96, jnp.bfloat16) == "cudnn"  # Triton and Pallas tiles need powers of two
   assert r("auto", 128, jnp.float32) == ("triton" if triton_installed else "pallas")
   assert r("auto", 96, jnp.float32) == "reference"  # nothing fast runs it: the oracle, warned
