@@ -120,18 +120,23 @@ def case_gpu_sizes():
   return tasks, T, S, 8, 2, 128
 
 
-def case_random(seed=0):
-  """Random documents cut into random shards, tasks in shuffled order, one query head per KV head
-  group of four."""
-  rng = np.random.default_rng(seed)
-  docs = [int(x) for x in rng.integers(1, 40, size=4)]
+def _random_layout(rng, num_docs, max_len, gaps, spare):
+  """Random documents of 1..max_len - 1 tokens, each cut at up to two random points into shards,
+  tasks in shuffled order; `spare` empty task slots."""
+  docs = [int(x) for x in rng.integers(1, max_len, size=num_docs)]
   shards = []
   for d, L in enumerate(docs):
     cuts = sorted(set(int(c) for c in rng.integers(1, L, size=2))) if L > 2 else []
     bounds = [0] + cuts + [L]
     shards += [(d, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-  order = rng.permutation(len(shards))
-  tasks, T, S = _layout(docs, shards, gaps=[1, 0, 2], capacity=len(shards) + 3, order=order)
+  return _layout(docs, shards, gaps=gaps, capacity=len(shards) + spare,
+                 order=rng.permutation(len(shards)))
+
+
+def case_random(seed=0):
+  """Random documents cut into random shards, tasks in shuffled order, one query head per KV head
+  group of four."""
+  tasks, T, S = _random_layout(np.random.default_rng(seed), 4, 40, gaps=[1, 0, 2], spare=3)
   return tasks, T, S, 4, 1, 8
 
 
@@ -319,15 +324,7 @@ def test_mosaic_visit_lists(seed):
   lists are in row order and `count` long. The kernel masks each element to its row's range, so
   covering is what it needs (a superset costs time only)."""
   from distca_jax.kernels import mosaic
-  rng = np.random.default_rng(seed)
-  docs = [int(x) for x in rng.integers(1, 700, size=5)]
-  shards = []
-  for d, L in enumerate(docs):
-    cuts = sorted(set(int(c) for c in rng.integers(1, L, size=2))) if L > 2 else []
-    bounds = [0] + cuts + [L]
-    shards += [(d, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-  tasks, T, S = _layout(docs, shards, gaps=[0, 70, 3], capacity=len(shards) + 2,
-                        order=rng.permutation(len(shards)))
+  tasks, T, S = _random_layout(np.random.default_rng(seed), 5, 700, gaps=[0, 70, 3], spare=2)
   bq, bk = mosaic.BLOCK_Q, mosaic.WGS * mosaic.BLOCK_KV
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
   tiles, count, lo, hi = (np.asarray(a) for a in mosaic.visit_lists(tasks, Tp, Sp))
