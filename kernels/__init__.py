@@ -6,7 +6,7 @@
 oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU through the Pallas Triton
 lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
 `mosaic` (the Triton forward with a one-kernel FA3-style Mosaic GPU backward; Hopper GPU,
-bf16/fp16, head dim 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
+bf16/fp16, head dim 64 or 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
 prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto`
 picks per platform and shape (`FASTEST`). All return O [T, H, D] in q's dtype and LSE [T, H]
 float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
@@ -26,14 +26,15 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
-# section Kernels). Kernel alone, Pretrain / ProLong 64K batches: mosaic (Triton forward,
-# one-kernel Mosaic GPU backward) 432 / 358 TF/s forward+backward, triton 408 / 339 in the same
-# run, cudnn (cuDNN forward + Triton backward) within noise of triton, pallas ~355 / ~320. `auto`
-# still leads with triton: in a training step (Llama-3-8B shape, 2 layers, 64K tokens, one H100)
-# mosaic was no faster (1290 vs 1280 ms) and held 2.7 GiB more at peak (its float32 dQ buffer);
-# name `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head
-# dim, dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas
-# runs interpreted).
+# section Kernels). Kernel alone, Pretrain / ProLong 64K batches at head dim 128: mosaic (Triton
+# forward, one-kernel Mosaic GPU backward) 432 / 358 TF/s forward+backward, triton 408 / 339 in
+# the same run (at 64: 386 / 319 against 371 / 317), cudnn (cuDNN forward + Triton backward)
+# within noise of triton, pallas ~355 / ~320. `auto` still leads with triton: in training steps
+# on one H100 (64K tokens) mosaic was no faster (Llama-3-8B shape with 2 layers: 1290 vs 1280 ms;
+# llama_1b: 1544 vs 1528 ms) and held 2.7 / 7.3 GiB more at peak (its float32 dQ buffers); name
+# `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head dim,
+# dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas runs
+# interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
 
 log = logging.getLogger(__name__)

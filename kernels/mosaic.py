@@ -8,7 +8,8 @@ blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 a
 cost more than they save (docs/PERFORMANCE.md, Kernels). Here each tile's dQ share goes to shared
 memory and the TMA unit adds it into a float32 dQ in global memory (`cp.reduce.async.bulk`): one
 bulk operation per tile, off the math warps. H100, Pretrain 64K batch: backward 410 TF/s against
-the Triton pair's 376, forward+backward 0.77x dense cuDNN against 0.72x (PERFORMANCE.md).
+the Triton pair's 376, forward+backward 0.77x dense cuDNN against 0.72x at head dim 128, 0.90x
+against 0.86x at 64 (PERFORMANCE.md).
 
 One CTA per (128 key rows, KV head). Two compute warpgroups each own 64 of the key rows (their dK
 and dV accumulators stay in registers and sum over the group's query heads and over every task
@@ -18,7 +19,8 @@ Pallas' warp-specialised pipeline with a per-CTA step count. Per step each compu
 computes, transposed as FA2/FA3's dK/dV loop does, Sᵀ = K Qᵀ, Pᵀ (masked to each row's key
 range), dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ and dK += dSᵀ Q, and stores dSᵀ to shared memory; once both
 have (an mbarrier of two arrivals, double-buffered by step parity), warpgroup w computes columns
-[D/2 · w, D/2 · (w+1)) of the tile's dQ = dS K over all 128 keys and reduce-adds them.
+[D/2 · w, D/2 · (w+1)) of the tile's dQ = dS K over all 128 keys and reduce-adds them (at D = 64,
+where half a row is less than a swizzle tile, the warpgroups take whole steps' dQ in turn).
 
 The tiles a key block visits come from the query-side block schedule (`blocks.py`): query tile i
 sees key blocks [kb_lo, kb_hi) (the hull of its rows' ranges; every element is masked to its
@@ -27,8 +29,8 @@ once). The per-key-block lists are a dense [key blocks, query tiles] array: S ·
 (8 MB at 128K rows).
 
 Conventions as the other backends: O, natural-log LSE in; rows outside every task (LSE = -inf)
-get zero gradients. Head dim 128 (at 256 these tiles need more shared memory than a Hopper card
-has), bf16 or fp16, Hopper (wgmma, TMA). The GPU tests compare it with the float64 oracle; on the
+get zero gradients. Head dims 64 and 128 (at 256 these tiles need more shared memory than a
+Hopper card has), bf16 or fp16, Hopper (wgmma, TMA). Costs a float32 [T, H, D] dQ buffer. The GPU tests compare it with the float64 oracle; on the
 CPU a test lowers it for CUDA, which checks everything up to PTX.
 """
 
@@ -66,8 +68,8 @@ def unsupported(head_dim: int, dtype) -> str | None:
   """Why this backward cannot run attention of this head dim and dtype, or None."""
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return f"the mosaic backward takes bf16 or fp16, not {jnp.dtype(dtype).name}"
-  if head_dim != 128:  # 256 needs more shared memory than the card has with these tiles
-    return f"the mosaic backward takes head dim 128, not {head_dim}"
+  if head_dim not in (64, 128):  # 256 needs more shared memory than the card has with these tiles
+    return f"the mosaic backward takes head dim 64 or 128, not {head_dim}"
   return None
 
 
@@ -95,7 +97,11 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
   S, K, D = k.shape
   G = heads // K
   dtype = k.dtype
-  half = D // WGS
+  # dQ of a step: with D >= 128 each warpgroup computes a D / WGS column slice (a whole number of
+  # 64-column swizzle tiles); at D = 64 the warpgroups take whole steps in turn (by step parity).
+  split = D >= 64 * WGS
+  assert split or WGS == 2, "taking steps in turn by parity needs two compute warpgroups"
+  dq_cols = D // WGS if split else D
   nk = S // (WGS * BLOCK_KV)
   scale2 = scale * LOG2E
   tiles16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -177,16 +183,16 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
 
       dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(q_done)
-      # Both warpgroups' dSᵀ are in shared memory: each computes half of dQ's columns from all
-      # WGS * BLOCK_KV keys (double-buffered by step parity, so one barrier per step suffices).
+      # Both warpgroups' dSᵀ are in shared memory: dQ's columns from all WGS * BLOCK_KV keys
+      # (double-buffered by step parity, so one barrier per step suffices).
       plgpu.barrier_arrive(ds_bar.at[par])
       plgpu.barrier_wait(ds_bar.at[par])
       rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
       for w in range(WGS):  # static column slices, one branch per warpgroup
 
-        @pl.when(wg == w)
+        @pl.when((wg == w) if split else ((wg == w) & (par == w)))
         def _(w=w):
-          cols = pl.ds(w * half, half)
+          cols = pl.ds(w * dq_cols if split else 0, dq_cols)
 
           def dq_mm(acc):
             for src in range(WGS):
@@ -194,7 +200,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
                           k_smem2.at[src, :, cols])
             return acc[...]
 
-          dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, half), jnp.float32))
+          dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, dq_cols), jnp.float32))
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
           out_smem.at[w][...] = dq * scale
           plgpu.commit_smem()
@@ -220,7 +226,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # K
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # V
       plgpu.SMEM((2, WGS, BLOCK_KV, BLOCK_Q), dtype, transforms=tiles16),  # dSᵀ by step parity
-      plgpu.SMEM((WGS, BLOCK_Q, half), jnp.float32, transforms=tiles32),   # dQ reduce staging
+      plgpu.SMEM((WGS, BLOCK_Q, dq_cols), jnp.float32, transforms=tiles32),  # dQ reduce staging
   )
   bars = (plgpu.Barrier(num_barriers=2 * WGS), plgpu.Barrier(num_arrivals=WGS, num_barriers=2),
           plgpu.Barrier(num_arrivals=WGS))

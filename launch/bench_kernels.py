@@ -124,8 +124,10 @@ def tune_configs(backend, head_dim):
   if backend == "mosaic":  # its own options (kernels/mosaic.py), one kernel, fast to compile
     from distca_jax.kernels.mosaic import Options
     o = Options()
-    return {"default": o, "memory_regs40": o._replace(memory_registers=40),
-            "head_major": o._replace(kv_major=False)}
+    out = {"default": o, "memory_regs40": o._replace(memory_registers=40)}
+    if head_dim <= 64:  # smaller tiles leave room for a third stage
+      out["stages3"] = o._replace(stages=3)
+    return out
   from distca_jax.kernels.pallas import gpu_config
   base = gpu_config(head_dim)
   bwd64 = dict(block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_warps_bwd=4,
