@@ -200,7 +200,8 @@ def main():
   global H, K, D
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--backends", default="pallas,cudnn,triton",
-                  help="comma list; also cudnn/<triton|pallas|cudnn>: cuDNN forward, that backward")
+                  help="comma list (also mosaic); cudnn/<triton|mosaic|pallas|cudnn>: cuDNN "
+                       "forward, that backward")
   ap.add_argument("--contexts", default="65536,131072")
   ap.add_argument("--datasets", default="pretrain,prolong")
   ap.add_argument("--max-shard", type=int, default=8192,
