@@ -86,7 +86,8 @@ class AttentionConfig:
   # A batch whose colocated attention load (max / mean over devices) is below this runs colocated
   # attention that step, and a nano-batch (with mesh.pipe > 1: a tick) below it moves nothing: the
   # exchange costs more than balancing buys. Measured on 2 and 4 H100s (docs/PERFORMANCE.md):
-  # batches at 1.04-1.19 lost 0-2.7% with CAD, 2.07 and above gained 8-38%. 1.0: no gate.
+  # batches at 1.04-1.19 lost 0-2.7% with CAD, 2.07 and above gained 8-38%; the calibrated
+  # simulator puts the break-even at 1.25-1.3 (docs/SIMULATOR.md). 1.0: no gate.
   min_imbalance: float = 1.25
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"

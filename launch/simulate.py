@@ -36,7 +36,8 @@ def main(argv=None) -> int:
   ap.add_argument("--per-batch", action="store_true",
                   help="also print each batch's colocated and CAD step time (batch k is the "
                        "trainer's batch of step k with the same data settings: "
-                       "bench_train.py's <distribution>@k)")
+                       "bench_train.py's <distribution>@k), and CAD's speedup by colocated "
+                       "imbalance over all batches (where attention.min_imbalance should sit)")
   ap.add_argument("overrides", nargs="*", help="key=value, e.g. gpus=[64,128] epsilon=0.1")
   args = ap.parse_args(argv)
   try:
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
   if cfg.progress and total > 1:
     from tqdm import tqdm
     bar = tqdm(total=total, desc="simulate", unit="batch", file=sys.stderr)
-  rows, first_loads, speedups = [], None, []
+  rows, first_loads, speedups, by_imbalance = [], None, [], []
   for p in pts:
     sim = make_simulator(cfg, p)
     pp = p.pipeline
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
       results.append(res)
       if args.per_batch:
         col, cad = res["colocated"], res["cad"]
+        by_imbalance.append((col.compute_imbalance, col.iter_s / cad.iter_s))
         name = f"{p.model} {p.gpus} GPUs pp {pp} {p.tokens_per_rank} {Path(p.distribution).stem}"
         print(f"{name}@{b}: "
               f"attention imbalance {col.compute_imbalance:.2f} -> {cad.compute_imbalance:.2f}, "
@@ -93,6 +95,10 @@ def main(argv=None) -> int:
       if cfg.exchange == "ragged" else
       "every (rank, server) pair padded to the largest pair's bucket (attention.exchange=tiled)"))
   _print_table(rows)
+  if by_imbalance:
+    print("\nCAD (ungated) over colocated by colocated attention imbalance, all batches:")
+    for line in gate_table(by_imbalance):
+      print(line)
   for r in rows:
     r["exchange"] = cfg.exchange
   with open(out_dir / "sim.csv", "w", newline="") as f:
@@ -103,6 +109,23 @@ def main(argv=None) -> int:
   print(f"\nwrote {out_dir / 'sim.csv'}, {out_dir / 'loads.png'}, {out_dir / 'speedup.png'}"
         + (f", plans in {dump}" if dump else ""))
   return 0
+
+
+GATE_BINS = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0, 2.5, 3.0, float("inf"))
+
+
+def gate_table(pairs, bins=GATE_BINS) -> list[str]:
+  """Markdown rows: per bin of colocated imbalance, the batches in it and the median (min-max) of
+  CAD's speedup. `pairs`: (colocated imbalance, CAD speedup) per batch."""
+  imb = np.array([p[0] for p in pairs])
+  speedup = np.array([p[1] for p in pairs])
+  out = ["| colocated imbalance | batches | CAD speedup: median (min-max) |", "|---|---|---|"]
+  for lo, hi in zip(bins[:-1], bins[1:]):
+    s = speedup[(imb >= lo) & (imb < hi)]
+    if s.size:
+      out.append(f"| {lo:.2f}-{hi:.2f} | {s.size} | {np.median(s):.3f} "
+                 f"({s.min():.3f}-{s.max():.3f}) |")
+  return out
 
 
 def _print_table(rows):

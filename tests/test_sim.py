@@ -175,6 +175,7 @@ def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
   text = capsys.readouterr().out
   assert "wlb_best" in text and "per_doc_cp" in text
   assert "pretrain@0: attention imbalance" in text  # --per-batch
+  assert "by colocated attention imbalance" in text
   rows = list(csv.DictReader(open(out / "sim.csv")))
   assert {r["system"] for r in rows} == {"cad", "colocated", "wlb", "wlb_best", "per_doc_cp"}
   assert "exchange modelled as 'ragged'" in text and {r["exchange"] for r in rows} == {"ragged"}
@@ -184,6 +185,18 @@ def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
   d = json.loads(dumped[0].read_text())
   assert d["format"] == "distca-plan-v1" and d["num_devices"] == 8 and d["buffer_len"] == 65536
   assert main(["gpus=[12]"]) == 2
+
+
+def test_gate_table_bins_every_batch_once():
+  spec = importlib.util.spec_from_file_location("simulate_cli", ROOT / "launch" / "simulate.py")
+  cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cli)
+  pairs = [(1.05, 0.99), (1.15, 1.0), (1.12, 1.02), (1.45, 1.1), (4.0, 1.4)]
+  lines = cli.gate_table(pairs, bins=(1.0, 1.1, 1.2, 2.0, float("inf")))
+  assert lines[2:] == ["| 1.00-1.10 | 1 | 0.990 (0.990-0.990) |",
+                       "| 1.10-1.20 | 2 | 1.010 (1.000-1.020) |",
+                       "| 1.20-2.00 | 1 | 1.100 (1.100-1.100) |",
+                       "| 2.00-inf | 1 | 1.400 (1.400-1.400) |"]
 
 
 # ----------------------------------------------------------------------------- 4D (pipeline)
