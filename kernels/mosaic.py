@@ -30,8 +30,9 @@ once). The per-key-block lists are a dense [key blocks, query tiles] array: S ·
 
 Conventions as the other backends: O, natural-log LSE in; rows outside every task (LSE = -inf)
 get zero gradients. Head dims 64 and 128 (at 256 these tiles need more shared memory than a
-Hopper card has), bf16 or fp16, Hopper (wgmma, TMA). Costs a float32 [T, H, D] dQ buffer. The GPU tests compare it with the float64 oracle; on the
-CPU a test lowers it for CUDA, which checks everything up to PTX.
+Hopper card has), bf16 or fp16, Hopper (wgmma, TMA). Costs a float32 [T, H, D] dQ buffer. The
+GPU tests compare it with the float64 oracle; on the CPU a test lowers it for CUDA, which checks
+everything up to PTX.
 """
 
 from __future__ import annotations
