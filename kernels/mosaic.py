@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .blocks import cdiv, query_schedule
+from .pallas import _pad_rows
 from .tasks import TaskTable
 
 LOG2E = math.log2(math.e)
@@ -255,17 +256,16 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
     raise ValueError(f"GQA: {H} query heads are not a multiple of {K} KV heads")
   Tp = cdiv(T, BLOCK_Q) * BLOCK_Q
   Sp = cdiv(S, WGS * BLOCK_KV) * WGS * BLOCK_KV
-  pad = lambda x, n: jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   f32 = jnp.float32
-  lse_HxT = pad(lse_TxH, Tp).T
+  lse_HxT = _pad_rows(lse_TxH, Tp).T
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0).astype(f32)
-  delta_HxT = pad(jnp.sum(do_TxHxD.astype(f32) * o_TxHxD.astype(f32), -1)
-                  - dlse_TxH.astype(f32), Tp).T
+  delta_HxT = _pad_rows(jnp.sum(do_TxHxD.astype(f32) * o_TxHxD.astype(f32), -1)
+                        - dlse_TxH.astype(f32), Tp).T
   tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp)
   # Inputs as the kernel's TMA tiles read them: Q and dO [T, H * D] (a tile is 64 rows of one
   # head), LSE and delta interleaved per head [2H, T], the rows' key ranges [2, T].
-  args = (pad(q_TxHxD, Tp).reshape(Tp, H * D), pad(k_SxKxD, Sp), pad(v_SxKxD, Sp),
-          pad(do_TxHxD, Tp).reshape(Tp, H * D),
+  args = (_pad_rows(q_TxHxD, Tp).reshape(Tp, H * D), _pad_rows(k_SxKxD, Sp),
+          _pad_rows(v_SxKxD, Sp), _pad_rows(do_TxHxD, Tp).reshape(Tp, H * D),
           jnp.stack([lse2_HxT, delta_HxT], axis=1).reshape(2 * H, Tp),
           jnp.stack([row_lo, row_hi]), tiles)
   # dQ is reduced into a float32 buffer, so it starts as zeros (a Ref operand is aliased in and
