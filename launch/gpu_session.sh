@@ -13,6 +13,9 @@
 #   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter; none: skip), then
 #          launch/bench_kernels.py with K_ARGS (none: skip); logs append, so it can run repeatedly
 #   mgpu   1 GPU: launch/probe_mgpu.py (JAX's Mosaic GPU attention vs cuDNN vs ours, non-causal)
+#   ncu    1 GPU: Nsight Compute (full set, clocks left alone) on one launch of the dense one-kernel
+#          backward (fused_bwd) and of the task-table one (ca_tasks_bwd) on the probe's batch, and of
+#          each mosaic:FLAG variant in N_VARIANTS; reports, details and per-SASS-line counters to $OUT
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -79,6 +82,18 @@ for suite in "$@"; do
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
     mgpu) CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${M_TIMEOUT:-200} python3 -P launch/probe_mgpu.py ${M_ARGS:-} 2>&1 \
            | grep -v -i warn | tee -a "$OUT/mgpu.log" ;;
+    ncu) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
+         profile() {  # label, kernel regex, probe args
+           XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout -k 10 ${N_TIMEOUT:-150} ncu --clock-control none --set full --import-source no -k "regex:$2" -c 1 \
+             -f -o "$OUT/ncu_$1" python3 -P launch/probe_mgpu.py --no-check $3 2>&1 | grep -v -i warn | tail -8 | tee -a "$OUT/ncu.log"
+           ncu -i "$OUT/ncu_$1.ncu-rep" --page details > "$OUT/ncu_$1_details.txt" 2>&1
+           ncu -i "$OUT/ncu_$1.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$1_sass.csv" 2>&1
+         }
+         profile dense fused_bwd "--rows fused --fused-stages 2"
+         profile tasks ca_tasks_bwd "--rows ours --backends mosaic"
+         for v in ${N_VARIANTS:-}; do profile "tasks_$v" ca_tasks_bwd "--rows ours --backends mosaic:$v"; done
+         (cd "$OUT" && tar czf ncu.tgz ncu_* && rm -f ncu_*)  # one file back (the tool caps the count)
+         unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
     ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
            # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
            # hang costs only its own R_TIMEOUT (SIGKILL 10 s later: a hung NCCL process that

@@ -17,6 +17,7 @@ is to cuDNN dense in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -33,7 +34,12 @@ def main():
   ap.add_argument("--heads", default="32,8", help="query heads, KV heads")
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--task-q", type=int, default=1024, help="queries per task of our kernels")
-  ap.add_argument("--backends", default="triton,pallas")
+  ap.add_argument("--backends", default="triton,pallas",
+                  help="our backends on the task batch; mosaic:FLAG[+FLAG] sets those booleans "
+                       "of kernels.mosaic.Options (e.g. mosaic:prefetch_row+fast_mask)")
+  ap.add_argument("--rows", default="dense,jax,fused,ours",
+                  help="which kernels to run (fewer for a profiler: ncu -k regex:NAME)")
+  ap.add_argument("--fused-stages", default="2,3")
   ap.add_argument("--no-check", dest="check", action="store_false",
                   help="skip the fused backward's gradient check")
   args = ap.parse_args()
@@ -60,12 +66,14 @@ def main():
                  3.5 * area_flops / fbms / 1e9))
     print(f"{name}: fwd {fms:.2f} ms, f+b {fbms:.2f} ms", flush=True)
 
+  which = set(args.rows.split(","))
   dense = lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None],
                                                        implementation="cudnn")[0]
-  record("cuDNN dense", rect, dense)
+  if "dense" in which:
+    record("cuDNN dense", rect, dense)
 
   from jax.experimental.pallas.ops.gpu import attention_mgpu as mg
-  for bq, bkv, wgs in ((64, 128, 1), (64, 64, 1), (64, 128, 2)):
+  for bq, bkv, wgs in ((64, 128, 1), (64, 64, 1), (64, 128, 2)) if "jax" in which else ():
     try:
       cfg = mg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                             block_q_dkv=bq, block_kv_dkv=bkv, block_q_dq=bq, block_kv_dq=bkv,
@@ -78,9 +86,9 @@ def main():
 
   import mgpu_fused_bwd as fused
   fwd_cfg = mg.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)
-  if args.check:
+  if args.check and "fused" in which:
     check_fused(fused, fwd_cfg, H, K, D)
-  for steps in (2, 3):
+  for steps in (int(s) for s in args.fused_stages.split(",") if s and "fused" in which):
     fn = lambda q, k, v, s=steps: fused.attention(q, k, v, fwd_cfg, max_concurrent_steps=s)
     record(f"Mosaic GPU fwd + fused backward, dQ by TMA reduce-add ({steps} stages)", rect, fn)
 
@@ -90,9 +98,16 @@ def main():
                                   num_q_rows=T, num_kv_rows=T)
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
   area = float(kernels.causal_area(tasks).sum())
-  for b in (b for b in args.backends.split(",") if b):
+  for b in (b for b in args.backends.split(",") if b and "ours" in which):
+    name, _, flag = b.partition(":")
+    if flag:  # a variant of the mosaic backward
+      from distca_jax.kernels import mosaic
+      attn = functools.partial(mosaic.attention, config=mosaic.Options()._replace(
+          **{f: True for f in flag.split("+")}))
+    else:
+      attn = functools.partial(kernels.attention, backend=name)
     record(f"ours: {b} ({n} tasks of {q_task} over {T})", 4.0 * D * H * area,
-           lambda q, k, v, t, b=b: kernels.attention(q, k, v, t, backend=b)[0], tasks)
+           lambda q, k, v, t, attn=attn: attn(q, k, v, t)[0], tasks)
 
   if not rows:
     return
