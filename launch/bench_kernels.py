@@ -124,7 +124,8 @@ def tune_configs(backend, head_dim):
   if backend == "mosaic":  # its own options (kernels/mosaic.py), one kernel, fast to compile
     from distca_jax.kernels.mosaic import Options
     o = Options()
-    out = {"default": o, "memory_regs40": o._replace(memory_registers=40)}
+    out = {"default": o, "memory_regs40": o._replace(memory_registers=40),
+           "memory_regs32": o._replace(memory_registers=32)}
     if head_dim <= 64:  # smaller tiles leave room for a third stage
       out["stages3"] = o._replace(stages=3)
     return out

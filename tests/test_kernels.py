@@ -298,6 +298,28 @@ def test_bfloat16_backward_variants(backend, variant, case):
     assert _rel(g, w) < 1e-2, f"{backend} {variant} {name}: rel err {_rel(g, w):.2e}"
 
 
+_MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
+                    dict(memory_registers=40)}
+
+
+@pytest.mark.skipif(not (ON_GPU and _have_jax_triton()), reason="Hopper GPU kernel")
+@pytest.mark.parametrize("variant", list(_MOSAIC_VARIANTS))
+@pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mosaic_variants(variant, case, head_dim):
+  """The mosaic backward's non-default options (the shipped ones are in test_bfloat16), bf16."""
+  from distca_jax.kernels import mosaic
+  cfg = mosaic.Options()._replace(**_MOSAIC_VARIANTS[variant])
+  tasks, T, S, H, K, _ = case()
+  q, k, v, do, dlse = _inputs(T, S, H, K, head_dim, jnp.bfloat16)
+  (o, lse), vjp = jax.vjp(lambda q, k, v: mosaic.attention(q, k, v, tasks, config=cfg), q, k, v)
+  got = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
+  want = oracle(q, k, v, tasks, do, dlse)[2:]
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert not np.isnan(np.asarray(g, np.float32)).any(), name
+    assert _rel(g, w) < 1e-2, f"mosaic {variant} {name}: rel err {_rel(g, w):.2e}"
+
+
 @pytest.mark.parametrize("backend", _backends())
 def test_check_grads(backend):
   """Numerical vs custom-VJP gradients (reverse mode) on a tiny shape."""
