@@ -7,9 +7,9 @@ Why: our Triton and Pallas backwards run two kernels (dQ over key blocks; dK/dV 
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
 cost more than they save (docs/PERFORMANCE.md, Kernels). Here each tile's dQ share goes to shared
 memory and the TMA unit adds it into a float32 dQ in global memory (`cp.reduce.async.bulk`): one
-bulk operation per tile, off the math warps. H100, Pretrain 64K batch: backward 410 TF/s against
-the Triton pair's 376, forward+backward 0.77x dense cuDNN against 0.72x at head dim 128, 0.90x
-against 0.86x at 64 (PERFORMANCE.md).
+bulk operation per tile, off the math warps. H100, head dim 128, same run: backward 425 TF/s
+against the Triton pair's 380 on the Pretrain 64K batch, forward+backward 0.79x dense cuDNN
+against 0.72x (ProLong 0.72x against 0.67x); at head dim 64 0.90x against 0.86x (PERFORMANCE.md).
 
 One CTA per (128 key rows, KV head). Two compute warpgroups each own 64 of the key rows (their dK
 and dV accumulators stay in registers and sum over the group's query heads and over every task
@@ -63,7 +63,8 @@ class Options(NamedTuple):
   kv_major: bool = True  # grid (key block, KV head): the KV heads of a key block side by side read
                          # the same query tiles; 2.6-3.6% faster than (KV head, key block), H100
   memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the rest
-                              # and still spill ~250 bytes): 24 +1.8% over 40, 56 -20% (H100)
+                              # and still spill ~250 bytes): 24 +1.7% over 40, 56 -20% (H100);
+                              # 32 ran past a 300 s limit once (not understood: not offered)
 
 
 def unsupported(head_dim: int, dtype) -> str | None:
