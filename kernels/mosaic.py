@@ -247,6 +247,16 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref)
 
 
+def zeros_after(x, shape):
+  """float32 zeros of `shape` that XLA can only make once `x` exists: a finite integer (the bits
+  of x's first element) times 0.0, which XLA does not fold. A constant broadcast has no operands,
+  and XLA fused every layer's float32 dQ zeros into one fusion at the start of the training step
+  (llama_1b, 64K tokens: 16 x 512 MiB alive at its peak, H100); made from each layer's dO they
+  appear when its backward starts."""
+  bits = lax.bitcast_convert_type(x.reshape(-1)[0], jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+  return jnp.broadcast_to(bits.astype(jnp.float32) * 0.0, shape)
+
+
 def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
                         dlse_TxH, scale: float, opts: Options = Options()):
   """dQ, dK, dV from saved O and LSE (any backend's forward), in the inputs' dtypes."""
@@ -273,11 +283,8 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
           jnp.stack([lse2_HxT, delta_HxT], axis=1).reshape(2 * H, Tp),
           jnp.stack([row_lo, row_hi - row_lo]), tiles)
   # dQ is reduced into a float32 buffer, so it starts as zeros (a Ref operand is aliased in and
-  # out of the kernel). The zeros are made from dO (a finite integer times 0.0, which XLA does
-  # not fold): a constant broadcast has no operands, and XLA fused every layer's into one
-  # fusion at the start of the step (llama_1b: 16 x 512 MiB alive at the peak, H100).
-  zero = lax.bitcast_convert_type(do_TxHxD[0, 0, 0], jnp.uint16).astype(f32) * 0.0
-  dq = jax.new_ref(jnp.broadcast_to(zero, (Tp, H, D)))
+  # out of the kernel).
+  dq = jax.new_ref(zeros_after(do_TxHxD, (Tp, H, D)))
   dk, dv = _launch(*args, count, dq, heads=H, scale=float(scale), opts=opts)
   return dq[...][:T].astype(q_TxHxD.dtype), dk[:S], dv[:S]
 

@@ -382,6 +382,22 @@ def test_mosaic_lowers_for_cuda():
   assert "mosaic_gpu" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_mosaic_dq_zeros_depend_on_do(dtype):
+  """The mosaic backward's dQ zeros are zeros, even from inf / NaN bits, and XLA keeps them a
+  computation on dO rather than folding them to a constant broadcast (which it hoists and fuses
+  across layers to the start of the step)."""
+  from distca_jax.kernels.mosaic import zeros_after
+  for first in (1.5, np.inf, np.nan, -0.0):
+    x = jnp.full((3, 2, 4), first, dtype)
+    z = jax.jit(lambda x: zeros_after(x, (5, 2, 4)))(x)
+    assert z.dtype == jnp.float32 and z.shape == (5, 2, 4)
+    assert (np.asarray(z) == 0).all() and not np.signbit(np.asarray(z)).any(), first
+  hlo = jax.jit(lambda x: zeros_after(x, (64, 8, 16))).lower(
+      jnp.zeros((4, 8, 16), dtype)).compile().as_text()
+  assert "bitcast-convert" in hlo and "multiply" in hlo, hlo
+
+
 # ------------------------------------------------------------------------------ block schedule
 
 
