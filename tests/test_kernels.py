@@ -287,15 +287,21 @@ def test_bfloat16_backward_variants(backend, variant, case):
   if backend == "pallas" and variant == "untransposed":
     pytest.skip("Pallas has one dK/dV step")
   mod = __import__(f"distca_jax.kernels.{backend}", fromlist=["attention"])
-  cfg = pallas.gpu_config(128)._replace(**_BWD_VARIANTS[variant])
+  _check_config_grads(mod, pallas.gpu_config(128)._replace(**_BWD_VARIANTS[variant]), case, 128,
+                      f"{backend} {variant}")
+
+
+def _check_config_grads(mod, cfg, case, head_dim, what):
+  """dQ, dK, dV of `mod.attention(..., config=cfg)` in bf16 against the oracle (LSE cotangent
+  non-zero)."""
   tasks, T, S, H, K, _ = case()
-  q, k, v, do, dlse = _inputs(T, S, H, K, 128, jnp.bfloat16)
+  q, k, v, do, dlse = _inputs(T, S, H, K, head_dim, jnp.bfloat16)
   (o, lse), vjp = jax.vjp(lambda q, k, v: mod.attention(q, k, v, tasks, config=cfg), q, k, v)
   got = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
   want = oracle(q, k, v, tasks, do, dlse)[2:]
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert not np.isnan(np.asarray(g, np.float32)).any(), name
-    assert _rel(g, w) < 1e-2, f"{backend} {variant} {name}: rel err {_rel(g, w):.2e}"
+    assert _rel(g, w) < 1e-2, f"{what} {name}: rel err {_rel(g, w):.2e}"
 
 
 _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
@@ -309,15 +315,8 @@ _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
 def test_mosaic_variants(variant, case, head_dim):
   """The mosaic backward's non-default options (the shipped ones are in test_bfloat16), bf16."""
   from distca_jax.kernels import mosaic
-  cfg = mosaic.Options()._replace(**_MOSAIC_VARIANTS[variant])
-  tasks, T, S, H, K, _ = case()
-  q, k, v, do, dlse = _inputs(T, S, H, K, head_dim, jnp.bfloat16)
-  (o, lse), vjp = jax.vjp(lambda q, k, v: mosaic.attention(q, k, v, tasks, config=cfg), q, k, v)
-  got = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
-  want = oracle(q, k, v, tasks, do, dlse)[2:]
-  for name, g, w in zip(("dq", "dk", "dv"), got, want):
-    assert not np.isnan(np.asarray(g, np.float32)).any(), name
-    assert _rel(g, w) < 1e-2, f"mosaic {variant} {name}: rel err {_rel(g, w):.2e}"
+  _check_config_grads(mosaic, mosaic.Options()._replace(**_MOSAIC_VARIANTS[variant]), case,
+                      head_dim, f"mosaic {variant}")
 
 
 @pytest.mark.parametrize("backend", _backends())
