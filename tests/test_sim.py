@@ -162,10 +162,16 @@ def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):
     assert res2[name].iter_s == pytest.approx(res[name].iter_s, rel=0.15)
 
 
-def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
+def _simulate_cli():
+  """launch/simulate.py as a module (launch/ is scripts, not a package)."""
   spec = importlib.util.spec_from_file_location("simulate_cli", ROOT / "launch" / "simulate.py")
   cli = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(cli)
+  return cli
+
+
+def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
+  cli = _simulate_cli()
   main = cli.main
 
   out, plans = tmp_path / "out", tmp_path / "plans"
@@ -188,9 +194,7 @@ def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
 
 
 def test_gate_table_bins_every_batch_once():
-  spec = importlib.util.spec_from_file_location("simulate_cli", ROOT / "launch" / "simulate.py")
-  cli = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(cli)
+  cli = _simulate_cli()
   pairs = [(1.05, 0.99), (1.15, 1.0), (1.12, 1.02), (1.45, 1.1), (4.0, 1.4)]
   lines = cli.gate_table(pairs, bins=(1.0, 1.1, 1.2, 2.0, float("inf")))
   assert lines[2:] == ["| 1.00-1.10 | 1 | 0.990 (0.990-0.990) |",
@@ -310,9 +314,7 @@ def test_pipeline_config_errors_and_sweeps():
 
 
 def test_cli_4d_writes_pipeline_columns_and_tick_plans(tmp_path, capsys):
-  spec = importlib.util.spec_from_file_location("simulate_cli", ROOT / "launch" / "simulate.py")
-  cli = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(cli)
+  cli = _simulate_cli()
   out, plans = tmp_path / "out", tmp_path / "plans"
   rc = cli.main(["--config", str(ROOT / "configs" / "sim_quick_4d.yaml"), f"out_dir={out}",
                  "progress=false", "--dump-plans", str(plans)])
