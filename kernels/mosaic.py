@@ -59,6 +59,7 @@ STAGES = 2       # query tiles in flight
 class Options(NamedTuple):
   """Kernel variants (`launch/bench_kernels.py --tune mosaic` times them against each other)."""
 
+  forward: str = "triton"  # "mosaic": `forward` below (not yet run on a GPU; tests and bench only)
   stages: int = STAGES
   kv_major: bool = True  # grid (key block, KV head): the KV heads of a key block side by side read
                          # the same query tiles; 2.6-3.6% faster than (KV head, key block), H100
@@ -247,6 +248,180 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref)
 
 
+FWD_BLOCK_Q = 64    # query rows per compute warpgroup (a CTA: WGS * FWD_BLOCK_Q rows of one head)
+FWD_BLOCK_KV = 128  # key rows per step
+FWD_STAGES = 2      # key blocks in flight
+
+
+def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float):
+  """O [T, H, D] and natural-log LSE [T, H] (float32; -inf and O = 0 for rows that see nothing)
+  from one Mosaic GPU kernel, after JAX's `attention_mgpu` forward (FA3's two compute warpgroups
+  taking turns at the tensor cores, a memory warpgroup streaming K and V).
+
+  One CTA per (WGS * 64 query rows, query head). The key blocks it visits are the query-side
+  block schedule's [kb_lo, kb_hi) for its rows (`blocks.py`, 128-row blocks both ways); those in
+  [kb_full_lo, kb_full_hi) every row sees whole and run unmasked, the others mask each element to
+  its row's key range (one unsigned compare). Both warpgroups take the same steps, so the turn
+  barrier stays paired. Written and lowered for CUDA on the CPU (2026-11-27); not yet run on a
+  GPU: `Options(forward="mosaic")` selects it for the GPU tests and the benchmark, nothing else."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  T, H, D = q_TxHxD.shape
+  S, K, _ = k_SxKxD.shape
+  G = H // K
+  dtype = q_TxHxD.dtype
+  rows_cta = WGS * FWD_BLOCK_Q
+  Tp = cdiv(T, rows_cta) * rows_cta
+  Sp = cdiv(S, FWD_BLOCK_KV) * FWD_BLOCK_KV
+  nq = Tp // rows_cta
+  sch = query_schedule(tasks, Tp, rows_cta, FWD_BLOCK_KV)
+  sched = jnp.stack([sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi])  # [4, nq]
+  bounds = jnp.stack([sch.row_lo, jnp.maximum(sch.row_hi - sch.row_lo, 0)])  # [2, Tp]
+  c = float(scale) * LOG2E
+  tiles16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # per query row of a [rows, keys] tile
+  stages = FWD_STAGES
+
+  def kernel(q_ref, k_ref, v_ref, sched_ref, bounds_ref, o_ref, lse_ref, scoped):
+    h = lax.axis_index("heads")
+    qt = lax.axis_index("q_tile")
+    wg = lax.axis_index("wg")
+    kh = lax.div(h, jnp.array(G, h.dtype))
+    (qo_smem2, k_smem, v_smem, lse_smem2, bnd_smem2), bars, consumed, turn = scoped
+    k_bars, v_bars, q_bars, b_bars = bars
+    k_consumed, v_consumed = consumed
+    kb_lo, full_lo, full_hi, kb_hi = (sched_ref[i, qt] for i in range(4))
+    n = kb_hi - kb_lo
+
+    def take_turn():
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+    @pl.when(wg < WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg]
+      row0 = qt * rows_cta + wg * FWD_BLOCK_Q
+      rows = pl.ds(row0, FWD_BLOCK_Q)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows, h], qo_smem, q_bars.at[wg])
+      plgpu.copy_gmem_to_smem(bounds_ref.at[:, rows], bnd_smem2.at[wg], b_bars.at[wg])
+      plgpu.barrier_wait(b_bars.at[wg])
+      lo = plgpu.load(bnd_smem2.at[wg, 0], (), layout=row_layout)
+      length = plgpu.load(bnd_smem2.at[wg, 1], (), layout=row_layout)
+      plgpu.barrier_wait(q_bars.at[wg])
+      tile = lambda x: lax.broadcast_in_dim(x, (FWD_BLOCK_Q, FWD_BLOCK_KV), [0])
+      u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint32)
+      m_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
+      l_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), 0, jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+      @pl.when(n > 0)
+      def _():
+        plgpu.barrier_wait(k_bars.at[0])
+
+      pl.when(wg == 1)(take_turn)
+
+      def kv_step(j, carry, masked: bool):
+        acc, m_i, l_i = carry
+        slot = lax.rem(j, jnp.array(stages, j.dtype))
+
+        def qk_mm(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          take_turn()
+          return acc_ref[...]
+
+        qk = pl.run_scoped(qk_mm, plgpu.ACC((FWD_BLOCK_Q, FWD_BLOCK_KV), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        if masked:  # each row to its key range; a row that has seen nothing yet keeps m = -inf
+          col = (kb_lo + j) * FWD_BLOCK_KV + plgpu.broadcasted_iota(
+              jnp.int32, (FWD_BLOCK_Q, FWD_BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+          qk = jnp.where(u32(col - tile(lo)) < u32(tile(length)), qk, -jnp.inf)
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+        m_use = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(qk * c - tile(m_use))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i *= alpha
+        p16 = p.astype(dtype)
+        # As JAX's kernel: this order measured fastest there at head dims <= 128.
+        l_i += p.sum(axis=1)
+        acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+        plgpu.barrier_arrive(turn)  # done with the softmax
+        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_wait(turn)  # the tensor cores are ours
+
+        def pv_mm(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          nxt = j + 1
+
+          @pl.when(nxt < n)
+          def _():
+            plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.array(stages, nxt.dtype))])
+
+        acc = pl.run_state(pv_mm)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_ij, l_i
+
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(0, full_lo - kb_lo, functools.partial(kv_step, masked=True), carry)
+      carry = lax.fori_loop(full_lo - kb_lo, full_hi - kb_lo,
+                            functools.partial(kv_step, masked=False), carry)
+      acc, m_i, l_i = lax.fori_loop(full_hi - kb_lo, n, functools.partial(kv_step, masked=True),
+                                    carry)
+      pl.when(wg == 0)(take_turn)
+      seen = l_i > 0
+      inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+      qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+      lse_smem2.at[wg][...] = jnp.where(
+          seen, m_i * (1.0 / LOG2E) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[rows, h])
+      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[h, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(step, slot):
+        keys = pl.ds((kb_lo + step) * FWD_BLOCK_KV, FWD_BLOCK_KV)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys, kh], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys, kh], v_smem.at[slot], v_bars.at[slot])
+
+      for i in range(stages):
+        pl.when(i < n)(functools.partial(load, i, i))
+
+      @pl.loop(0, lax.max(n - stages, 0))
+      def _(j):
+        slot = lax.rem(j, jnp.array(stages, j.dtype))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        load(j + stages, slot)
+
+  def entry(q_ref, k_ref, v_ref, sched_ref, bounds_ref, o_ref, lse_ref):
+    smem = (plgpu.SMEM((WGS, FWD_BLOCK_Q, D), dtype, transforms=tiles16),
+            plgpu.SMEM((stages, FWD_BLOCK_KV, D), dtype, transforms=tiles16),
+            plgpu.SMEM((stages, FWD_BLOCK_KV, D), dtype, transforms=tiles16),
+            plgpu.SMEM((WGS, FWD_BLOCK_Q), jnp.float32),
+            plgpu.SMEM((WGS, 2, FWD_BLOCK_Q), jnp.int32))
+    bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=WGS), plgpu.Barrier(num_barriers=WGS))
+    consumed = (plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),) * 2
+    pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, sched_ref, bounds_ref, o_ref,
+                                         lse_ref, scoped),
+                  smem, bars, consumed, plgpu.Barrier(num_arrivals=WGS), collective_axes="wg")
+
+  mesh = plgpu.Mesh(grid=(H, nq), grid_names=("heads", "q_tile"), num_threads=WGS + 1,
+                    thread_name="wg")
+  o, lse = pl.kernel(
+      entry, out_type=[jax.ShapeDtypeStruct((Tp, H, D), dtype),
+                       jax.ShapeDtypeStruct((H, Tp), jnp.float32)], mesh=mesh,
+      compiler_params=plgpu.CompilerParams(approx_math=True), name="ca_tasks_fwd")(
+      _pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp), sched, bounds)
+  return o[:T], lse.T[:T]
+
+
 def zeros_after(x, shape):
   """float32 zeros of `shape` that XLA can only make once `x` exists: a finite integer (the bits
   of x's first element) times 0.0, which XLA does not fold. A constant broadcast has no operands,
@@ -277,11 +452,11 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp)
   # Inputs as the kernel's TMA tiles read them: Q and dO [T, H * D] (a tile is 64 rows of one
   # head), LSE and delta interleaved per head [2H, T], the rows' key ranges [2, T] as start and
-  # length.
+  # length (clamped at 0: the unsigned compare would read a negative one as everything).
   args = (_pad_rows(q_TxHxD, Tp).reshape(Tp, H * D), _pad_rows(k_SxKxD, Sp),
           _pad_rows(v_SxKxD, Sp), _pad_rows(do_TxHxD, Tp).reshape(Tp, H * D),
           jnp.stack([lse2_HxT, delta_HxT], axis=1).reshape(2 * H, Tp),
-          jnp.stack([row_lo, row_hi - row_lo]), tiles)
+          jnp.stack([row_lo, jnp.maximum(row_hi - row_lo, 0)]), tiles)
   # dQ is reduced into a float32 buffer, so it starts as zeros (a Ref operand is aliased in and
   # out of the kernel).
   dq = jax.new_ref(zeros_after(do_TxHxD, (Tp, H, D)))
@@ -291,6 +466,8 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _attention(q, k, v, tasks, scale, opts):
+  if opts.forward == "mosaic":
+    return forward(q, k, v, tasks, scale)
   from . import triton
   return triton.attention(q, k, v, tasks, scale=scale)
 
@@ -318,6 +495,9 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   why = unsupported(D, q_TxHxD.dtype)
   if why:
     raise ValueError(why)
+  config = config or Options()
+  if config.forward not in ("triton", "mosaic"):
+    raise ValueError(f"mosaic backend: forward {config.forward!r}, choose triton or mosaic")
   scale = D ** -0.5 if scale is None else float(scale)
   tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
-  return _attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, config or Options())
+  return _attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, config)

@@ -125,7 +125,7 @@ def tune_configs(backend, head_dim):
     from distca_jax.kernels.mosaic import Options
     o = Options()
     out = {"default": o, "memory_regs40": o._replace(memory_registers=40),
-           "memory_regs32": o._replace(memory_registers=32)}
+           "forward_mosaic": o._replace(forward="mosaic")}
     if head_dim <= 64:  # smaller tiles leave room for a third stage
       out["stages3"] = o._replace(stages=3)
     return out
