@@ -15,7 +15,7 @@
 #   mgpu   1 GPU: launch/probe_mgpu.py (JAX's Mosaic GPU attention vs cuDNN vs ours, non-causal)
 #   ncu    1 GPU: Nsight Compute (full set, clocks left alone) on one launch of the dense one-kernel
 #          backward (fused_bwd) and of the task-table one (ca_tasks_bwd) on the probe's batch, and of
-#          each mosaic:FLAG variant in N_VARIANTS; reports, details and per-SASS-line counters to $OUT
+#          each mosaic:KEY=VALUE variant in N_VARIANTS; reports, details and per-SASS-line counters to $OUT
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain

@@ -35,8 +35,8 @@ def main():
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--task-q", type=int, default=1024, help="queries per task of our kernels")
   ap.add_argument("--backends", default="triton,pallas",
-                  help="our backends on the task batch; mosaic:FLAG[+FLAG] sets those booleans "
-                       "of kernels.mosaic.Options (e.g. mosaic:prefetch_row+fast_mask)")
+                  help="our backends on the task batch; mosaic:KEY=VALUE[+KEY=VALUE] sets those "
+                       "fields of kernels.mosaic.Options (e.g. mosaic:forward=mosaic)")
   ap.add_argument("--rows", default="dense,jax,fused,ours",
                   help="which kernels to run (fewer for a profiler: ncu -k regex:NAME)")
   ap.add_argument("--fused-stages", default="2,3")
@@ -100,10 +100,9 @@ def main():
   area = float(kernels.causal_area(tasks).sum())
   for b in (b for b in args.backends.split(",") if b and "ours" in which):
     name, _, flag = b.partition(":")
-    if flag:  # a variant of the mosaic backward
+    if flag:  # a variant of the mosaic kernels
       from distca_jax.kernels import mosaic
-      attn = functools.partial(mosaic.attention, config=mosaic.Options()._replace(
-          **{f: True for f in flag.split("+")}))
+      attn = functools.partial(mosaic.attention, config=mosaic_options(flag))
     else:
       attn = functools.partial(kernels.attention, backend=name)
     record(f"ours: {b} ({n} tasks of {q_task} over {T})", 4.0 * D * H * area,
@@ -115,6 +114,18 @@ def main():
   print("\n| kernel | fwd TF/s | bwd TF/s | f+b TF/s | f+b vs cuDNN dense |\n|---|---|---|---|---|")
   for name, f, b, fb in rows:
     print(f"| {name} | {f:.1f} | {b:.1f} | {fb:.1f} | {fb / base:.2f} |")
+
+
+def mosaic_options(spec):
+  """kernels.mosaic.Options from "key=value+key=value" (booleans as true / false)."""
+  from distca_jax.kernels import mosaic
+  opts = mosaic.Options()
+  for field in spec.split("+"):
+    key, _, val = field.partition("=")
+    old = getattr(opts, key)
+    opts = opts._replace(**{key: val.lower() in ("1", "true") if isinstance(old, bool)
+                            else type(old)(val)})
+  return opts
 
 
 def check_fused(fused, fwd_cfg, H, K, D, T=1024):
