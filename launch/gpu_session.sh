@@ -16,6 +16,9 @@
 #   ncu    1 GPU: Nsight Compute (full set, clocks left alone) on one launch of the dense one-kernel
 #          backward (fused_bwd) and of the task-table one (ca_tasks_bwd) on the probe's batch, and of
 #          each mosaic:KEY=VALUE variant in N_VARIANTS; reports, details and per-SASS-line counters to $OUT
+#   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
+#          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
+#          layers), S_TOKENS tokens (default 65536): step time, peak and XLA temp memory per kernel
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -82,6 +85,12 @@ for suite in "$@"; do
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
     mgpu) CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${M_TIMEOUT:-200} python3 -P launch/probe_mgpu.py ${M_ARGS:-} 2>&1 \
            | grep -v -i warn | tee -a "$OUT/mgpu.log" ;;
+    kstep) for k in ${S_KERNELS:-triton mosaic}; do
+             CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${S_TIMEOUT:-200} python3 -P launch/bench_train.py --suite mfu \
+               --tokens ${S_TOKENS:-65536} --warmup 1 --steps 3 --json "$OUT/kstep_$k.json" \
+               ${S_MODEL:-model.preset=llama3_8b model.layers=2} data.length_scale=1 attention.kernel=$k 2>&1 \
+               | grep -v -i warn | tail -3 | tee -a "$OUT/kstep.log"
+           done ;;
     ncu) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
          profile() {  # label, kernel regex, probe args
            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout -k 10 ${N_TIMEOUT:-150} ncu --clock-control none --set full --import-source no -k "regex:$2" -c 1 \
