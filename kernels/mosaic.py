@@ -428,6 +428,8 @@ def zeros_after(x, shape):
   and XLA fused every layer's float32 dQ zeros into one fusion at the start of the training step
   (llama_1b, 64K tokens: 16 x 512 MiB alive at its peak, H100); made from each layer's dO they
   appear when its backward starts."""
+  if x.size == 0:
+    return jnp.zeros(shape, jnp.float32)
   bits = lax.bitcast_convert_type(x.reshape(-1)[0], jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
   return jnp.broadcast_to(bits.astype(jnp.float32) * 0.0, shape)
 

@@ -417,6 +417,7 @@ def test_mosaic_dq_zeros_depend_on_do(dtype):
     z = jax.jit(lambda x: zeros_after(x, (5, 2, 4)))(x)
     assert z.dtype == jnp.float32 and z.shape == (5, 2, 4)
     assert (np.asarray(z) == 0).all() and not np.signbit(np.asarray(z)).any(), first
+  assert (np.asarray(zeros_after(jnp.zeros((0, 2, 4), dtype), (3,))) == 0).all()
   hlo = jax.jit(lambda x: zeros_after(x, (64, 8, 16))).lower(
       jnp.zeros((4, 8, 16), dtype)).compile().as_text()
   assert "bitcast-convert" in hlo and "multiply" in hlo, hlo
