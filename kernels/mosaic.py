@@ -1,7 +1,7 @@
 """Mosaic GPU backward (Hopper): dQ, dK and dV of a fused CA-task batch from one kernel, FA3-style.
 
 The `mosaic` backend is our Triton forward with this backward; the `cudnn` backend takes it as
-`backward="mosaic"`.
+`backward="mosaic"`. A Mosaic GPU forward (`forward`, below) is written but not yet measured.
 
 Why: our Triton and Pallas backwards run two kernels (dQ over key blocks; dK/dV over query
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
@@ -9,7 +9,8 @@ cost more than they save (docs/PERFORMANCE.md, Kernels). Here each tile's dQ sha
 memory and the TMA unit adds it into a float32 dQ in global memory (`cp.reduce.async.bulk`): one
 bulk operation per tile, off the math warps. H100, head dim 128, same run: backward 425 TF/s
 against the Triton pair's 380 on the Pretrain 64K batch, forward+backward 0.79x dense cuDNN
-against 0.72x (ProLong 0.72x against 0.67x); at head dim 64 0.90x against 0.86x (PERFORMANCE.md).
+against 0.72x (ProLong 0.72x against 0.67x); at head dim 64 0.91x against 0.88x on Pretrain
+(PERFORMANCE.md).
 
 One CTA per (128 key rows, KV head). Two compute warpgroups each own 64 of the key rows (their dK
 and dV accumulators stay in registers and sum over the group's query heads and over every task
