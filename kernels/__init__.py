@@ -26,12 +26,11 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
-# section Kernels). Kernel alone, Pretrain / ProLong 64K batches at head dim 128: mosaic (Triton
-# forward, one-kernel Mosaic GPU backward) 432 / 358 TF/s forward+backward, triton 408 / 339 in
-# the same run (at 64: 386 / 319 against 371 / 317), cudnn (cuDNN forward + Triton backward)
-# within noise of triton, pallas ~355 / ~320. `auto` still leads with triton: in training steps
-# on one H100 (64K tokens) mosaic was no faster (Llama-3-8B shape with 2 layers: 1290 vs 1280 ms;
-# llama_1b: 1544 vs 1528 ms) and held 2.7 / 7.3 GiB more at peak (its float32 dQ buffers); name
+# section Kernels). Kernel alone, head dim 128, same run: mosaic (Triton forward, one-kernel
+# Mosaic GPU backward) 445 / 370 TF/s forward+backward on the Pretrain / ProLong 64K batches,
+# triton 406 / 347 (at 64: 382 / 315 against 371 / 324); cudnn (cuDNN forward + Triton backward)
+# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: no training-step
+# comparison of the two on one machine shows mosaic faster yet (its memory now matches); name
 # `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head dim,
 # dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas runs
 # interpreted).

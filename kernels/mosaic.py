@@ -92,6 +92,18 @@ def visit_lists(tasks: TaskTable, num_q_rows: int, num_kv_rows: int):
   return tiles.astype(jnp.int32), jnp.sum(vis, axis=1, dtype=jnp.int32), sch.row_lo, sch.row_hi
 
 
+def _row_ranges(row_lo, row_hi):
+  """[2, T] int32: each row's visible key range as start and length, the length clamped at 0
+  (the kernels' unsigned compare would read a negative one as every key)."""
+  return jnp.stack([row_lo, jnp.maximum(row_hi - row_lo, 0)])
+
+
+def _visible(keys, lo, length):
+  """lo <= keys < lo + length as one unsigned compare per element (in-kernel arrays)."""
+  u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint32)
+  return u32(keys - lo) < u32(length)
+
+
 def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref, *, heads: int,
             scale: float, opts: Options):
   """The kernel over the first count[kb] tiles of each key block's list: adds dQ into the float32
@@ -161,13 +173,12 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       # unsigned compare per element, and the scale and LSE as one FMA before the select (two
       # compares and a separate multiply cost 10% of the backward, H100).
       tile = lambda x: lax.broadcast_in_dim(x, (BLOCK_KV, BLOCK_Q), [1])
-      u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint32)
       lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
       length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
       plgpu.barrier_arrive(bound_done)
       col = key0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, BLOCK_Q), 0,
                                           layout=plgpu.Layout.WGMMA)
-      seen = u32(col - tile(lo)) < u32(tile(length))
+      seen = _visible(col, tile(lo), tile(length))
       lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
       p = jnp.exp2(jnp.where(seen, st * scale2 - tile(lse2), -jnp.inf))
 
@@ -278,7 +289,7 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float):
   nq = Tp // rows_cta
   sch = query_schedule(tasks, Tp, rows_cta, FWD_BLOCK_KV)
   sched = jnp.stack([sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi])  # [4, nq]
-  bounds = jnp.stack([sch.row_lo, jnp.maximum(sch.row_hi - sch.row_lo, 0)])  # [2, Tp]
+  bounds = _row_ranges(sch.row_lo, sch.row_hi)  # [2, Tp]
   c = float(scale) * LOG2E
   tiles16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # per query row of a [rows, keys] tile
@@ -312,7 +323,6 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float):
       length = plgpu.load(bnd_smem2.at[wg, 1], (), layout=row_layout)
       plgpu.barrier_wait(q_bars.at[wg])
       tile = lambda x: lax.broadcast_in_dim(x, (FWD_BLOCK_Q, FWD_BLOCK_KV), [0])
-      u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint32)
       m_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
       l_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), 0, jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -337,7 +347,7 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float):
         if masked:  # each row to its key range; a row that has seen nothing yet keeps m = -inf
           col = (kb_lo + j) * FWD_BLOCK_KV + plgpu.broadcasted_iota(
               jnp.int32, (FWD_BLOCK_Q, FWD_BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(u32(col - tile(lo)) < u32(tile(length)), qk, -jnp.inf)
+          qk = jnp.where(_visible(col, tile(lo), tile(length)), qk, -jnp.inf)
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
         m_use = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij
         alpha = jnp.exp2(m_i - m_use)
@@ -455,11 +465,11 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp)
   # Inputs as the kernel's TMA tiles read them: Q and dO [T, H * D] (a tile is 64 rows of one
   # head), LSE and delta interleaved per head [2H, T], the rows' key ranges [2, T] as start and
-  # length (clamped at 0: the unsigned compare would read a negative one as everything).
+  # length.
   args = (_pad_rows(q_TxHxD, Tp).reshape(Tp, H * D), _pad_rows(k_SxKxD, Sp),
           _pad_rows(v_SxKxD, Sp), _pad_rows(do_TxHxD, Tp).reshape(Tp, H * D),
           jnp.stack([lse2_HxT, delta_HxT], axis=1).reshape(2 * H, Tp),
-          jnp.stack([row_lo, jnp.maximum(row_hi - row_lo, 0)]), tiles)
+          _row_ranges(row_lo, row_hi), tiles)
   # dQ is reduced into a float32 buffer, so it starts as zeros (a Ref operand is aliased in and
   # out of the kernel).
   dq = jax.new_ref(zeros_after(do_TxHxD, (Tp, H, D)))
