@@ -5,8 +5,8 @@
 `tasks` is a `TaskTable` (see `tasks.py` for its rules). Backends: `reference` (plain XLA, the
 oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU through the Pallas Triton
 lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
-`mosaic` (the Triton forward with a one-kernel FA3-style Mosaic GPU backward; Hopper GPU,
-bf16/fp16, head dim 64 or 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
+`mosaic` (Mosaic GPU forward and one-kernel FA3-style backward; Hopper GPU, bf16/fp16, head
+dim 64 or 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
 prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto`
 picks per platform and shape (`FASTEST`). All return O [T, H, D] in q's dtype and LSE [T, H]
 float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
@@ -26,14 +26,14 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
-# section Kernels). Kernel alone, head dim 128, same run: mosaic (Triton forward, one-kernel
-# Mosaic GPU backward) 445 / 370 TF/s forward+backward on the Pretrain / ProLong 64K batches,
-# triton 406 / 347 (at 64: 382 / 315 against 371 / 324); cudnn (cuDNN forward + Triton backward)
-# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: no training-step
-# comparison of the two on one machine shows mosaic faster yet (its memory now matches); name
-# `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head dim,
-# dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas runs
-# interpreted).
+# section Kernels). Kernel alone, head dim 128, same run: mosaic (Mosaic GPU forward and
+# one-kernel backward) 460 / 381 TF/s forward+backward on the Pretrain / ProLong 64K batches,
+# triton 407 / 343 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
+# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: in a training step
+# (Llama-3-8B shape, 2 layers, same machine) the two are equal, and mosaic compiles slower as
+# layers grow; name `mosaic` to use it. `auto` takes the first one that is installed and runs the
+# call's head dim, dtype and GPU (`unsupported`). On CPU only the reference is fast enough to
+# matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
   platform = platform or jax.default_backend()
   if backend in ("triton", "mosaic", "cudnn") and platform != "gpu":
     return f"the {backend} kernel backend needs a GPU (this platform is {platform})"
-  if backend in ("triton", "mosaic") and not _installed("triton"):  # mosaic: the Triton forward
+  if backend == "triton" and not _installed("triton"):
     return f"the {backend} kernel backend needs jax-triton, which is not installed"
   if head_dim is None or dtype is None:
     return None

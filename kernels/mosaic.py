@@ -1,16 +1,19 @@
-"""Mosaic GPU backward (Hopper): dQ, dK and dV of a fused CA-task batch from one kernel, FA3-style.
+"""Mosaic GPU attention (Hopper) over a fused CA-task batch: a forward after JAX's `attention_mgpu`
+(`forward`), and dQ, dK and dV from one kernel, FA3-style (`backward_from_stats`).
 
-The `mosaic` backend is our Triton forward with this backward; the `cudnn` backend takes it as
-`backward="mosaic"`. A Mosaic GPU forward (`forward`, below) is written but not yet measured.
+The `mosaic` backend is this pair (no jax-triton needed); `Options(forward="triton")` puts our
+Triton forward before this backward, and the `cudnn` backend takes the backward as
+`backward="mosaic"`. The forward runs 14-26% faster than the Triton one at head dim 128 on the
+sampled batches (H100, same run; PERFORMANCE.md).
 
 Why: our Triton and Pallas backwards run two kernels (dQ over key blocks; dK/dV over query
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
 cost more than they save (docs/PERFORMANCE.md, Kernels). Here each tile's dQ share goes to shared
 memory and the TMA unit adds it into a float32 dQ in global memory (`cp.reduce.async.bulk`): one
-bulk operation per tile, off the math warps. H100, head dim 128, same run: backward 425 TF/s
-against the Triton pair's 380 on the Pretrain 64K batch, forward+backward 0.79x dense cuDNN
-against 0.72x (ProLong 0.72x against 0.67x); at head dim 64 0.91x against 0.88x on Pretrain
-(PERFORMANCE.md).
+bulk operation per tile, off the math warps. H100, head dim 128, same run: backward ~420 TF/s
+against the Triton pair's ~375 on the Pretrain batches; with the Mosaic forward, forward+backward
+0.81-0.82x dense cuDNN against the Triton pair's 0.72x (ProLong 0.70-0.75x against 0.63-0.67x);
+at head dim 64 0.92x against 0.86x on Pretrain (PERFORMANCE.md).
 
 One CTA per (128 key rows, KV head). Two compute warpgroups each own 64 of the key rows (their dK
 and dV accumulators stay in registers and sum over the group's query heads and over every task
@@ -60,13 +63,31 @@ STAGES = 2       # query tiles in flight
 class Options(NamedTuple):
   """Kernel variants (`launch/bench_kernels.py --tune mosaic` times them against each other)."""
 
-  forward: str = "triton"  # "mosaic": `forward` below (not yet run on a GPU; tests and bench only)
+  forward: str = "mosaic"  # `forward` below; "triton": our Triton forward (jax-triton)
   stages: int = STAGES
   kv_major: bool = True  # grid (key block, KV head): the KV heads of a key block side by side read
                          # the same query tiles; 2.6-3.6% faster than (KV head, key block), H100
   memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the rest
                               # and still spill ~250 bytes): 24 +1.7% over 40, 56 -20% (H100);
                               # 32 ran past a 300 s limit once (not understood: not offered)
+
+
+def parse_options(spec: str) -> Options:
+  """Options from "key=value+key=value" (booleans as true / false), as the launchers' backend
+  names `mosaic:key=value` give them; an unknown key or a bad value is an error."""
+  opts = Options()
+  for field in (f for f in spec.split("+") if f):
+    key, _, val = field.partition("=")
+    if key not in Options._fields:
+      raise ValueError(f"mosaic option {key!r}: choose from {', '.join(Options._fields)}")
+    old = getattr(opts, key)
+    if isinstance(old, bool):
+      if val.lower() not in ("1", "true", "0", "false"):
+        raise ValueError(f"mosaic option {key}={val!r}: give true or false")
+      opts = opts._replace(**{key: val.lower() in ("1", "true")})
+    else:
+      opts = opts._replace(**{key: type(old)(val)})
+  return opts
 
 
 def unsupported(head_dim: int, dtype) -> str | None:
@@ -274,8 +295,8 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float):
   block schedule's [kb_lo, kb_hi) for its rows (`blocks.py`, 128-row blocks both ways); those in
   [kb_full_lo, kb_full_hi) every row sees whole and run unmasked, the others mask each element to
   its row's key range (one unsigned compare). Both warpgroups take the same steps, so the turn
-  barrier stays paired. Written and lowered for CUDA on the CPU (2026-11-27); not yet run on a
-  GPU: `Options(forward="mosaic")` selects it for the GPU tests and the benchmark, nothing else."""
+  barrier stays paired. H100, head dim 128, same run: 586-592 TF/s on the Pretrain batches, 521-542
+  on ProLong, against the Triton forward's 499-506 and 423-463 (PERFORMANCE.md)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -502,8 +523,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | None = None,
               config: Options | None = None):
-  """O [T, H, D] in q's dtype and LSE [T, H] float32: the Triton forward, this backward. Hopper
-  GPU with jax-triton; bf16 or fp16; head dim 64 or 128."""
+  """O [T, H, D] in q's dtype and LSE [T, H] float32 from the Mosaic GPU forward (or the Triton
+  one: `config.forward`), differentiable through the one-kernel backward. Hopper GPU; bf16 or
+  fp16; head dim 64 or 128."""
   T, H, D = q_TxHxD.shape
   why = unsupported(D, q_TxHxD.dtype)
   if why:

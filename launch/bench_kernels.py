@@ -108,6 +108,10 @@ def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
   if attn is None and backend.startswith("cudnn/"):  # cuDNN forward, backward after the slash
     from distca_jax.kernels import cudnn
     attn = lambda q, k, v, t: cudnn.attention(q, k, v, t, backward=backend.split("/")[1])
+  if attn is None and backend.startswith("mosaic:"):  # a variant: mosaic:KEY=VALUE[+KEY=VALUE]
+    from distca_jax.kernels import mosaic
+    opts = mosaic.parse_options(backend.partition(":")[2])
+    attn = lambda q, k, v, t: mosaic.attention(q, k, v, t, config=opts)
   if attn is None:
     attn = lambda q, k, v, t: kernels.attention(q, k, v, t, backend=backend)
   q, k, v, do = inputs(T, S)
@@ -125,7 +129,7 @@ def tune_configs(backend, head_dim):
     from distca_jax.kernels.mosaic import Options
     o = Options()
     out = {"default": o, "memory_regs40": o._replace(memory_registers=40),
-           "forward_mosaic": o._replace(forward="mosaic")}
+           "forward_triton": o._replace(forward="triton")}
     if head_dim <= 64:  # smaller tiles leave room for a third stage
       out["stages3"] = o._replace(stages=3)
     return out
@@ -201,8 +205,8 @@ def main():
   global H, K, D
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--backends", default="pallas,cudnn,triton",
-                  help="comma list (also mosaic); cudnn/<triton|mosaic|pallas|cudnn>: cuDNN "
-                       "forward, that backward")
+                  help="comma list (also mosaic; mosaic:KEY=VALUE[+KEY=VALUE] a variant of its "
+                       "Options); cudnn/<triton|mosaic|pallas|cudnn>: cuDNN forward, that backward")
   ap.add_argument("--contexts", default="65536,131072")
   ap.add_argument("--datasets", default="pretrain,prolong")
   ap.add_argument("--max-shard", type=int, default=8192,

@@ -102,7 +102,7 @@ def main():
     name, _, flag = b.partition(":")
     if flag:  # a variant of the mosaic kernels
       from distca_jax.kernels import mosaic
-      attn = functools.partial(mosaic.attention, config=mosaic_options(flag))
+      attn = functools.partial(mosaic.attention, config=mosaic.parse_options(flag))
     else:
       attn = functools.partial(kernels.attention, backend=name)
     record(f"ours: {b} ({n} tasks of {q_task} over {T})", 4.0 * D * H * area,
@@ -114,18 +114,6 @@ def main():
   print("\n| kernel | fwd TF/s | bwd TF/s | f+b TF/s | f+b vs cuDNN dense |\n|---|---|---|---|---|")
   for name, f, b, fb in rows:
     print(f"| {name} | {f:.1f} | {b:.1f} | {fb:.1f} | {fb / base:.2f} |")
-
-
-def mosaic_options(spec):
-  """kernels.mosaic.Options from "key=value+key=value" (booleans as true / false)."""
-  from distca_jax.kernels import mosaic
-  opts = mosaic.Options()
-  for field in spec.split("+"):
-    key, _, val = field.partition("=")
-    old = getattr(opts, key)
-    opts = opts._replace(**{key: val.lower() in ("1", "true") if isinstance(old, bool)
-                            else type(old)(val)})
-  return opts
 
 
 def check_fused(fused, fwd_cfg, H, K, D, T=1024):

@@ -9,6 +9,7 @@ because Pallas interpret mode is slow on CPU.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.test_util  # noqa: F401  (check_grads; not imported by `import jax`)
@@ -305,7 +306,7 @@ def _check_config_grads(mod, cfg, case, head_dim, what):
 
 
 _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
-                    dict(memory_registers=40), "forward_mosaic": dict(forward="mosaic")}
+                    dict(memory_registers=40), "forward_triton": dict(forward="triton")}
 
 
 @pytest.mark.skipif(not (ON_GPU and _have_jax_triton()), reason="Hopper GPU kernel")
@@ -420,7 +421,19 @@ def test_mosaic_dq_zeros_depend_on_do(dtype):
   assert (np.asarray(zeros_after(jnp.zeros((0, 2, 4), dtype), (3,))) == 0).all()
   hlo = jax.jit(lambda x: zeros_after(x, (64, 8, 16))).lower(
       jnp.zeros((4, 8, 16), dtype)).compile().as_text()
-  assert "bitcast-convert" in hlo and "multiply" in hlo, hlo
+  # The integer view of dO's bits (a bitcast-convert on the CPU; the GPU compiler writes it as a
+  # bitcast to an integer type) feeds a multiply: no constant broadcast.
+  assert re.search(r"= [us](?:16|32)\[[^\]]*\]\S* bitcast(?:-convert)?\(", hlo) and "multiply" in hlo, hlo
+
+
+def test_mosaic_parse_options():
+  from distca_jax.kernels.mosaic import Options, parse_options
+  assert parse_options("") == Options()
+  assert parse_options("forward=mosaic+stages=3+kv_major=false") == Options()._replace(
+      forward="mosaic", stages=3, kv_major=False)
+  for bad in ("stagez=3", "kv_major=maybe", "stages=two"):
+    with pytest.raises(ValueError):
+      parse_options(bad)
 
 
 # ------------------------------------------------------------------------------ block schedule
@@ -505,7 +518,8 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
   monkeypatch.setattr(kernels, "_installed", lambda b: b != "triton" or triton_installed)
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
   r = kernels.resolve_backend
-  assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
+  # Without jax-triton the Mosaic GPU pair (no jax-triton needed) comes next.
+  assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "mosaic")
   assert r("auto", 96, jnp.bfloat16) == "cudnn"  # Triton and Pallas tiles need powers of two
   assert r("auto", 128, jnp.float32) == ("triton" if triton_installed else "pallas")
   assert r("auto", 96, jnp.float32) == "reference"  # nothing fast runs it: the oracle, warned
@@ -513,16 +527,17 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
     r("pallas", 96, jnp.bfloat16)
   with pytest.raises(ValueError, match="bf16 or fp16"):
     r("cudnn", 128, jnp.float32)
-  with pytest.raises(ValueError, match="head dim 64 or 128" if triton_installed else "jax-triton"):
+  with pytest.raises(ValueError, match="head dim 64 or 128"):
     r("mosaic", 256, jnp.bfloat16)
+  with pytest.raises(ValueError, match="jax-triton" if not triton_installed else "power-of-two"):
+    r("triton", 96 if triton_installed else 128, jnp.bfloat16)
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (8, 0))
   assert r("auto", 96, jnp.bfloat16) == "reference"
   assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "pallas")
   with pytest.raises(ValueError, match="Hopper"):
     r("cudnn", 128, jnp.bfloat16)
-  if triton_installed:
-    with pytest.raises(ValueError, match="Hopper"):
-      r("mosaic", 128, jnp.bfloat16)
+  with pytest.raises(ValueError, match="Hopper"):
+    r("mosaic", 128, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------- cuDNN backward, decomposed
