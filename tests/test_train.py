@@ -79,3 +79,25 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path):
                                   "train.tensorboard=false", f"train.out_dir={tmp_path}"])
   with pytest.raises(loop.NonFiniteError, match=r"step [23]: (loss is|gradients)"):
     loop.run(cfg, devices=jax.devices()[:2], log=lambda *_: None)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_step_compiles_once_for_one_shape(devices):
+  """Steps on batches of one shape reuse one executable and one dispatch-cache entry: the initial
+  state is placed (committed) as the step's outputs are, so step 2 does not count (or, where
+  executables differ in placement, pay for) a second compilation."""
+  from distca_jax import attention as attention_lib
+  from distca_jax import mesh as mesh_lib
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.train.step import Trainer
+
+  cfg = load_config(None, FAST + [f"mesh.data={devices}"])
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:devices])
+  trainer = Trainer(cfg, mesh)
+  state = trainer.init_state(0)
+  batch = synthetic_from_config(cfg.data, trainer.shape.vocab_size, devices).batch(0)
+  arrays, ctx = trainer.put_batch(batch, attention_lib.host_context(cfg.attention, batch,
+                                                                    trainer.shape))
+  for _ in range(3):
+    state, _ = trainer.step(state, arrays, ctx)
+  assert trainer.compile_count() == 1

@@ -110,8 +110,11 @@ class Trainer:
     opt_state = jax.jit(self.tx.init)(params)
     replicated = NamedSharding(self.mesh, P())
     # Scalars of the optimizer (counts) come out on one device: replicate them over the mesh.
+    # Every leaf is placed explicitly (committed, as the step's outputs are): an uncommitted
+    # initial state would give the jitted step a second dispatch-cache entry on step 2.
     opt_state = jax.tree.map(
-        lambda x: x if len(x.sharding.device_set) == self.mesh.size else jax.device_put(x, replicated),
+        lambda x: jax.device_put(
+            x, x.sharding if len(x.sharding.device_set) == self.mesh.size else replicated),
         opt_state)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     return TrainState(step=step, params=params, opt_state=opt_state)
