@@ -83,12 +83,18 @@ class AttentionConfig:
   kernel: Literal["auto", "reference", "pallas", "triton", "mosaic", "cudnn"] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
-  # A batch whose colocated attention load (max / mean over devices) is below this runs colocated
-  # attention that step, and a nano-batch (with mesh.pipe > 1: a tick) below it moves nothing: the
-  # exchange costs more than balancing buys. Measured on 2 and 4 H100s (docs/PERFORMANCE.md):
-  # batches at 1.04-1.19 lost 0-2.7% with CAD, 2.07 and above gained 8-38%; the calibrated
-  # simulator puts the break-even at 1.25-1.3 (docs/SIMULATOR.md). 1.0: no gate.
-  min_imbalance: float = 1.25
+  # The step gate: a batch for which CAD is predicted to save less than this fraction of the
+  # colocated step runs colocated attention that step (`metrics.predicted_cad_gain`: the time
+  # balancing takes off the slowest device, from FLOPs, over that device's step). Measured on
+  # 4 H100s (docs/PERFORMANCE.md, "The step gate"): every batch predicted at <= 1.5% lost 2-2.5%
+  # with CAD, every one at >= 7.2% gained 2-27%; the exchange's overhead breaks even near 3.5%.
+  # 0: no gate. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance only.
+  min_gain: float = 0.04
+  # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
+  # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
+  # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
+  # 2.2% where batches at 1.32 and 1.41 lost 2%): off (1.0) unless set.
+  min_imbalance: float = 1.0
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU), or `ragged`
@@ -333,6 +339,9 @@ def validate(config: Config) -> None:
   a = config.attention
   if not 0 <= a.epsilon < 1:
     raise ConfigError(f"attention.epsilon: must be in [0, 1), got {a.epsilon}")
+  if not 0 <= a.min_gain < 1:
+    raise ConfigError(f"attention.min_gain: a fraction of the step, must be in [0, 1) (0 turns "
+                      f"the gate off), got {a.min_gain}")
   if not a.min_imbalance >= 1:
     raise ConfigError(f"attention.min_imbalance: a max / mean ratio, must be >= 1 (1 turns the "
                       f"gate off), got {a.min_imbalance}")

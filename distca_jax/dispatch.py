@@ -484,13 +484,15 @@ def host_context(attention_config, batch: Batch, shape, devices=None):
   trainer's prefetch thread, one step ahead of the devices. `devices`: the rows this process
   checks (`plan_for_layout`).
 
-  A batch whose colocated attention imbalance is below `attention.min_imbalance` has nothing
-  worth moving: the step runs colocated attention instead (its `ColocatedContext`: one stream, no
-  exchange, no ping-pong split; compiled once beside the distca step)."""
+  A batch for which CAD is predicted to save less than `attention.min_gain` of the step (or whose
+  colocated attention imbalance is below `attention.min_imbalance`) has nothing worth moving: the
+  step runs colocated attention instead (its `ColocatedContext`: one stream, no exchange, no
+  ping-pong split; compiled once beside the distca step)."""
   from distca_jax.train import metrics
 
   load = metrics.attention_load_per_device(batch.layout)
-  if metrics.imbalance(load) < attention_config.min_imbalance:
+  if (metrics.imbalance(load) < attention_config.min_imbalance
+      or metrics.predicted_cad_gain(shape, batch.layout) < attention_config.min_gain):
     from distca_jax.attention import colocated_context
 
     return colocated_context(batch.layout)
@@ -686,7 +688,7 @@ def make_distca_attention(attention_config, mesh: Mesh):
   colocated = make_colocated_attention(mesh, attention_config.kernel)
 
   def core_attention(q, k, v, ctx):
-    if isinstance(ctx, ColocatedContext):  # a step below attention.min_imbalance (host_context)
+    if isinstance(ctx, ColocatedContext):  # a step the gate stopped (host_context)
       return colocated(q, k, v, ctx)
     return sharded(q, k, v, ctx)
 

@@ -132,6 +132,47 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)
 
 
+def test_predicted_gain():
+  """CAD's predicted saving: none on a balanced batch; where attention is nearly all of the step and
+  one device holds it, balancing takes the slowest device to the mean (1 - 1/N of its step)."""
+  from distca_jax.models.presets import ModelShape
+  from distca_jax.train import metrics
+
+  shape = ModelShape(vocab_size=2, hidden=1, layers=1, heads=64, kv_heads=1, head_dim=1024, ffn=1,
+                     rope_theta=1.0)
+  T, N = 4096, 4
+  lens = np.concatenate([[T], np.ones((N - 1) * T, np.int64)])
+  one_long = make_batch(lens, np.zeros(N * T, np.int32), N, T).layout
+  assert metrics.predicted_cad_gain(shape, one_long) == pytest.approx(1 - 1 / N, abs=2e-3)
+  equal = make_batch(np.full(N, T), np.zeros(N * T, np.int32), N, T).layout
+  assert metrics.predicted_cad_gain(shape, equal) == 0.0
+  # With the matmuls of a real model the same skew buys less, and more as documents grow.
+  llama = dataclasses.replace(shape, vocab_size=128256, hidden=4096, heads=32, kv_heads=8,
+                              head_dim=128, ffn=14336)
+  gains = [metrics.predicted_cad_gain(llama, make_batch(
+      np.concatenate([[t], np.ones(N * t - t, np.int64)]), np.zeros(N * t, np.int32), N, t).layout)
+           for t in (1024, 8192, 65536)]
+  assert 0 < gains[0] < gains[1] < gains[2] < 1 - 1 / N, gains
+
+
+def test_min_gain_gate():
+  """`attention.min_gain` just above the batch's predicted gain: the step runs colocated attention
+  (no plan); just below it: CAD plans the step."""
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics
+
+  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
+                     "attention.impl=distca")
+  batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
+  shape = resolve(cfg.model)
+  gain = metrics.predicted_cad_gain(shape, batch.layout)
+  assert 0 < gain < 1
+  for min_gain, gated in ((gain * 1.01, True), (gain * 0.99, False)):
+    a = dataclasses.replace(cfg.attention, min_gain=min_gain)
+    ctx = attn.host_context(a, batch, shape)
+    assert isinstance(ctx, attn.ColocatedContext) == gated, (gain, min_gain)
+
+
 def test_plan_for_another_batch_is_refused():
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
                      "attention.pingpong=false")

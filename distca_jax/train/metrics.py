@@ -43,6 +43,26 @@ def imbalance(load: np.ndarray) -> float:
   return float(np.max(load)) / mean if mean > 0 else 1.0
 
 
+# Time per FLOP of core attention (forward + backward, counted as 3.5x the forward) relative to the
+# rest of a training step (3x the matmul FLOPs, which also pays for remat, norms and the LM head).
+# Least-squares fit of colocated step times on ten sampled batches, 4 x H100, Llama-3-8B shape with
+# 2 layers, 64K tokens per device, Triton kernel: attention 335 TF/s effective, the rest 249 TF/s
+# (docs/PERFORMANCE.md, "The step gate"); every fitted step within 5% of the measured one.
+ATTENTION_COST_RATIO = 0.75
+
+
+def predicted_cad_gain(shape: ModelShape, layout: Layout) -> float:
+  """Fraction of the colocated step that balancing core attention is predicted to save: (max −
+  mean of the devices' attention time) / (the slowest device's step time), times from FLOPs
+  (`ATTENTION_COST_RATIO`). Balancing at best brings every device to the mean; the exchange's cost
+  is not in it (the gate's threshold, `attention.min_gain`, covers it)."""
+  area = attention_load_per_device(layout)
+  attn = (3.5 * ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * shape.layers) * area
+  tokens = np.bincount(layout.buffer, weights=layout.length, minlength=layout.num_buffers)
+  step = 3.0 * shape.matmul_flops_per_token() * tokens + attn
+  return float((attn.max() - attn.mean()) / step.max()) if step.max() > 0 else 0.0
+
+
 def step_flops(shape: ModelShape, layout: Layout) -> float:
   """Model FLOPs of one training step: matmuls over every real token plus causal attention of
   every document (whole-document areas, however the documents are split)."""
