@@ -85,11 +85,11 @@ class AttentionConfig:
   epsilon: float = 0.1
   # The step gate: a batch for which CAD is predicted to save less than this fraction of the
   # colocated step runs colocated attention that step (`metrics.predicted_cad_gain`: the time
-  # balancing takes off the slowest device, from FLOPs, over that device's step). Measured on
-  # 4 H100s (docs/PERFORMANCE.md, "The step gate"): every batch predicted at <= 1.5% lost 2-2.5%
-  # with CAD, every one at >= 7.2% gained 2-27%; the exchange's overhead breaks even near 3.5%.
-  # 0: no gate. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance only.
-  min_gain: float = 0.04
+  # balancing takes off the slowest device, from FLOPs, over that device's step; the exchange's
+  # cost is not in it). Measured on 4 H100s (docs/PERFORMANCE.md, "The step gate"), 14 batches:
+  # every one predicted at <= 6.4% lost up to 2.5% with CAD or broke even, every one at >= 7.2%
+  # gained 2-37%. 0: no gate. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance.
+  min_gain: float = 0.07
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
