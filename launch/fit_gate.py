@@ -1,0 +1,77 @@
+"""Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "The step gate").
+
+    python launch/fit_gate.py
+
+CPU only. For each measured batch (4 x H100, Llama-3-8B shape with 2 layers, 64K tokens per
+device; colocated and distca step ms from `bench_train.py --suite cad`) it rebuilds the batch
+from the sampler, fits the colocated step time as c0 + k x (the slowest device's attention
+area), prints `metrics.predicted_cad_gain` beside the measured saving, then plans the batch as
+the trainer does (ping-pong on), counts the rows that cross devices, fits the exchange overhead
+as a + b x rows, and predicts each batch's net saving from a fit of the others (leave-one-out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# (distribution, sampler step) -> (colocated ms, distca ms with CAD running), same process each.
+MEASURED = {
+    ("pretrain", 0): (1548.6, 1592.2), ("pretrain", 1): (1546.2, 1577.0),
+    ("pretrain", 2): (2739.5, 1992.7), ("prolong", 0): (2156.4, 1899.9),
+    ("prolong", 1): (2204.2, 1833.1), ("prolong", 2): (1978.2, 1829.1),
+    ("prolong", 32): (2259.0, 2210.0), ("pretrain", 38): (1616.9, 1647.9),
+    ("prolong", 14): (1603.4, 1639.1), ("pretrain", 29): (2327.0, 2144.9),
+    ("pretrain", 46): (1618.7, 1632.0), ("pretrain", 60): (1601.3, 1600.1),
+    ("pretrain", 79): (1819.3, 1849.4), ("prolong", 58): (2032.8, 2041.5),
+}
+DEVICES = 4
+
+
+def main() -> None:
+  from distca_jax import dispatch
+  from distca_jax.config import load_config
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics
+
+  cfg = load_config(None, ["model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
+                           "data.tokens_per_device=65536", "attention.impl=distca",
+                           "attention.min_gain=0"])
+  shape = resolve(cfg.model)
+  rows = []
+  for (dist, step), (col, cad) in MEASURED.items():
+    data = dataclasses.replace(cfg.data, distribution=dist)
+    batch = synthetic_from_config(data, shape.vocab_size, DEVICES).batch(step)
+    area = metrics.attention_load_per_device(batch.layout)
+    ctx = dispatch.host_context(cfg.attention, batch, shape)
+    planned = sum(p.stats.load_after for p in ctx.plans)
+    off = ~np.eye(DEVICES, dtype=bool)
+    moved = sum(int(np.asarray(d.send_q_valid)[off].sum() + np.asarray(d.send_kv_valid)[off].sum())
+                for d in ctx.dispatch)
+    rows.append(dict(batch=f"{dist}@{step}", col=col, cad=cad, gain=metrics.predicted_cad_gain(
+        shape, batch.layout), imb=metrics.imbalance(area), max=area.max(), planned=planned.max(),
+                     moved=moved))
+  c0, k = np.linalg.lstsq(np.array([[1.0, r["max"]] for r in rows]),
+                          np.array([r["col"] for r in rows]), rcond=None)[0]
+  print(f"colocated step ms = {c0:.1f} + {k * 1e9:.1f} per 1e9 attention area of the slowest device")
+  ideal = np.array([k * (r["max"] - r["planned"]) for r in rows])
+  saved = np.array([r["col"] - r["cad"] for r in rows])
+  X = np.array([[1.0, r["moved"]] for r in rows])
+  a, b = np.linalg.lstsq(X, ideal - saved, rcond=None)[0]
+  print(f"exchange overhead ms = {a:.1f} + {b * 1e3:.3f} per 1000 rows moved\n")
+  print("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
+        "| net saving, leave-one-out |")
+  print("|---|---|---|---|---|---|---|")
+  for i, r in enumerate(rows):
+    keep = np.arange(len(rows)) != i
+    ai, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
+    net = ideal[i] - ai - bi * r["moved"]
+    print(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
+          f"{c0 + k * r['max']:.0f} (measured {r['col']:.0f}) | {saved[i] / r['col']:+.1%} | "
+          f"{net / r['col']:+.1%} |")
+
+
+if __name__ == "__main__":
+  main()
