@@ -83,13 +83,14 @@ class AttentionConfig:
   kernel: Literal["auto", "reference", "pallas", "triton", "mosaic", "cudnn"] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
-  # The step gate: a batch for which CAD is predicted to save less than this fraction of the
-  # colocated step runs colocated attention that step (`metrics.predicted_cad_gain`: the time
-  # balancing takes off the slowest device, from FLOPs, over that device's step; the exchange's
-  # cost is not in it). Measured on 4 H100s (docs/PERFORMANCE.md, "The step gate"), 14 batches:
-  # every one predicted at <= 6.4% lost up to 2.5% with CAD or broke even, every one at >= 7.2%
-  # gained 2-37%. 0: no gate. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance.
-  min_gain: float = 0.07
+  # The step gate: the trainer plans the step, predicts the fraction of the colocated step CAD
+  # saves with that plan net of the exchange's cost (`metrics.predicted_cad_saving`, fit to 14
+  # batches on 4 H100s, docs/PERFORMANCE.md "The step gate": within 1.5% of the measured saving
+  # when each batch is left out of the fit), and runs colocated attention that step if the
+  # prediction is below `min_gain` (a fraction of the step, may be negative). `gate: false` runs
+  # CAD on every step. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance only.
+  gate: bool = True
+  min_gain: float = 0.0
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
@@ -339,9 +340,9 @@ def validate(config: Config) -> None:
   a = config.attention
   if not 0 <= a.epsilon < 1:
     raise ConfigError(f"attention.epsilon: must be in [0, 1), got {a.epsilon}")
-  if not 0 <= a.min_gain < 1:
-    raise ConfigError(f"attention.min_gain: a fraction of the step, must be in [0, 1) (0 turns "
-                      f"the gate off), got {a.min_gain}")
+  if not -1 < a.min_gain < 1:
+    raise ConfigError(f"attention.min_gain: a fraction of the step, must be in (-1, 1) "
+                      f"(attention.gate=false turns the gate off), got {a.min_gain}")
   if not a.min_imbalance >= 1:
     raise ConfigError(f"attention.min_imbalance: a max / mean ratio, must be >= 1 (1 turns the "
                       f"gate off), got {a.min_imbalance}")

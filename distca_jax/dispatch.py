@@ -484,25 +484,28 @@ def host_context(attention_config, batch: Batch, shape, devices=None):
   trainer's prefetch thread, one step ahead of the devices. `devices`: the rows this process
   checks (`plan_for_layout`).
 
-  A batch for which CAD is predicted to save less than `attention.min_gain` of the step (or whose
-  colocated attention imbalance is below `attention.min_imbalance`) has nothing worth moving: the
-  step runs colocated attention instead (its `ColocatedContext`: one stream, no exchange, no
-  ping-pong split; compiled once beside the distca step)."""
+  The gate (`attention.gate`): a batch whose plans are predicted to save less than
+  `attention.min_gain` of the step, net of the exchange (`metrics.predicted_cad_saving`, from the
+  global plans, so every process decides alike), or whose colocated attention imbalance is below
+  `attention.min_imbalance`, has nothing worth moving: the step runs colocated attention instead
+  (its `ColocatedContext`: one stream, no exchange, no ping-pong split; compiled once beside the
+  distca step). A batch whose saving cannot reach `min_gain` even with perfect balance and a free
+  exchange (`metrics.predicted_cad_gain` less the exchange's fixed part) is not planned at all."""
+  from distca_jax.attention import colocated_context
   from distca_jax.train import metrics
 
-  load = metrics.attention_load_per_device(batch.layout)
-  if (metrics.imbalance(load) < attention_config.min_imbalance
-      or metrics.predicted_cad_gain(shape, batch.layout) < attention_config.min_gain):
-    from distca_jax.attention import colocated_context
-
-    return colocated_context(batch.layout)
-  if attention_config.pingpong:
-    batches = split_pingpong_batch(batch)
-  else:
-    batches = (batch,)
+  layout = batch.layout
+  if metrics.imbalance(metrics.attention_load_per_device(layout)) < attention_config.min_imbalance:
+    return colocated_context(layout)
+  gate = attention_config.gate
+  if gate and metrics.predicted_cad_gain(shape, layout, exchange=True) < attention_config.min_gain:
+    return colocated_context(layout)
+  batches = split_pingpong_batch(batch) if attention_config.pingpong else (batch,)
   planned = [plan_for_layout(attention_config, b.layout, shape, devices, b) for b in batches]
-  return StepContext(batches=batches, dispatch=tuple(d for _, d in planned),
-                     plans=tuple(p for p, _ in planned))
+  plans = tuple(p for p, _ in planned)
+  if gate and metrics.predicted_cad_saving(shape, layout, plans) < attention_config.min_gain:
+    return colocated_context(layout)
+  return StepContext(batches=batches, dispatch=tuple(d for _, d in planned), plans=plans)
 
 
 def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:

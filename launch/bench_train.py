@@ -145,6 +145,19 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
           "temp_gib": temp_gib, "args_gib": args_gib, **mem}
 
 
+def _predicted_saving(config, batch, shape) -> float:
+  """What the gate predicts CAD saves on this batch (`metrics.predicted_cad_saving`), planned as
+  the distca variants plan it, gate off."""
+  import dataclasses
+
+  from distca_jax import dispatch
+  from distca_jax.train import metrics
+
+  a = dataclasses.replace(config.attention, impl="distca", gate=False, min_imbalance=1.0)
+  ctx = dispatch.host_context(a, batch, shape)
+  return metrics.predicted_cad_saving(shape, batch.layout, ctx.plans)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--suite", choices=["mfu", "cad", "pp"], required=True)
@@ -158,14 +171,14 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--pingpong-ablation", default="pretrain",
                       help="batch on which distca also runs with ping-pong off ('' for none); this "
-                           "and the other ablations run CAD on every batch (min_gain=0)")
+                           "and the other ablations run CAD on every batch (attention.gate=false)")
   parser.add_argument("--resend-ablation", default="",
                       help="batch on which distca also runs with attention.memory_mode=resend")
   parser.add_argument("--ragged-ablation", default="",
                       help="batch on which distca also runs with attention.exchange=ragged (GPU)")
   parser.add_argument("--ungated-ablation", default="",
                       help="batches (space-separated) on which distca also runs with "
-                           "attention.min_gain=0 (moving work however balanced the batch)")
+                           "attention.gate=false (moving work however balanced the batch)")
   parser.add_argument("--trace-dir", default=None,
                       help="xprof trace of the last step, with its busy time per phase and device "
                            "(DIR/<batch>-<variant>); cad: the first batch's colocated and distca "
@@ -256,8 +269,8 @@ def main(argv=None) -> int:
       variants = [("colocated", ["attention.impl=colocated"]),
                   ("distca", ["attention.impl=distca", "attention.pingpong=true"])]
       # The ablations vary CAD's own mechanisms, so they run CAD on the batch however balanced it
-      # is (min_gain=0); `distca-ungated` is the ping-pong, keep, tiled CAD they compare with.
-      cad = ["attention.impl=distca", "attention.min_gain=0", "attention.min_imbalance=1.0"]
+      # is (gate off); `distca-ungated` is the ping-pong, keep, tiled CAD they compare with.
+      cad = ["attention.impl=distca", "attention.gate=false", "attention.min_imbalance=1.0"]
       if kind in args.ungated_ablation.split():
         variants.append(("distca-ungated", cad + ["attention.pingpong=true"]))
       if kind == args.pingpong_ablation:
@@ -286,22 +299,23 @@ def main(argv=None) -> int:
           continue
         if name == "colocated":
           base_time = r["median_s"]
-        if r["imbalance"] is None:  # colocated, or distca stopped by the gate (attention.min_gain)
+        if r["imbalance"] is None:  # colocated, or distca stopped by the gate (attention.gate)
           load = metrics_lib.attention_load_per_device(batch.layout)
           r["imbalance"] = (metrics_lib.imbalance(load), metrics_lib.imbalance(load))
           if name != "colocated":
-            print(f"{kind:9s} {name:14s} ran colocated attention (predicted gain below "
+            print(f"{kind:9s} {name:14s} ran colocated attention (predicted saving below "
                   f"attention.min_gain)", flush=True)
         r.update(batch=kind, variant=name, speedup=base_time / r["median_s"],
-                 predicted_gain=metrics_lib.predicted_cad_gain(shape, batch.layout))
+                 predicted_gain=metrics_lib.predicted_cad_gain(shape, batch.layout),
+                 predicted_saving=_predicted_saving(config, batch, shape))
         rows.append(r)
         if args.compile_only:  # a memory report: no steps ran
           print(f"{kind:9s} {name:14s} compiled  host {r['host_ms']:.0f} ms  temp {r['temp_gib']:.1f} GiB  "
                 f"args {r['args_gib']:.1f} GiB  compile {r['compile_s']:.0f}s", flush=True)
           continue
         print(f"{kind:9s} {name:14s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
-              f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  predicted gain "
-              f"{r['predicted_gain']:.3f}  host {r['host_ms']:.0f} ms  "
+              f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  predicted saving "
+              f"{r['predicted_saving']:+.3f}  host {r['host_ms']:.0f} ms  "
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
               flush=True)
         if "per_device_ms" in r:  # traced: busy ms of the step per device and phase

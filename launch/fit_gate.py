@@ -38,7 +38,7 @@ def main() -> None:
 
   cfg = load_config(None, ["model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
                            "data.tokens_per_device=65536", "attention.impl=distca",
-                           "attention.min_gain=0"])
+                           "attention.gate=false"])
   shape = resolve(cfg.model)
   rows = []
   for (dist, step), (col, cad) in MEASURED.items():
@@ -50,9 +50,12 @@ def main() -> None:
     off = ~np.eye(DEVICES, dtype=bool)
     moved = sum(int(np.asarray(d.send_q_valid)[off].sum() + np.asarray(d.send_kv_valid)[off].sum())
                 for d in ctx.dispatch)
+    dev_bytes = sum(p.traffic.send + p.traffic.recv for p in ctx.plans).max() * shape.layers
+    tokens = np.bincount(batch.layout.buffer, weights=batch.layout.length, minlength=DEVICES)
     rows.append(dict(batch=f"{dist}@{step}", col=col, cad=cad, gain=metrics.predicted_cad_gain(
         shape, batch.layout), imb=metrics.imbalance(area), max=area.max(), planned=planned.max(),
-                     moved=moved))
+                     moved=moved, bytes=dev_bytes, plans=ctx.plans, layout=batch.layout,
+                     linear=3.0 * shape.matmul_flops_per_token() * tokens.max()))
   c0, k = np.linalg.lstsq(np.array([[1.0, r["max"]] for r in rows]),
                           np.array([r["col"] for r in rows]), rcond=None)[0]
   print(f"colocated step ms = {c0:.1f} + {k * 1e9:.1f} per 1e9 attention area of the slowest device")
@@ -60,17 +63,29 @@ def main() -> None:
   saved = np.array([r["col"] - r["cad"] for r in rows])
   X = np.array([[1.0, r["moved"]] for r in rows])
   a, b = np.linalg.lstsq(X, ideal - saved, rcond=None)[0]
-  print(f"exchange overhead ms = {a:.1f} + {b * 1e3:.3f} per 1000 rows moved\n")
+  print(f"exchange overhead ms = {a:.1f} + {b * 1e3:.3f} per 1000 rows moved (all devices)")
+  # The same against the busiest device's bytes (what the gate uses: it holds for any device
+  # count), in the units of metrics.predicted_cad_saving: matmul FLOPs of the step.
+  Xb = np.array([[1.0, r["bytes"]] for r in rows])
+  ab, bb = np.linalg.lstsq(Xb, ideal - saved, rcond=None)[0]
+  resid = ideal - saved - Xb @ np.array([ab, bb])
+  flops_per_ms = rows[0]["linear"] / c0
+  print(f"exchange overhead ms = {ab:.1f} + {bb * 1e9:.3f} per GB the busiest device moves "
+        f"(residuals {np.abs(resid).max():.0f} ms at most): EXCHANGE_FIXED = {ab / c0:.4f}, "
+        f"EXCHANGE_FLOPS_PER_BYTE = {bb * flops_per_ms:.3g}")
+  print(f"  (metrics.py has EXCHANGE_FIXED = {metrics.EXCHANGE_FIXED}, EXCHANGE_FLOPS_PER_BYTE = "
+        f"{metrics.EXCHANGE_FLOPS_PER_BYTE:.3g}; attention at {k * 1e9:.1f} ms per 1e9 area)\n")
+  X = Xb
   print("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
-        "| net saving, leave-one-out |")
-  print("|---|---|---|---|---|---|---|")
+        "| net saving, leave-one-out | predicted_cad_saving |")
+  print("|---|---|---|---|---|---|---|---|")
   for i, r in enumerate(rows):
     keep = np.arange(len(rows)) != i
     ai, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
-    net = ideal[i] - ai - bi * r["moved"]
+    net = ideal[i] - ai - bi * r["bytes"]
     print(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
           f"{c0 + k * r['max']:.0f} (measured {r['col']:.0f}) | {saved[i] / r['col']:+.1%} | "
-          f"{net / r['col']:+.1%} |")
+          f"{net / r['col']:+.1%} | {metrics.predicted_cad_saving(shape, r['layout'], r['plans']):+.1%} |")
 
 
 if __name__ == "__main__":

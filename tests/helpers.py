@@ -10,11 +10,11 @@ from distca_jax.config import load_config
 
 
 def small_config(*overrides: str):
-  # min_gain=0, min_imbalance=1: distca's exchange runs on every layout, however balanced (tests
+  # gate off, min_imbalance=1: distca's exchange runs on every layout, however balanced (tests
   # that check the gates set them themselves).
   base = ["model.dtype=float32", "model.remat=none", "data.tokens_per_device=256",
           "data.length_scale=16", "train.progress=false", "train.tensorboard=false",
-          "attention.min_gain=0", "attention.min_imbalance=1.0"]
+          "attention.gate=false", "attention.min_imbalance=1.0"]
   return load_config(None, base + list(overrides))
 
 

@@ -155,22 +155,47 @@ def test_predicted_gain():
   assert 0 < gains[0] < gains[1] < gains[2] < 1 - 1 / N, gains
 
 
-def test_min_gain_gate():
-  """`attention.min_gain` just above the batch's predicted gain: the step runs colocated attention
-  (no plan); just below it: CAD plans the step."""
+def test_gate_on_the_plan(monkeypatch):
+  """The gate decides from the step's own plans: `attention.min_gain` just above their predicted
+  saving runs colocated attention, just below it CAD with those plans; a plan that moves nothing
+  is predicted to cost the exchange's fixed part; a batch that cannot reach `min_gain` even
+  perfectly balanced is not planned at all."""
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics
 
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
                      "attention.impl=distca")
+  assert not cfg.attention.gate  # small_config turns it off
   batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
   shape = resolve(cfg.model)
-  gain = metrics.predicted_cad_gain(shape, batch.layout)
-  assert 0 < gain < 1
-  for min_gain, gated in ((gain * 1.01, True), (gain * 0.99, False)):
-    a = dataclasses.replace(cfg.attention, min_gain=min_gain)
+  ungated = attn.host_context(cfg.attention, batch, shape)
+  saving = metrics.predicted_cad_saving(shape, batch.layout, ungated.plans)
+  assert saving <= metrics.predicted_cad_gain(shape, batch.layout, exchange=True)
+  for margin, gated in ((0.01, True), (-0.01, False)):
+    a = dataclasses.replace(cfg.attention, gate=True, min_gain=saving + margin)
     ctx = attn.host_context(a, batch, shape)
-    assert isinstance(ctx, attn.ColocatedContext) == gated, (gain, min_gain)
+    assert isinstance(ctx, attn.ColocatedContext) == gated, (saving, margin)
+    if not gated:
+      assert [p.stats.load_after.tolist() for p in ctx.plans] == [
+          p.stats.load_after.tolist() for p in ungated.plans]
+
+  equal = _layout_batch("equal", 4, seed=3, T=128)
+  plans = attn.host_context(dataclasses.replace(cfg.attention, pingpong=False), equal, shape).plans
+  assert sum(int(p.traffic.send.sum()) for p in plans) == 0
+  tokens = np.bincount(equal.layout.buffer, weights=equal.layout.length, minlength=4)
+  linear = 3.0 * shape.matmul_flops_per_token() * tokens.max()
+  area = metrics.attention_load_per_device(equal.layout).max()
+  step = linear + 3.5 * metrics.ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * \
+      shape.layers * area
+  assert metrics.predicted_cad_saving(shape, equal.layout, plans) == pytest.approx(
+      -metrics.EXCHANGE_FIXED * linear / step)
+
+  def no_planning(*a, **k):
+    raise AssertionError("planned a batch the pre-check should have stopped")
+
+  monkeypatch.setattr(dispatch, "plan_for_layout", no_planning)
+  gated = dataclasses.replace(cfg.attention, gate=True, min_gain=0.0)
+  assert isinstance(attn.host_context(gated, equal, shape), attn.ColocatedContext)
 
 
 def test_plan_for_another_batch_is_refused():

@@ -27,7 +27,7 @@ ARGS = ["model.dtype=float32", "model.remat=none", "model.layers=1", "model.hidd
         "model.vocab_size=256", "data.tokens_per_device=256", "data.length_scale=64",
         "train.progress=false", "train.tensorboard=false", "train.imbalance_after=false",
         "train.steps=2",
-        "attention.min_gain=0"]  # distca: the exchange runs on every step, however balanced
+        "attention.gate=false"]  # distca: the exchange runs on every step, however balanced
 
 
 def _cache_dir() -> str:

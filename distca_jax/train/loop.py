@@ -70,7 +70,7 @@ class Summary:
   microbatches: int = 1
   pipeline_bubble: float = 0.0
   # attention.impl=distca: steps that ran colocated attention because the gate
-  # (attention.min_gain / min_imbalance) stopped them (None: colocated attention configured, or a
+  # (attention.gate / min_imbalance) stopped them (None: colocated attention configured, or a
   # pipelined run).
   colocated_steps: int | None = None
 
@@ -234,7 +234,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       losses.append(loss)
       flops = metrics_lib.step_flops(shape, batch.layout)
       ran_cad = None
-      if colocated_steps is not None:  # a distca step the gate (attention.min_gain) stopped runs colocated
+      if colocated_steps is not None:  # a distca step the gate stopped runs colocated
         ran_cad = not isinstance(ctx, attention_lib.ColocatedContext)
         colocated_steps += not ran_cad
       # A pipelined step's loads are summed over its ticks; each tick waits for its slowest
@@ -247,7 +247,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
                 "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
                 "compile_count": trainer.compile_count()}
       if ran_cad is not None:
-        record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.min_gain / min_imbalance)
+        record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)
       if load_after is not None:
         imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
         record["attention_imbalance_after"] = imbalances_after[-1]
@@ -440,7 +440,7 @@ def format_summary(s: Summary) -> str:
   ]
   if s.colocated_steps:
     lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran "
-                 f"colocated attention (predicted gain below attention.min_gain, or imbalance below "
+                 f"colocated attention (predicted saving below attention.min_gain, or imbalance below "
                  f"attention.min_imbalance)")
   if s.peak_memory_bytes:
     lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")

@@ -51,16 +51,46 @@ def imbalance(load: np.ndarray) -> float:
 ATTENTION_COST_RATIO = 0.75
 
 
-def predicted_cad_gain(shape: ModelShape, layout: Layout) -> float:
-  """Fraction of the colocated step that balancing core attention is predicted to save: (max −
+# What CAD's exchange costs a step beyond the attention it moves (fit of fourteen batches measured
+# on 4 x H100 against the plans the trainer made for them, `launch/fit_gate.py`): a fixed part
+# (the ping-pong split's smaller matmuls, the exchange's calls) as a fraction of the step's matmul
+# time, and a part per byte the busiest device sends and receives per layer, in matmul-FLOP
+# equivalents (the time NVLink takes for a byte, not hidden behind the other nano-batch).
+EXCHANGE_FIXED = 0.0228
+EXCHANGE_FLOPS_PER_BYTE = 4.17e3
+
+
+def predicted_cad_gain(shape: ModelShape, layout: Layout, exchange: bool = False) -> float:
+  """The most balancing core attention can save, as a fraction of the colocated step: (max −
   mean of the devices' attention time) / (the slowest device's step time), times from FLOPs
-  (`ATTENTION_COST_RATIO`). Balancing at best brings every device to the mean; the exchange's cost
-  is not in it (the gate's threshold, `attention.min_gain`, covers it)."""
+  (`ATTENTION_COST_RATIO`); balancing at best brings every device to the mean. `exchange`: less
+  the exchange's fixed cost (`EXCHANGE_FIXED`), an upper bound on `predicted_cad_saving`."""
   area = attention_load_per_device(layout)
   attn = (3.5 * ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * shape.layers) * area
   tokens = np.bincount(layout.buffer, weights=layout.length, minlength=layout.num_buffers)
-  step = 3.0 * shape.matmul_flops_per_token() * tokens + attn
-  return float((attn.max() - attn.mean()) / step.max()) if step.max() > 0 else 0.0
+  linear = 3.0 * shape.matmul_flops_per_token() * tokens
+  step = (linear + attn).max()
+  if step <= 0:
+    return 0.0
+  fixed = EXCHANGE_FIXED * linear.max() if exchange else 0.0
+  return float((attn.max() - attn.mean() - fixed) / step)
+
+
+def predicted_cad_saving(shape: ModelShape, layout: Layout, plans) -> float:
+  """Fraction of the colocated step CAD is predicted to save with these plans (the step's
+  nano-batches, balanced), net of the exchange: (the slowest device's attention time colocated −
+  the slowest server's after planning − the exchange's cost) / the colocated step. Times from
+  FLOPs (`ATTENTION_COST_RATIO`, `EXCHANGE_*`); the same on every process (global plans only)."""
+  per_area = 3.5 * ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * shape.layers
+  tokens = np.bincount(layout.buffer, weights=layout.length, minlength=layout.num_buffers)
+  linear = 3.0 * shape.matmul_flops_per_token() * tokens
+  colocated = per_area * attention_load_per_device(layout)
+  planned = per_area * sum(p.stats.load_after for p in plans)
+  moved = sum(p.traffic.send + p.traffic.recv for p in plans).max() * shape.layers
+  net = (colocated.max() - planned.max() - EXCHANGE_FIXED * linear.max()
+         - EXCHANGE_FLOPS_PER_BYTE * moved)
+  step = (linear + colocated).max()
+  return float(net / step) if step > 0 else 0.0
 
 
 def step_flops(shape: ModelShape, layout: Layout) -> float:
