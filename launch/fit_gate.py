@@ -1,6 +1,6 @@
 """Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "The step gate").
 
-    python launch/fit_gate.py
+    python launch/fit_gate.py [--expect 50]
 
 CPU only. For each measured batch (4 x H100, Llama-3-8B shape with 2 layers, 64K tokens per
 device; colocated and distca step ms from `bench_train.py --suite cad`) it rebuilds the batch
@@ -8,6 +8,9 @@ from the sampler, fits the colocated step time as c0 + k x (the slowest device's
 area), prints `metrics.predicted_cad_gain` beside the measured saving, then plans the batch as
 the trainer does (ping-pong on), counts the rows that cross devices, fits the exchange overhead
 as a + b x rows, and predicts each batch's net saving from a fit of the others (leave-one-out).
+`--expect N`: then, for the sampler's first N batches of each distribution on 4 and 2 devices,
+the gate's decisions and the speedup its predictions give over those N steps (a prediction from
+the fitted model, not a measurement).
 """
 
 from __future__ import annotations
@@ -29,7 +32,52 @@ MEASURED = {
 DEVICES = 4
 
 
+def expect(steps: int) -> None:
+  """Share of steps the gate gives CAD, and the predicted speedup of the gated run over the
+  colocated one summed over `steps` sampled batches."""
+  from distca_jax import dispatch
+  from distca_jax.config import load_config
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics
+
+  cfg = load_config(None, ["model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
+                           "data.tokens_per_device=65536", "attention.impl=distca",
+                           "attention.gate=false"])
+  shape = resolve(cfg.model)
+  per_area = 3.5 * metrics.ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * shape.layers
+  print(f"\n| devices | batches | CAD on | predicted speedup over {steps} steps |\n|---|---|---|---|")
+  for n in (4, 2):
+    for dist in ("pretrain", "prolong"):
+      data = dataclasses.replace(cfg.data, distribution=dist)
+      src = synthetic_from_config(data, shape.vocab_size, n)
+      colocated, gated, cad = 0.0, 0.0, 0
+      for step in range(steps):
+        layout = src.batch(step).layout
+        saving = metrics.predicted_cad_saving(
+            shape, layout, dispatch.host_context(cfg.attention, src.batch(step), shape).plans)
+        tokens = np.bincount(layout.buffer, weights=layout.length, minlength=n)
+        t = (3.0 * shape.matmul_flops_per_token() * tokens
+             + per_area * metrics.attention_load_per_device(layout)).max()
+        runs_cad = saving >= cfg.attention.min_gain
+        colocated += t
+        gated += t * (1 - saving) if runs_cad else t
+        cad += runs_cad
+      print(f"| {n} | {dist} | {cad / steps:.0%} | {colocated / gated:.3f} |")
+
+
 def main() -> None:
+  import argparse
+
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--expect", type=int, default=0)
+  args = ap.parse_args()
+  fit()
+  if args.expect:
+    expect(args.expect)
+
+
+def fit() -> None:
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
