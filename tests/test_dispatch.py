@@ -198,6 +198,32 @@ def test_gate_on_the_plan(monkeypatch):
   assert isinstance(attn.host_context(gated, equal, shape), attn.ColocatedContext)
 
 
+@pytest.mark.parametrize("dist", ["pretrain", "prolong"])
+def test_gate_decides_alike_on_every_process(dist):
+  """Each process plans only its own devices' rows, and every process must take the gate's
+  decision alike (else they would run different executables): the prediction comes from the
+  global plans, the same whatever rows a process builds."""
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics
+
+  n = 8
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     f"data.distribution={dist}")
+  shape = resolve(cfg.model)
+  for step in range(3):
+    batch = synthetic_from_config(cfg.data, 512, n).batch(step)
+    whole = attn.host_context(cfg.attention, batch, shape)
+    want = metrics.predicted_cad_saving(shape, batch.layout, whole.plans)
+    for D in (np.array([0, 1]), np.arange(4, 8)):
+      part = attn.host_context(cfg.attention, batch, shape, devices=D)
+      assert metrics.predicted_cad_saving(shape, batch.layout, part.plans) == want
+      for min_gain in (want - 1e-3, want + 1e-3):
+        gated = dataclasses.replace(cfg.attention, gate=True, min_gain=min_gain)
+        assert (isinstance(attn.host_context(gated, batch, shape, devices=D), attn.ColocatedContext)
+                == isinstance(attn.host_context(gated, batch, shape), attn.ColocatedContext)
+                == (min_gain > want))
+
+
 def test_plan_for_another_batch_is_refused():
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
                      "attention.pingpong=false")
