@@ -77,7 +77,11 @@ def main() -> None:
     expect(args.expect)
 
 
-def fit() -> None:
+def fit(verbose: bool = True) -> dict:
+  """The fit above; prints it (and the per-batch table) when `verbose`. Returns the constants it
+  implies for `distca_jax.train.metrics` (`attention_cost_ratio`, `exchange_fixed`,
+  `exchange_flops_per_byte`) and, per batch, the measured and the shipped gate's predicted
+  saving (fractions of the colocated step)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -106,34 +110,42 @@ def fit() -> None:
                      linear=3.0 * shape.matmul_flops_per_token() * tokens.max()))
   c0, k = np.linalg.lstsq(np.array([[1.0, r["max"]] for r in rows]),
                           np.array([r["col"] for r in rows]), rcond=None)[0]
-  print(f"colocated step ms = {c0:.1f} + {k * 1e9:.1f} per 1e9 attention area of the slowest device")
+  say = print if verbose else (lambda *a, **k: None)
+  say(f"colocated step ms = {c0:.1f} + {k * 1e9:.1f} per 1e9 attention area of the slowest device")
   ideal = np.array([k * (r["max"] - r["planned"]) for r in rows])
   saved = np.array([r["col"] - r["cad"] for r in rows])
   X = np.array([[1.0, r["moved"]] for r in rows])
   a, b = np.linalg.lstsq(X, ideal - saved, rcond=None)[0]
-  print(f"exchange overhead ms = {a:.1f} + {b * 1e3:.3f} per 1000 rows moved (all devices)")
+  say(f"exchange overhead ms = {a:.1f} + {b * 1e3:.3f} per 1000 rows moved (all devices)")
   # The same against the busiest device's bytes (what the gate uses: it holds for any device
   # count), in the units of metrics.predicted_cad_saving: matmul FLOPs of the step.
   Xb = np.array([[1.0, r["bytes"]] for r in rows])
   ab, bb = np.linalg.lstsq(Xb, ideal - saved, rcond=None)[0]
   resid = ideal - saved - Xb @ np.array([ab, bb])
   flops_per_ms = rows[0]["linear"] / c0
-  print(f"exchange overhead ms = {ab:.1f} + {bb * 1e9:.3f} per GB the busiest device moves "
+  ratio = k * flops_per_ms / (3.5 * 4.0 * shape.head_dim * shape.heads * shape.layers)
+  say(f"exchange overhead ms = {ab:.1f} + {bb * 1e9:.3f} per GB the busiest device moves "
         f"(residuals {np.abs(resid).max():.0f} ms at most): EXCHANGE_FIXED = {ab / c0:.4f}, "
         f"EXCHANGE_FLOPS_PER_BYTE = {bb * flops_per_ms:.3g}")
-  print(f"  (metrics.py has EXCHANGE_FIXED = {metrics.EXCHANGE_FIXED}, EXCHANGE_FLOPS_PER_BYTE = "
-        f"{metrics.EXCHANGE_FLOPS_PER_BYTE:.3g}; attention at {k * 1e9:.1f} ms per 1e9 area)\n")
+  say(f"  (metrics.py has EXCHANGE_FIXED = {metrics.EXCHANGE_FIXED}, EXCHANGE_FLOPS_PER_BYTE = "
+      f"{metrics.EXCHANGE_FLOPS_PER_BYTE:.3g}; ATTENTION_COST_RATIO fitted {ratio:.3f}, shipped "
+      f"{metrics.ATTENTION_COST_RATIO})\n")
   X = Xb
-  print("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
+  out = dict(attention_cost_ratio=ratio, exchange_fixed=ab / c0,
+             exchange_flops_per_byte=bb * flops_per_ms, batches={})
+  say("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
         "| net saving, leave-one-out | predicted_cad_saving |")
-  print("|---|---|---|---|---|---|---|---|")
+  say("|---|---|---|---|---|---|---|---|")
   for i, r in enumerate(rows):
     keep = np.arange(len(rows)) != i
     ai, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
     net = ideal[i] - ai - bi * r["bytes"]
-    print(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
-          f"{c0 + k * r['max']:.0f} (measured {r['col']:.0f}) | {saved[i] / r['col']:+.1%} | "
-          f"{net / r['col']:+.1%} | {metrics.predicted_cad_saving(shape, r['layout'], r['plans']):+.1%} |")
+    shipped = metrics.predicted_cad_saving(shape, r["layout"], r["plans"])
+    out["batches"][r["batch"]] = (saved[i] / r["col"], shipped)
+    say(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
+        f"{c0 + k * r['max']:.0f} (measured {r['col']:.0f}) | {saved[i] / r['col']:+.1%} | "
+        f"{net / r['col']:+.1%} | {shipped:+.1%} |")
+  return out
 
 
 if __name__ == "__main__":

@@ -224,6 +224,32 @@ def test_gate_decides_alike_on_every_process(dist):
                 == (min_gain > want))
 
 
+def test_gate_constants_are_the_fit_of_the_recorded_measurements():
+  """metrics' gate constants are what launch/fit_gate.py fits to the step times it records
+  (4 x H100, docs/PERFORMANCE.md "The step gate"): a change to the planner, the traffic model or
+  the data that moves the fit leaves them stale, and this says so. And the shipped gate takes
+  CAD's side on every measured batch that gained more than 1%, colocated's on every one that lost
+  more than 1%."""
+  import importlib.util
+  from pathlib import Path
+
+  from distca_jax.train import metrics
+
+  path = Path(__file__).resolve().parents[1] / "launch" / "fit_gate.py"
+  spec = importlib.util.spec_from_file_location("fit_gate", path)
+  fit_gate = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(fit_gate)
+  fitted = fit_gate.fit(verbose=False)
+  assert fitted["attention_cost_ratio"] == pytest.approx(metrics.ATTENTION_COST_RATIO, rel=0.02)
+  assert fitted["exchange_fixed"] == pytest.approx(metrics.EXCHANGE_FIXED, rel=0.02)
+  assert fitted["exchange_flops_per_byte"] == pytest.approx(metrics.EXCHANGE_FLOPS_PER_BYTE,
+                                                            rel=0.02)
+  assert len(fitted["batches"]) == 14
+  for name, (measured, predicted) in fitted["batches"].items():
+    if abs(measured) > 0.01:
+      assert (predicted >= 0) == (measured > 0), (name, measured, predicted)
+
+
 def test_plan_for_another_batch_is_refused():
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
                      "attention.pingpong=false")
