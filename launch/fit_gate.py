@@ -1,6 +1,6 @@
 """Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "The step gate").
 
-    python launch/fit_gate.py [--expect 50]
+    python launch/fit_gate.py [--expect 50] [--sim]
 
 CPU only. For each measured batch (4 x H100, Llama-3-8B shape with 2 layers, 64K tokens per
 device; colocated and distca step ms from `bench_train.py --suite cad`) it rebuilds the batch
@@ -10,7 +10,8 @@ the trainer does (ping-pong on), counts the rows that cross devices, fits the ex
 as a + b x rows, and predicts each batch's net saving from a fit of the others (leave-one-out).
 `--expect N`: then, for the sampler's first N batches of each distribution on 4 and 2 devices,
 the gate's decisions and the speedup its predictions give over those N steps (a prediction from
-the fitted model, not a measurement).
+the fitted model, not a measurement). `--sim`: the simulator's own cost terms fit to the same
+batches.
 """
 
 from __future__ import annotations
@@ -66,15 +67,51 @@ def expect(steps: int) -> None:
       print(f"| {n} | {dist} | {cad / steps:.0%} | {colocated / gated:.3f} |")
 
 
+SIM_ARGS = ["gpus=[4]", "tensor_parallel=1", "pipeline_parallel=[1]", "tokens_per_rank=[65536]",
+            "distributions=[pretrain,prolong]", "batches=80", "elongate_factor=1", "exchange=tiled",
+            "layers=2", "hardware.linear_tflops=250",
+            "hardware.time_table=kernels/tables/NVIDIA_H100_triton.json", "progress=false"]
+
+
+def fit_simulator() -> None:
+  """The simulator's own calibration terms (`cad_fixed_overhead`, `cad_ms_per_gb`) on the same
+  batches: a grid of both, each scored by the RMS error of the simulated CAD speedup against the
+  measured one (the simulator's attention model is not the gate's, so its terms differ)."""
+  import itertools
+
+  from distca_jax.sim.config import load_sim_config
+  from distca_jax.sim.engine import make_simulator, points
+
+  print(f"\n| cad_fixed_overhead | cad_ms_per_gb | RMS error of the speedup | mean | max |\n"
+        f"|---|---|---|---|---|")
+  for fixed, per_gb in itertools.product((0.0, 0.01, 0.02, 0.025), (0.0, 5.0, 7.0, 16.6)):
+    cfg = load_sim_config(None, SIM_ARGS + [f"cad_fixed_overhead={fixed}",
+                                            f"cad_ms_per_gb={per_gb}"])
+    err = []
+    for point in points(cfg):
+      sim = make_simulator(cfg, point)
+      for (dist, step), (col, cad) in MEASURED.items():
+        if dist == point.distribution:
+          r, _ = sim.batch(step)
+          err.append(r["colocated"].iter_s / r["cad"].iter_s - col / cad)
+    err = np.asarray(err)
+    print(f"| {fixed} | {per_gb} | {np.sqrt((err ** 2).mean()):.4f} | {err.mean():+.4f} | "
+          f"{np.abs(err).max():.4f} |")
+
+
 def main() -> None:
   import argparse
 
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--expect", type=int, default=0)
+  ap.add_argument("--sim", action="store_true",
+                  help="also calibrate the simulator's CAD cost terms on the same batches")
   args = ap.parse_args()
   fit()
   if args.expect:
     expect(args.expect)
+  if args.sim:
+    fit_simulator()
 
 
 def fit(verbose: bool = True) -> dict:

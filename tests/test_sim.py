@@ -108,6 +108,28 @@ def test_min_imbalance_gate_runs_colocated():
     load_sim_config(None, ["min_imbalance=0.5"])
 
 
+def test_cad_cost_terms_slow_cad_only():
+  """The calibration terms add to CAD's step exactly their fixed share of the linear time plus
+  their ms per GB of the rows that move, per layer on the slowest rank; the baselines do not
+  change; negative values are refused."""
+  base = ["gpus=[8]", "tensor_parallel=1", "tokens_per_rank=[65536]", "layers=2",
+          "distributions=[prolong]"]
+  point = Point("llama3_8b", 8, 65536, "prolong")
+  ideal = Simulator(load_sim_config(None, base), point).batch(1)[0]
+  fixed = Simulator(load_sim_config(None, base + ["cad_fixed_overhead=0.1"]), point).batch(1)[0]
+  per_gb = Simulator(load_sim_config(None, base + ["cad_ms_per_gb=50"]), point).batch(1)[0]
+  for name in ("colocated", "wlb", "per_doc_cp"):
+    assert fixed[name].iter_s == ideal[name].iter_s == per_gb[name].iter_s
+  assert ideal["cad"].iter_s < per_gb["cad"].iter_s
+  # Every rank holds the same tokens, so the fixed term adds 10% of one rank's linear time.
+  sim = Simulator(load_sim_config(None, base), point)
+  lin_s = 65536 * sim.lin_ms_per_token * sim.shape.layers / 1e3
+  assert fixed["cad"].iter_s - ideal["cad"].iter_s == pytest.approx(0.1 * lin_s, rel=0.05)
+  for bad in ("cad_fixed_overhead=-0.1", "cad_ms_per_gb=-1"):
+    with pytest.raises(ConfigError, match=bad.split("=")[0]):
+      load_sim_config(None, [bad])
+
+
 def test_layers_override():
   """layers=2: the preset with two decoder layers; the LM head's share of a layer grows, so the
   step is more than 2/32 of the 32-layer one and CAD's gain on an imbalanced batch is smaller."""

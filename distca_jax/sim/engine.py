@@ -171,6 +171,9 @@ class Simulator:
     tokens = sum(x[2] for x in per)
     comm_ms = sum(x[3] for x in per)
     bytes_ = sum(x[4] for x in per)
+    # The calibrated costs beyond the model (SimConfig.cad_fixed_overhead, cad_ms_per_gb).
+    extra = (cfg.cad_fixed_overhead * tokens * self.lin_ms_per_token
+             + cfg.cad_ms_per_gb * sum(x[5] for x in per) / 1e9)
     if cfg.pingpong:
       comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
       ov = cfg.pingpong_overlap
@@ -180,17 +183,17 @@ class Simulator:
       exposed, hidden = None, None
     return dataclasses.replace(
         self._result("cad", None, comm_ms, cfg.pingpong_overlap, area_after, tokens, attn_ms,
-                     bytes_, exposed=exposed, hidden=hidden), shards_max=shards)
+                     bytes_, exposed=exposed, hidden=hidden, extra_ms=extra), shards_max=shards)
 
   def _result(self, name, load: SystemLoad, comm_ms, overlap, area, tokens, attn_ms, bytes_,
-              exposed=None, hidden=None):
+              exposed=None, hidden=None, extra_ms=0.0):
     lin = tokens * self.lin_ms_per_token
     compute = lin + attn_ms
     if exposed is None:
       exposed = comm_ms - overlap * np.minimum(comm_ms, compute)
     if hidden is None:
       hidden = bool((comm_ms <= compute + 1e-12).all())
-    per_rank = compute + exposed
+    per_rank = compute + exposed + extra_ms
     ratio = lambda x: float(x.max() / x.mean()) if x.mean() > 0 else 1.0
     return SystemResult(
         name=name, cp=load.cp if load is not None else 1, compute_imbalance=ratio(area),
@@ -265,7 +268,9 @@ class Simulator:
                          minlength=n)
       tr = traffic(tasks, lay, self.comm, pairwise=True, tiled=cfg.exchange == "tiled")
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
-      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes), np.maximum(tr.send, tr.recv)))
+      moved = plan.traffic.send + plan.traffic.recv  # the rows that move, padded or not
+      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes), np.maximum(tr.send, tr.recv),
+                  moved))
       remote = tasks.server != tasks.home
       shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))
       if dump_dir is not None:
