@@ -29,9 +29,9 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 # section Kernels). Kernel alone, head dim 128, same run: mosaic (Mosaic GPU forward and
 # one-kernel backward) 460 / 381 TF/s forward+backward on the Pretrain / ProLong 64K batches,
 # triton 407 / 343 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
-# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: in a training step
-# (Llama-3-8B shape, 2 layers, same machine) the two are equal, and mosaic compiles slower as
-# layers grow; name `mosaic` to use it. `auto` takes the first one that is installed and runs the
+# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: no training step
+# has yet compared the two on a batch where attention matters (the one tried was ~3% attention),
+# and mosaic compiles slower as layers grow; name `mosaic` to use it. `auto` takes the first one that is installed and runs the
 # call's head dim, dtype and GPU (`unsupported`). On CPU only the reference is fast enough to
 # matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}

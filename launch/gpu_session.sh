@@ -18,7 +18,9 @@
 #          each mosaic:KEY=VALUE variant in N_VARIANTS; reports, details and per-SASS-line counters to $OUT
 #   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
-#          layers), S_TOKENS tokens (default 65536): step time, peak and XLA temp memory per kernel
+#          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
+#          Pretrain 64K batch attention is ~3% of this step, too little for a kernel to show):
+#          step time, peak and XLA temp memory per kernel
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -88,7 +90,8 @@ for suite in "$@"; do
     kstep) for k in ${S_KERNELS:-triton mosaic}; do
              CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${S_TIMEOUT:-200} python3 -P launch/bench_train.py --suite mfu \
                --tokens ${S_TOKENS:-65536} --warmup 1 --steps 3 --json "$OUT/kstep_$k.json" \
-               ${S_MODEL:-model.preset=llama3_8b model.layers=2} data.length_scale=1 attention.kernel=$k 2>&1 \
+               ${S_MODEL:-model.preset=llama3_8b model.layers=2} data.length_scale=1 \
+               data.distribution=${S_DIST:-prolong} attention.kernel=$k 2>&1 \
                | grep -v -i warn | tail -3 | tee -a "$OUT/kstep.log"
            done ;;
     ncu) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
