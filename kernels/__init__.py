@@ -31,9 +31,9 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 # triton 407 / 343 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
 # within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: no training step
 # has yet compared the two on a batch where attention matters (the one tried was ~3% attention),
-# and mosaic compiles slower as layers grow; name `mosaic` to use it. `auto` takes the first one that is installed and runs the
-# call's head dim, dtype and GPU (`unsupported`). On CPU only the reference is fast enough to
-# matter (Pallas runs interpreted).
+# and mosaic compiles slower as layers grow; name `mosaic` to use it. `auto` takes the first one
+# that is installed and runs the call's head dim, dtype and GPU (`unsupported`). On CPU only the
+# reference is fast enough to matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
 
 log = logging.getLogger(__name__)

@@ -86,12 +86,15 @@ def parse_options(spec: str) -> Options:
         raise ValueError(f"mosaic option {key}={val!r}: give true or false")
       opts = opts._replace(**{key: val.lower() in ("1", "true")})
     else:
-      opts = opts._replace(**{key: type(old)(val)})
+      try:
+        opts = opts._replace(**{key: type(old)(val)})
+      except ValueError:
+        raise ValueError(f"mosaic option {key}={val!r}: not a {type(old).__name__}") from None
   return opts
 
 
 def unsupported(head_dim: int, dtype) -> str | None:
-  """Why this backward cannot run attention of this head dim and dtype, or None."""
+  """Why these kernels cannot run attention of this head dim and dtype, or None."""
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return f"the mosaic backward takes bf16 or fp16, not {jnp.dtype(dtype).name}"
   if head_dim not in (64, 128):  # 256 needs more shared memory than the card has with these tiles

@@ -433,8 +433,9 @@ def test_mosaic_parse_options():
   assert parse_options("") == Options()
   assert parse_options("forward=mosaic+stages=3+kv_major=false") == Options()._replace(
       forward="mosaic", stages=3, kv_major=False)
-  for bad in ("stagez=3", "kv_major=maybe", "stages=two"):
-    with pytest.raises(ValueError):
+  for bad, why in (("stagez=3", "choose from"), ("kv_major=maybe", "true or false"),
+                   ("stages=two", "not a int")):
+    with pytest.raises(ValueError, match=why):
       parse_options(bad)
 
 

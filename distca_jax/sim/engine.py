@@ -269,7 +269,8 @@ class Simulator:
       tr = traffic(tasks, lay, self.comm, pairwise=True, tiled=cfg.exchange == "tiled")
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
       moved = plan.traffic.send + plan.traffic.recv  # the rows that move, padded or not
-      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes), np.maximum(tr.send, tr.recv),
+      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes),
+                  np.maximum(tr.send, tr.recv),
                   moved))
       remote = tasks.server != tasks.home
       shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))

@@ -215,7 +215,8 @@ class PipelineSimulator(Simulator):
                          minlength=n)
       tr = traffic(tasks, lay, comm, pairwise=True, tiled=cfg.exchange == "tiled")
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
-      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes), np.maximum(tr.send, tr.recv),
+      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes),
+                  np.maximum(tr.send, tr.recv),
                   plan.traffic.send + plan.traffic.recv))
       remote = tasks.server != tasks.home
       shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))

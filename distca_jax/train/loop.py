@@ -440,8 +440,8 @@ def format_summary(s: Summary) -> str:
   ]
   if s.colocated_steps:
     lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran "
-                 f"colocated attention (predicted saving below attention.min_gain, or imbalance below "
-                 f"attention.min_imbalance)")
+                 f"colocated attention (predicted saving below attention.min_gain, or imbalance "
+                 f"below attention.min_imbalance)")
   if s.peak_memory_bytes:
     lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")
   return "\n".join(lines)
