@@ -270,8 +270,7 @@ class Simulator:
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
       moved = plan.traffic.send + plan.traffic.recv  # the rows that move, padded or not
       per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes),
-                  np.maximum(tr.send, tr.recv),
-                  moved))
+                  np.maximum(tr.send, tr.recv), moved))
       remote = tasks.server != tasks.home
       shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))
       if dump_dir is not None:
