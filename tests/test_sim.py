@@ -130,6 +130,27 @@ def test_cad_cost_terms_slow_cad_only():
       load_sim_config(None, [bad])
 
 
+def test_gate_keeps_the_faster_of_cad_and_colocated():
+  """gate=true: a batch CAD would run slower than colocated runs colocated; the others are
+  CAD's result unchanged."""
+  base = ["gpus=[4]", "tensor_parallel=1", "tokens_per_rank=[65536]", "layers=2",
+          "distributions=[pretrain]", "elongate_factor=1", "cad_fixed_overhead=0.02",
+          "cad_ms_per_gb=7"]  # the calibrated 4-GPU setting: batches 0 and 1 lose with CAD
+  point = Point("llama3_8b", 4, 65536, "pretrain")
+  free, gated = (Simulator(load_sim_config(None, base + extra), point)
+                 for extra in ([], ["gate=true"]))
+  lost = won = 0
+  for step in range(6):
+    f, g = free.batch(step)[0], gated.batch(step)[0]
+    if f["cad"].iter_s > f["colocated"].iter_s:
+      assert g["cad"] == dataclasses.replace(g["colocated"], name="cad")
+      lost += 1
+    else:
+      assert g["cad"] == f["cad"]
+      won += 1
+  assert lost and won, (lost, won)
+
+
 def test_layers_override():
   """layers=2: the preset with two decoder layers; the LM head's share of a layer grows, so the
   step is more than 2/32 of the 32-layer one and CAD's gain on an imbalanced batch is smaller."""

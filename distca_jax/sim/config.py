@@ -77,6 +77,9 @@ class SimConfig:
   # A batch whose colocated attention imbalance is below this runs colocated (training's
   # attention.min_imbalance); 1: off, so the simulator shows what CAD costs on balanced batches.
   min_imbalance: float = 1.0
+  # Training's step gate (attention.gate), here with the simulator's own model as the prediction:
+  # a batch CAD would run slower than colocated runs colocated. Off: every batch runs CAD.
+  gate: bool = False
   # Baselines: WLB token cap (× T) and the CP sizes swept (0: every power of two up to 32).
   wlb_token_cap: float = 1.5
   cp_sizes: tuple = (0,)

@@ -234,6 +234,8 @@ class Simulator:
       out["cad"], area_after = dataclasses.replace(out["colocated"], name="cad"), col.area
     else:
       out["cad"], area_after = self._cad(lens, layout, step, dump_dir)
+      if cfg.gate and out["cad"].iter_s > out["colocated"].iter_s:  # the gate: CAD would lose
+        out["cad"], area_after = dataclasses.replace(out["colocated"], name="cad"), col.area
     # WLB packing (cp = 1), the best DP x CP sweep, and per-document CP over everything.
     token_weight = self.lin_ms_per_token / max(float(self.kernel.fwdbwd_ms(4096, 4096))
                                                / float(4096 * 4097 / 2), 1e-30)
