@@ -127,6 +127,8 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   assert colo.colocated_steps is None
   cad = [" cad=1 " in l + " " for l in lines if l.startswith("step ")]  # per step: CAD ran
   assert cad == [i >= gate for i in imb], (lines, imb)
+  # CAD steps log what the gate predicted their plans save; gated steps have no plans.
+  assert [" cad_predicted_saving=" in l for l in lines if l.startswith("step ")] == cad
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
   assert dist.compile_count >= 2
   np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)
