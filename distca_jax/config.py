@@ -91,6 +91,14 @@ class AttentionConfig:
   # CAD on every step. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance only.
   gate: bool = True
   min_gain: float = 0.0
+  # The gate's cost model, in matmul-FLOP units: attention's time per FLOP relative to the rest
+  # of the step; the exchange's fixed cost as a fraction of the matmul time; and its cost per
+  # byte the busiest device sends and receives. Fit on one NVLink host of 4 H100s with the Triton
+  # kernel (`python launch/fit_gate.py` refits from measured step times and prints these three
+  # as overrides): refit them for other GPUs, kernels or multi-node exchanges.
+  gate_attention_cost: float = 0.75
+  gate_exchange_fixed: float = 0.0228
+  gate_exchange_flops_per_byte: float = 4170.0
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
@@ -340,6 +348,9 @@ def validate(config: Config) -> None:
   a = config.attention
   if not 0 <= a.epsilon < 1:
     raise ConfigError(f"attention.epsilon: must be in [0, 1), got {a.epsilon}")
+  for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
+    if not getattr(a, name) >= 0:
+      raise ConfigError(f"attention.{name}: must be >= 0, got {getattr(a, name)}")
   if not -1 < a.min_gain < 1:
     raise ConfigError(f"attention.min_gain: a fraction of the step, must be in (-1, 1) "
                       f"(attention.gate=false turns the gate off), got {a.min_gain}")

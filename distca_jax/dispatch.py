@@ -498,12 +498,14 @@ def host_context(attention_config, batch: Batch, shape, devices=None):
   if metrics.imbalance(metrics.attention_load_per_device(layout)) < attention_config.min_imbalance:
     return colocated_context(layout)
   gate = attention_config.gate
-  if gate and metrics.predicted_cad_gain(shape, layout, exchange=True) < attention_config.min_gain:
+  if gate and metrics.predicted_cad_gain(shape, layout, exchange=True,
+                                         attention_config=attention_config) < attention_config.min_gain:
     return colocated_context(layout)
   batches = split_pingpong_batch(batch) if attention_config.pingpong else (batch,)
   planned = [plan_for_layout(attention_config, b.layout, shape, devices, b) for b in batches]
   plans = tuple(p for p, _ in planned)
-  if gate and metrics.predicted_cad_saving(shape, layout, plans) < attention_config.min_gain:
+  if gate and (metrics.predicted_cad_saving(shape, layout, plans, attention_config)
+               < attention_config.min_gain):
     return colocated_context(layout)
   return StepContext(batches=batches, dispatch=tuple(d for _, d in planned), plans=plans)
 

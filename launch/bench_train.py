@@ -155,7 +155,7 @@ def _predicted_saving(config, batch, shape) -> float:
 
   a = dataclasses.replace(config.attention, impl="distca", gate=False, min_imbalance=1.0)
   ctx = dispatch.host_context(a, batch, shape)
-  return metrics.predicted_cad_saving(shape, batch.layout, ctx.plans)
+  return metrics.predicted_cad_saving(shape, batch.layout, ctx.plans, a)
 
 
 def main(argv=None) -> int:
@@ -306,7 +306,8 @@ def main(argv=None) -> int:
             print(f"{kind:9s} {name:14s} ran colocated attention (predicted saving below "
                   f"attention.min_gain)", flush=True)
         r.update(batch=kind, variant=name, speedup=base_time / r["median_s"],
-                 predicted_gain=metrics_lib.predicted_cad_gain(shape, batch.layout),
+                 predicted_gain=metrics_lib.predicted_cad_gain(shape, batch.layout,
+                                                               attention_config=config.attention),
                  predicted_saving=_predicted_saving(config, batch, shape))
         rows.append(r)
         if args.compile_only:  # a memory report: no steps ran

@@ -46,7 +46,8 @@ def expect(steps: int) -> None:
                            "data.tokens_per_device=65536", "attention.impl=distca",
                            "attention.gate=false"])
   shape = resolve(cfg.model)
-  per_area = 3.5 * metrics.ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * shape.layers
+  per_area = (3.5 * cfg.attention.gate_attention_cost * 4.0 * shape.head_dim * shape.heads
+              * shape.layers)
   print(f"\n| devices | batches | CAD on | predicted speedup over {steps} steps |\n|---|---|---|---|")
   for n in (4, 2):
     for dist in ("pretrain", "prolong"):
@@ -56,7 +57,8 @@ def expect(steps: int) -> None:
       for step in range(steps):
         layout = src.batch(step).layout
         saving = metrics.predicted_cad_saving(
-            shape, layout, dispatch.host_context(cfg.attention, src.batch(step), shape).plans)
+            shape, layout, dispatch.host_context(cfg.attention, src.batch(step), shape).plans,
+            cfg.attention)
         tokens = np.bincount(layout.buffer, weights=layout.length, minlength=n)
         t = (3.0 * shape.matmul_flops_per_token() * tokens
              + per_area * metrics.attention_load_per_device(layout)).max()
@@ -115,9 +117,9 @@ def main() -> None:
 
 
 def fit(verbose: bool = True) -> dict:
-  """The fit above; prints it (and the per-batch table) when `verbose`. Returns the constants it
-  implies for `distca_jax.train.metrics` (`attention_cost_ratio`, `exchange_fixed`,
-  `exchange_flops_per_byte`) and, per batch, the measured and the shipped gate's predicted
+  """The fit above; prints it (and the per-batch table) when `verbose`. Returns the cost model
+  it implies (`attention.gate_attention_cost`, `gate_exchange_fixed`,
+  `gate_exchange_flops_per_byte`) and, per batch, the measured and the shipped gate's predicted
   saving (fractions of the colocated step)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
@@ -162,14 +164,16 @@ def fit(verbose: bool = True) -> dict:
   flops_per_ms = rows[0]["linear"] / c0
   ratio = k * flops_per_ms / (3.5 * 4.0 * shape.head_dim * shape.heads * shape.layers)
   say(f"exchange overhead ms = {ab:.1f} + {bb * 1e9:.3f} per GB the busiest device moves "
-        f"(residuals {np.abs(resid).max():.0f} ms at most): EXCHANGE_FIXED = {ab / c0:.4f}, "
-        f"EXCHANGE_FLOPS_PER_BYTE = {bb * flops_per_ms:.3g}")
-  say(f"  (metrics.py has EXCHANGE_FIXED = {metrics.EXCHANGE_FIXED}, EXCHANGE_FLOPS_PER_BYTE = "
-      f"{metrics.EXCHANGE_FLOPS_PER_BYTE:.3g}; ATTENTION_COST_RATIO fitted {ratio:.3f}, shipped "
-      f"{metrics.ATTENTION_COST_RATIO})\n")
+      f"(residuals {np.abs(resid).max():.0f} ms at most)")
+  a = cfg.attention
+  say(f"fitted: attention.gate_attention_cost={ratio:.3f} attention.gate_exchange_fixed="
+      f"{ab / c0:.4f} attention.gate_exchange_flops_per_byte={bb * flops_per_ms:.4g}")
+  say(f"shipped: attention.gate_attention_cost={a.gate_attention_cost} "
+      f"attention.gate_exchange_fixed={a.gate_exchange_fixed} "
+      f"attention.gate_exchange_flops_per_byte={a.gate_exchange_flops_per_byte:.4g}\n")
   X = Xb
-  out = dict(attention_cost_ratio=ratio, exchange_fixed=ab / c0,
-             exchange_flops_per_byte=bb * flops_per_ms, batches={})
+  out = dict(gate_attention_cost=ratio, gate_exchange_fixed=ab / c0,
+             gate_exchange_flops_per_byte=bb * flops_per_ms, batches={})
   say("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
         "| net saving, leave-one-out | predicted_cad_saving |")
   say("|---|---|---|---|---|---|---|---|")
@@ -177,7 +181,7 @@ def fit(verbose: bool = True) -> dict:
     keep = np.arange(len(rows)) != i
     ai, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
     net = ideal[i] - ai - bi * r["bytes"]
-    shipped = metrics.predicted_cad_saving(shape, r["layout"], r["plans"])
+    shipped = metrics.predicted_cad_saving(shape, r["layout"], r["plans"], cfg.attention)
     out["batches"][r["batch"]] = (saved[i] / r["col"], shipped)
     say(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
         f"{c0 + k * r['max']:.0f} (measured {r['col']:.0f}) | {saved[i] / r['col']:+.1%} | "

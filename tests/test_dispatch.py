@@ -187,10 +187,14 @@ def test_gate_on_the_plan(monkeypatch):
   tokens = np.bincount(equal.layout.buffer, weights=equal.layout.length, minlength=4)
   linear = 3.0 * shape.matmul_flops_per_token() * tokens.max()
   area = metrics.attention_load_per_device(equal.layout).max()
-  step = linear + 3.5 * metrics.ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * \
+  a = cfg.attention
+  step = linear + 3.5 * a.gate_attention_cost * 4.0 * shape.head_dim * shape.heads * \
       shape.layers * area
-  assert metrics.predicted_cad_saving(shape, equal.layout, plans) == pytest.approx(
-      -metrics.EXCHANGE_FIXED * linear / step)
+  assert metrics.predicted_cad_saving(shape, equal.layout, plans, a) == pytest.approx(
+      -a.gate_exchange_fixed * linear / step)
+  # The cost model is the config's: a free exchange leaves exactly the (here zero) balance gain.
+  free = dataclasses.replace(a, gate_exchange_fixed=0.0, gate_exchange_flops_per_byte=0.0)
+  assert metrics.predicted_cad_saving(shape, equal.layout, plans, free) == 0.0
 
   def no_planning(*a, **k):
     raise AssertionError("planned a batch the pre-check should have stopped")
@@ -227,7 +231,7 @@ def test_gate_decides_alike_on_every_process(dist):
 
 
 def test_gate_constants_are_the_fit_of_the_recorded_measurements():
-  """metrics' gate constants are what launch/fit_gate.py fits to the step times it records
+  """The gate's default cost model (attention.gate_*) is what launch/fit_gate.py fits to the step times it records
   (4 x H100, docs/PERFORMANCE.md "The step gate"): a change to the planner, the traffic model or
   the data that moves the fit leaves them stale, and this says so. And the shipped gate takes
   CAD's side on every measured batch that gained more than 1%, colocated's on every one that lost
@@ -235,17 +239,16 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   import importlib.util
   from pathlib import Path
 
-  from distca_jax.train import metrics
+  from distca_jax.config import AttentionConfig
 
   path = Path(__file__).resolve().parents[1] / "launch" / "fit_gate.py"
   spec = importlib.util.spec_from_file_location("fit_gate", path)
   fit_gate = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(fit_gate)
   fitted = fit_gate.fit(verbose=False)
-  assert fitted["attention_cost_ratio"] == pytest.approx(metrics.ATTENTION_COST_RATIO, rel=0.02)
-  assert fitted["exchange_fixed"] == pytest.approx(metrics.EXCHANGE_FIXED, rel=0.02)
-  assert fitted["exchange_flops_per_byte"] == pytest.approx(metrics.EXCHANGE_FLOPS_PER_BYTE,
-                                                            rel=0.02)
+  shipped = AttentionConfig()
+  for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
+    assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
   assert len(fitted["batches"]) == 14
   for name, (measured, predicted) in fitted["batches"].items():
     if abs(measured) > 0.01:

@@ -43,58 +43,66 @@ def imbalance(load: np.ndarray) -> float:
   return float(np.max(load)) / mean if mean > 0 else 1.0
 
 
-# Time per FLOP of core attention (forward + backward, counted as 3.5x the forward) relative to the
-# rest of a training step (3x the matmul FLOPs, which also pays for remat, norms and the LM head).
-# Least-squares fit of colocated step times of sampled batches, 4 x H100, Llama-3-8B shape with 2
-# layers, 64K tokens per device, Triton kernel (`launch/fit_gate.py`, docs/PERFORMANCE.md "The step
-# gate"): attention ~340 TF/s effective, the rest ~250; every fitted step within 5% of the measured.
-ATTENTION_COST_RATIO = 0.75
-
-# What CAD's exchange costs a step beyond the attention it moves (fit of fourteen batches measured
-# on 4 x H100 against the plans the trainer made for them, `launch/fit_gate.py`): a fixed part
-# (the ping-pong split's smaller matmuls, the exchange's calls) as a fraction of the step's matmul
-# time, and a part per byte the busiest device sends and receives per layer, in matmul-FLOP
-# equivalents (the time NVLink takes for a byte, not hidden behind the other nano-batch).
-EXCHANGE_FIXED = 0.0228
-EXCHANGE_FLOPS_PER_BYTE = 4.17e3
+# The gate's cost model lives in `AttentionConfig` (`gate_attention_cost`, `gate_exchange_fixed`,
+# `gate_exchange_flops_per_byte`), so a cluster can carry its own fit. The defaults are a
+# least-squares fit of fourteen batches measured on 4 x H100 (Llama-3-8B shape with 2 layers, 64K
+# tokens per device, Triton kernel; `launch/fit_gate.py`, docs/PERFORMANCE.md "The step gate"):
+# attention at 3.5x its forward FLOPs runs ~340 TF/s where the rest of the step (3x the matmul
+# FLOPs, which also pays for remat, norms and the LM head) runs ~250, every fitted colocated step
+# within 5% of the measured one; the exchange costs a fixed part (the ping-pong split's smaller
+# matmuls, its calls) and a part per byte the busiest device moves (laying rows out on the
+# servers, and the transfer ping-pong does not hide).
 
 
-def _colocated_step(shape: ModelShape, layout: Layout) -> tuple[np.ndarray, np.ndarray, float]:
+def _costs(attention_config):
+  if attention_config is None:
+    from distca_jax.config import AttentionConfig
+
+    attention_config = AttentionConfig()
+  return attention_config
+
+
+def _colocated_step(shape: ModelShape, layout: Layout, costs) -> tuple[np.ndarray, np.ndarray, float]:
   """Per device, in matmul FLOPs: the colocated step's matmul time and attention time; and the
   attention time per unit of causal area."""
-  per_area = 3.5 * ATTENTION_COST_RATIO * 4.0 * shape.head_dim * shape.heads * shape.layers
+  per_area = 3.5 * costs.gate_attention_cost * 4.0 * shape.head_dim * shape.heads * shape.layers
   tokens = np.bincount(layout.buffer, weights=layout.length, minlength=layout.num_buffers)
   linear = 3.0 * shape.matmul_flops_per_token() * tokens
   return linear, per_area * attention_load_per_device(layout), per_area
 
 
-def predicted_cad_gain(shape: ModelShape, layout: Layout, exchange: bool = False) -> float:
+def predicted_cad_gain(shape: ModelShape, layout: Layout, exchange: bool = False,
+                       attention_config=None) -> float:
   """The most balancing core attention can save, as a fraction of the colocated step: (max −
   mean of the devices' attention time) / (the slowest device's step time), times from FLOPs
-  (`ATTENTION_COST_RATIO`); balancing at best brings every device to the mean. `exchange`: less
-  the exchange's fixed cost (`EXCHANGE_FIXED`), an upper bound on `predicted_cad_saving`."""
-  linear, attn, _ = _colocated_step(shape, layout)
+  (the gate's cost model, `attention_config.gate_*`, default: `AttentionConfig()`'s); balancing
+  at best brings every device to the mean. `exchange`: less the exchange's fixed cost, an upper
+  bound on `predicted_cad_saving`."""
+  costs = _costs(attention_config)
+  linear, attn, _ = _colocated_step(shape, layout, costs)
   step = (linear + attn).max()
   if step <= 0:
     return 0.0
-  fixed = EXCHANGE_FIXED * linear.max() if exchange else 0.0
+  fixed = costs.gate_exchange_fixed * linear.max() if exchange else 0.0
   return float((attn.max() - attn.mean() - fixed) / step)
 
 
-def predicted_cad_saving(shape: ModelShape, layout: Layout, plans) -> float:
+def predicted_cad_saving(shape: ModelShape, layout: Layout, plans, attention_config=None) -> float:
   """Fraction of the colocated step CAD is predicted to save with these plans (the step's
   nano-batches, balanced), net of the exchange: (the slowest device's attention time colocated −
   the slowest server's after planning − the exchange's cost) / the colocated step. Times from
-  FLOPs (`ATTENTION_COST_RATIO`, `EXCHANGE_*`); the same on every process (global plans only).
-  The plans' bytes are for all heads: with mesh.tensor > 1 each device moves only its share, so
-  the exchange is overstated there (the gate errs towards colocated)."""
-  linear, attn, per_area = _colocated_step(shape, layout)
+  FLOPs (the gate's cost model, `attention_config.gate_*`); the same on every process (global
+  plans only). The plans' bytes are for all heads: with mesh.tensor > 1 each device moves only
+  its share, so the exchange is overstated there (the gate errs towards colocated)."""
+  costs = _costs(attention_config)
+  linear, attn, per_area = _colocated_step(shape, layout, costs)
   step = (linear + attn).max()
   if step <= 0:
     return 0.0
   planned = per_area * sum(p.stats.load_after for p in plans)
   moved = sum(p.traffic.send + p.traffic.recv for p in plans).max() * shape.layers
-  net = attn.max() - planned.max() - EXCHANGE_FIXED * linear.max() - EXCHANGE_FLOPS_PER_BYTE * moved
+  net = (attn.max() - planned.max() - costs.gate_exchange_fixed * linear.max()
+         - costs.gate_exchange_flops_per_byte * moved)
   return float(net / step)
 
 
