@@ -299,6 +299,7 @@ def main(argv=None) -> int:
           continue
         if name == "colocated":
           base_time = r["median_s"]
+        r["cad_ran"] = name != "colocated" and r["imbalance"] is not None
         if r["imbalance"] is None:  # colocated, or distca stopped by the gate (attention.gate)
           load = metrics_lib.attention_load_per_device(batch.layout)
           r["imbalance"] = (metrics_lib.imbalance(load), metrics_lib.imbalance(load))

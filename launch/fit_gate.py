@@ -1,13 +1,15 @@
 """Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "The step gate").
 
-    python launch/fit_gate.py [--expect 50] [--sim]
+    python launch/fit_gate.py [--expect 50] [--sim] [--from cad.json ... --devices N --set ...]
 
 CPU only. For each measured batch (4 x H100, Llama-3-8B shape with 2 layers, 64K tokens per
-device; colocated and distca step ms from `bench_train.py --suite cad`) it rebuilds the batch
-from the sampler, fits the colocated step time as c0 + k x (the slowest device's attention
-area), prints `metrics.predicted_cad_gain` beside the measured saving, then plans the batch as
-the trainer does (ping-pong on), counts the rows that cross devices, fits the exchange overhead
-as a + b x rows, and predicts each batch's net saving from a fit of the others (leave-one-out).
+device; colocated and distca step ms from `bench_train.py --suite cad`; `--from` adds pairs
+from such runs' JSON) it rebuilds the batch from the sampler, fits the colocated step time from
+the slowest device's matmul and attention FLOPs, prints `metrics.predicted_cad_gain` beside the
+measured saving, then plans the batch as the trainer does (ping-pong on), fits the exchange's
+overhead from the matmul time and the bytes the busiest device moves, prints the three
+`attention.gate_*` costs it implies, and predicts each batch's net saving from a fit of the
+others (leave-one-out).
 `--expect N`: then, for the sampler's first N batches of each distribution on 4 and 2 devices,
 the gate's decisions and the speedup its predictions give over those N steps (a prediction from
 the fitted model, not a measurement). `--sim`: the simulator's own cost terms fit to the same
@@ -31,6 +33,8 @@ MEASURED = {
     ("pretrain", 79): (1819.3, 1849.4), ("prolong", 58): (2032.8, 2041.5),
 }
 DEVICES = 4
+SETUP = ("model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
+         "data.tokens_per_device=65536")
 
 
 def expect(steps: int) -> None:
@@ -105,87 +109,114 @@ def main() -> None:
   import argparse
 
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--from", dest="files", nargs="*", default=[],
+                  help="bench_train.py --suite cad --json files whose sampled batches join the "
+                       "fit (their setup: --devices and --set)")
+  ap.add_argument("--devices", type=int, default=DEVICES, help="devices of the --from runs")
+  ap.add_argument("--set", nargs="*", default=list(SETUP),
+                  help="config overrides of the --from runs (model, tokens per device)")
   ap.add_argument("--expect", type=int, default=0)
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
   args = ap.parse_args()
-  fit()
+  fit(extra=from_bench_json(args.files, args.devices, tuple(args.set)))
   if args.expect:
     expect(args.expect)
   if args.sim:
     fit_simulator()
 
 
-def fit(verbose: bool = True) -> dict:
-  """The fit above; prints it (and the per-batch table) when `verbose`. Returns the cost model
-  it implies (`attention.gate_attention_cost`, `gate_exchange_fixed`,
-  `gate_exchange_flops_per_byte`) and, per batch, the measured and the shipped gate's predicted
-  saving (fractions of the colocated step)."""
+def from_bench_json(paths, devices: int, setup: tuple) -> list[tuple]:
+  """Measured pairs from `bench_train.py --suite cad --json` files: per sampled batch
+  (`pretrain`, `prolong@3`, ...), colocated's step and CAD's (`distca-ungated`, or `distca` when
+  it ran CAD rather than being gated). Batches of other kinds (skewed, uniform) are skipped."""
+  import json
+
+  out = []
+  for path in paths:
+    rows = json.load(open(path))
+    for kind in dict.fromkeys(r["batch"] for r in rows):
+      dist, _, step = kind.partition("@")
+      if dist not in ("pretrain", "prolong"):
+        continue
+      by = {r["variant"]: r for r in rows if r["batch"] == kind}
+      cad = by.get("distca-ungated") or (by["distca"] if by.get("distca", {}).get("cad_ran")
+                                         else None)
+      if "colocated" in by and cad is not None:
+        out.append((devices, setup, dist, int(step or 0), by["colocated"]["median_s"] * 1e3,
+                    cad["median_s"] * 1e3))
+  return out
+
+
+def fit(verbose: bool = True, extra=()) -> dict:
+  """The fit above, over MEASURED and `extra` ((devices, overrides, distribution, step,
+  colocated ms, CAD ms) tuples); prints it (and the per-batch table) when `verbose`. Returns the
+  cost model it implies (`gate_attention_cost`, `gate_exchange_fixed`,
+  `gate_exchange_flops_per_byte`, the `attention.` fields) and, per batch, the measured and the
+  shipped gate's predicted saving (fractions of the colocated step).
+
+  In FLOP units, so batches of different model shapes and token counts fit together (one
+  machine kind): colocated ms = L / lin + A / att, L the slowest device's 3 x matmul FLOPs and A
+  its attention FLOPs (3.5 x forward); the exchange's overhead ms = fixed x L / lin + b x bytes."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics
 
-  cfg = load_config(None, ["model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
-                           "data.tokens_per_device=65536", "attention.impl=distca",
-                           "attention.gate=false"])
-  shape = resolve(cfg.model)
+  entries = [(DEVICES, SETUP, d, s, col, cad) for (d, s), (col, cad) in MEASURED.items()]
   rows = []
-  for (dist, step), (col, cad) in MEASURED.items():
-    data = dataclasses.replace(cfg.data, distribution=dist)
-    batch = synthetic_from_config(data, shape.vocab_size, DEVICES).batch(step)
+  for devices, setup, dist, step, col, cad in list(entries) + list(extra):
+    cfg = load_config(None, list(setup) + ["attention.impl=distca", "attention.gate=false"])
+    shape = resolve(cfg.model)
+    batch = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
+                                  shape.vocab_size, devices).batch(step)
     area = metrics.attention_load_per_device(batch.layout)
     ctx = dispatch.host_context(cfg.attention, batch, shape)
     planned = sum(p.stats.load_after for p in ctx.plans)
-    off = ~np.eye(DEVICES, dtype=bool)
-    moved = sum(int(np.asarray(d.send_q_valid)[off].sum() + np.asarray(d.send_kv_valid)[off].sum())
-                for d in ctx.dispatch)
-    dev_bytes = sum(p.traffic.send + p.traffic.recv for p in ctx.plans).max() * shape.layers
-    tokens = np.bincount(batch.layout.buffer, weights=batch.layout.length, minlength=DEVICES)
-    rows.append(dict(batch=f"{dist}@{step}", col=col, cad=cad, gain=metrics.predicted_cad_gain(
-        shape, batch.layout), imb=metrics.imbalance(area), max=area.max(), planned=planned.max(),
-                     moved=moved, bytes=dev_bytes, plans=ctx.plans, layout=batch.layout,
-                     linear=3.0 * shape.matmul_flops_per_token() * tokens.max()))
-  c0, k = np.linalg.lstsq(np.array([[1.0, r["max"]] for r in rows]),
-                          np.array([r["col"] for r in rows]), rcond=None)[0]
+    tokens = np.bincount(batch.layout.buffer, weights=batch.layout.length, minlength=devices)
+    per_area = 3.5 * 4.0 * shape.head_dim * shape.heads * shape.layers
+    rows.append(dict(
+        batch=f"{dist}@{step}" + ("" if (devices, setup) == (DEVICES, SETUP) else f" ({devices} dev)"),
+        col=col, cad=cad, imb=metrics.imbalance(area),
+        gain=metrics.predicted_cad_gain(shape, batch.layout, attention_config=cfg.attention),
+        linear=3.0 * shape.matmul_flops_per_token() * tokens.max(), attn=per_area * area.max(),
+        planned=per_area * planned.max(),
+        moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
+        bytes=sum(p.traffic.send + p.traffic.recv for p in ctx.plans).max() * shape.layers,
+        plans=ctx.plans, layout=batch.layout, shape=shape, attention=cfg.attention))
   say = print if verbose else (lambda *a, **k: None)
-  say(f"colocated step ms = {c0:.1f} + {k * 1e9:.1f} per 1e9 attention area of the slowest device")
-  ideal = np.array([k * (r["max"] - r["planned"]) for r in rows])
+  col = np.array([r["col"] for r in rows])
+  c_lin, c_att = np.linalg.lstsq(np.array([[r["linear"], r["attn"]] for r in rows]), col,
+                                 rcond=None)[0]  # ms per FLOP
+  say(f"colocated step = matmul FLOPs at {1e-9 / c_lin:.0f} TF/s + attention FLOPs at "
+      f"{1e-9 / c_att:.0f} TF/s (effective)")
+  ideal = np.array([c_att * (r["attn"] - r["planned"]) for r in rows])
   saved = np.array([r["col"] - r["cad"] for r in rows])
-  X = np.array([[1.0, r["moved"]] for r in rows])
-  a, b = np.linalg.lstsq(X, ideal - saved, rcond=None)[0]
-  say(f"exchange overhead ms = {a:.1f} + {b * 1e3:.3f} per 1000 rows moved (all devices)")
-  # The same against the busiest device's bytes (what the gate uses: it holds for any device
-  # count), in the units of metrics.predicted_cad_saving: matmul FLOPs of the step.
-  Xb = np.array([[1.0, r["bytes"]] for r in rows])
-  ab, bb = np.linalg.lstsq(Xb, ideal - saved, rcond=None)[0]
-  resid = ideal - saved - Xb @ np.array([ab, bb])
-  flops_per_ms = rows[0]["linear"] / c0
-  ratio = k * flops_per_ms / (3.5 * 4.0 * shape.head_dim * shape.heads * shape.layers)
-  say(f"exchange overhead ms = {ab:.1f} + {bb * 1e9:.3f} per GB the busiest device moves "
-      f"(residuals {np.abs(resid).max():.0f} ms at most)")
-  a = cfg.attention
-  say(f"fitted: attention.gate_attention_cost={ratio:.3f} attention.gate_exchange_fixed="
-      f"{ab / c0:.4f} attention.gate_exchange_flops_per_byte={bb * flops_per_ms:.4g}")
-  say(f"shipped: attention.gate_attention_cost={a.gate_attention_cost} "
-      f"attention.gate_exchange_fixed={a.gate_exchange_fixed} "
-      f"attention.gate_exchange_flops_per_byte={a.gate_exchange_flops_per_byte:.4g}\n")
-  X = Xb
-  out = dict(gate_attention_cost=ratio, gate_exchange_fixed=ab / c0,
-             gate_exchange_flops_per_byte=bb * flops_per_ms, batches={})
+  lin_ms = np.array([c_lin * r["linear"] for r in rows])
+  X = np.stack([lin_ms, [r["bytes"] for r in rows]], axis=1)
+  fixed, per_byte = np.linalg.lstsq(X, ideal - saved, rcond=None)[0]
+  resid = ideal - saved - X @ np.array([fixed, per_byte])
+  say(f"exchange overhead = {fixed:.4f} x the matmul time + {per_byte * 1e9:.3f} ms per GB the "
+      f"busiest device moves (residuals {np.abs(resid).max():.0f} ms at most)")
+  fitted = dict(gate_attention_cost=c_att / c_lin, gate_exchange_fixed=fixed,
+                gate_exchange_flops_per_byte=per_byte / c_lin)
+  a = rows[0]["attention"]
+  say("fitted:  " + " ".join(f"attention.{k}={v:.4g}" for k, v in fitted.items()))
+  say("shipped: " + " ".join(f"attention.{k}={getattr(a, k):.4g}" for k in fitted) + "\n")
+  out = dict(fitted, batches={})
   say("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
-        "| net saving, leave-one-out | predicted_cad_saving |")
+      "| net saving, leave-one-out | predicted_cad_saving |")
   say("|---|---|---|---|---|---|---|---|")
   for i, r in enumerate(rows):
     keep = np.arange(len(rows)) != i
-    ai, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
-    net = ideal[i] - ai - bi * r["bytes"]
-    shipped = metrics.predicted_cad_saving(shape, r["layout"], r["plans"], cfg.attention)
+    fi, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
+    net = ideal[i] - fi * lin_ms[i] - bi * r["bytes"]
+    shipped = metrics.predicted_cad_saving(r["shape"], r["layout"], r["plans"], r["attention"])
     out["batches"][r["batch"]] = (saved[i] / r["col"], shipped)
     say(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
-        f"{c0 + k * r['max']:.0f} (measured {r['col']:.0f}) | {saved[i] / r['col']:+.1%} | "
-        f"{net / r['col']:+.1%} | {shipped:+.1%} |")
+        f"{lin_ms[i] + c_att * r['attn']:.0f} (measured {r['col']:.0f}) | "
+        f"{saved[i] / r['col']:+.1%} | {net / r['col']:+.1%} | {shipped:+.1%} |")
   return out
 
 

@@ -230,22 +230,27 @@ def test_gate_decides_alike_on_every_process(dist):
                 == (min_gain > want))
 
 
+def _fit_gate():
+  """launch/fit_gate.py as a module (launch/ is scripts, not a package)."""
+  import importlib.util
+  from pathlib import Path
+
+  path = Path(__file__).resolve().parents[1] / "launch" / "fit_gate.py"
+  spec = importlib.util.spec_from_file_location("fit_gate", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   """The gate's default cost model (attention.gate_*) is what launch/fit_gate.py fits to the step times it records
   (4 x H100, docs/PERFORMANCE.md "The step gate"): a change to the planner, the traffic model or
   the data that moves the fit leaves them stale, and this says so. And the shipped gate takes
   CAD's side on every measured batch that gained more than 1%, colocated's on every one that lost
   more than 1%."""
-  import importlib.util
-  from pathlib import Path
-
   from distca_jax.config import AttentionConfig
 
-  path = Path(__file__).resolve().parents[1] / "launch" / "fit_gate.py"
-  spec = importlib.util.spec_from_file_location("fit_gate", path)
-  fit_gate = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(fit_gate)
-  fitted = fit_gate.fit(verbose=False)
+  fitted = _fit_gate().fit(verbose=False)
   shipped = AttentionConfig()
   for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
     assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
@@ -253,6 +258,32 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   for name, (measured, predicted) in fitted["batches"].items():
     if abs(measured) > 0.01:
       assert (predicted >= 0) == (measured > 0), (name, measured, predicted)
+
+
+def test_fit_gate_reads_bench_json(tmp_path):
+  """fit_gate --from: per sampled batch of a bench_train JSON, colocated's step against CAD's
+  (distca-ungated, or distca when it ran CAD; a gated distca row is not CAD); other batch kinds
+  are skipped."""
+  import json
+
+  from distca_jax.config import AttentionConfig
+
+  fit_gate = _fit_gate()
+  row = lambda batch, variant, s, ran=False: dict(batch=batch, variant=variant, median_s=s,
+                                                  cad_ran=ran)
+  rows = [row("prolong@58", "colocated", 2.0328), row("prolong@58", "distca", 2.03),
+          row("prolong@58", "distca-ungated", 2.0415, True),
+          row("pretrain@2", "colocated", 2.7395), row("pretrain@2", "distca", 1.9927, True),
+          row("pretrain@1", "colocated", 1.5462), row("pretrain@1", "distca", 1.55),
+          row("skewed", "colocated", 2.2), row("skewed", "distca", 1.9, True)]
+  (tmp_path / "cad.json").write_text(json.dumps(rows))
+  got = fit_gate.from_bench_json([tmp_path / "cad.json"], 4, fit_gate.SETUP)
+  assert [(d, s, round(c), round(x)) for _, _, d, s, c, x in got] == [
+      ("prolong", 58, 2033, 2042), ("pretrain", 2, 2740, 1993)]
+  fitted = fit_gate.fit(verbose=False, extra=got)
+  assert len(fitted["batches"]) == 14  # the same two batches again: same names, same fit
+  assert fitted["gate_exchange_fixed"] == pytest.approx(AttentionConfig().gate_exchange_fixed,
+                                                        rel=0.05)
 
 
 def test_plan_for_another_batch_is_refused():
