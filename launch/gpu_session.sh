@@ -33,6 +33,9 @@
 #          ragged-all-to-all implementation (NCCL, one-shot kernel), each process under R_TIMEOUT
 #   tests  all GPUs: pytest T_FILES (default tests/test_dispatch.py) -k T_K (default ragged)
 #   uniform128  all GPUs: colocated vs distca on the uniform batch at 128K tokens per device
+#   gaterun  all GPUs: launch/train.py for G_STEPS (24) sampled steps of G_DIST (pretrain), once
+#          colocated and once distca with its gate, G_TOKENS (65536) per device; per-step logs in
+#          $OUT/gaterun_<impl>.log, compared step by step by launch/gate_report.py
 # Logs and tables go to $OUT (or ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -127,6 +130,16 @@ for suite in "$@"; do
     train) timeout -k 10 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
            attention.impl=distca train.steps=8 train.progress=false train.out_dir=/tmp/run 2>&1 \
            | grep -v -i warn | tee "$OUT/train.log" ;;
+    gaterun) n=$(nvidia-smi -L | wc -l)
+           for impl in colocated distca; do  # the same sampled batches, one run per attention
+             timeout -k 10 ${G_TIMEOUT:-280} python3 -P launch/train.py model.preset=llama3_8b model.layers=2 \
+               data.tokens_per_device=${G_TOKENS:-65536} data.length_scale=1 data.distribution=${G_DIST:-pretrain} \
+               mesh.data=$n attention.impl=$impl train.steps=${G_STEPS:-24} train.progress=false \
+               train.tensorboard=false checkpoint.every=0 train.out_dir="/tmp/gaterun_$impl" 2>&1 \
+               | grep -v -i warn > "$OUT/gaterun_$impl.log"; tail -6 "$OUT/gaterun_$impl.log"
+           done
+           python3 -P launch/gate_report.py "$OUT/gaterun_colocated.log" "$OUT/gaterun_distca.log" \
+             | tee "$OUT/gaterun.md" ;;
     *) echo "unknown suite $suite" ;;
   esac
 done

@@ -230,13 +230,13 @@ def test_gate_decides_alike_on_every_process(dist):
                 == (min_gain > want))
 
 
-def _fit_gate():
-  """launch/fit_gate.py as a module (launch/ is scripts, not a package)."""
+def _launch_module(name: str):
+  """launch/<name>.py as a module (launch/ is scripts, not a package)."""
   import importlib.util
   from pathlib import Path
 
-  path = Path(__file__).resolve().parents[1] / "launch" / "fit_gate.py"
-  spec = importlib.util.spec_from_file_location("fit_gate", path)
+  path = Path(__file__).resolve().parents[1] / "launch" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -250,7 +250,7 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   more than 1%."""
   from distca_jax.config import AttentionConfig
 
-  fitted = _fit_gate().fit(verbose=False)
+  fitted = _launch_module("fit_gate").fit(verbose=False)
   shipped = AttentionConfig()
   for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
     assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
@@ -268,7 +268,7 @@ def test_fit_gate_reads_bench_json(tmp_path):
 
   from distca_jax.config import AttentionConfig
 
-  fit_gate = _fit_gate()
+  fit_gate = _launch_module("fit_gate")
   row = lambda batch, variant, s, ran=False: dict(batch=batch, variant=variant, median_s=s,
                                                   cad_ran=ran)
   rows = [row("prolong@58", "colocated", 2.0328), row("prolong@58", "distca", 2.03),
@@ -284,6 +284,24 @@ def test_fit_gate_reads_bench_json(tmp_path):
   assert len(fitted["batches"]) == 14  # the same two batches again: same names, same fit
   assert fitted["gate_exchange_fixed"] == pytest.approx(AttentionConfig().gate_exchange_fixed,
                                                         rel=0.05)
+
+
+def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
+  """gate_report: only steps on which neither run compiled count; the speedup is the ratio of
+  the summed step times, overall and split by whether the gate gave the step CAD."""
+  line = lambda n, s, c, cad=None: (f"step {n}: loss=1 step_s={s} compile_count={c}"
+                                    + ("" if cad is None else f" cad={cad}"))
+  col = [line(1, 9.0, 1), line(2, 2.0, 1), line(3, 2.0, 1), line(4, 4.0, 2), line(5, 3.0, 2)]
+  cad = [line(1, 9.0, 1, 1), line(2, 1.0, 1, 1), line(3, 2.5, 2, 0), line(4, 3.0, 2, 1),
+         line(5, 3.0, 2, 0)]
+  (tmp_path / "c.log").write_text("noise\n" + "\n".join(col))
+  (tmp_path / "d.log").write_text("\n".join(cad) + "\nsummary")
+  assert _launch_module("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("2 steps timed in both runs")  # 1: both compiled, 3: distca, 4: colocated
+  assert "| all | 2 | 5.00 | 4.00 | 1.250 |" in out
+  assert "| CAD ran | 1 | 2.00 | 1.00 | 2.000 |" in out
+  assert "| gated (colocated) | 1 | 3.00 | 3.00 | 1.000 |" in out
 
 
 def test_plan_for_another_batch_is_refused():

@@ -244,7 +244,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       imbalances.append(imb)
       load_sum[0] = load_before if load_sum[0] is None else load_sum[0] + load_before
       record = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
+                "step_s": dt, "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
                 "compile_count": trainer.compile_count()}
       if ran_cad is not None:
         record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)

@@ -77,7 +77,8 @@ def predicted_cad_gain(shape: ModelShape, layout: Layout, exchange: bool = False
   mean of the devices' attention time) / (the slowest device's step time), times from FLOPs
   (the gate's cost model, `attention_config.gate_*`, default: `AttentionConfig()`'s); balancing
   at best brings every device to the mean. `exchange`: less the exchange's fixed cost, an upper
-  bound on `predicted_cad_saving`."""
+  bound on `predicted_cad_saving` (up to the few query-key pairs a ping-pong cut drops: the
+  suffix of the one document split between the halves does not attend to its prefix)."""
   costs = _costs(attention_config)
   linear, attn, _ = _colocated_step(shape, layout, costs)
   step = (linear + attn).max()

@@ -1,0 +1,58 @@
+"""Compare two `launch/train.py` runs of the same sampled batches step by step: colocated
+attention against distca with its gate (`bash launch/gpu_session.sh gaterun` writes both logs).
+
+    python launch/gate_report.py colocated.log distca.log
+
+Reads each run's per-step log lines (`step N: ... step_s=... compile_count=... cad=...`, written
+with `train.progress=false`), keeps the steps on which neither run compiled, and prints the
+run-level speedup (sum of colocated step times over the sum of distca's), the same over the steps
+the gate gave CAD and over those it kept colocated, and how often each happened.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+LINE = re.compile(r"^step (\d+): (.*)$")
+
+
+def read(path: str) -> dict[int, dict[str, float]]:
+  """Step -> its logged values; `compiled`: whether the step's compile count went up."""
+  steps, last = {}, 0.0
+  for line in open(path):
+    m = LINE.match(line.strip())
+    if not m:
+      continue
+    values = {k: float(v) for k, v in (kv.split("=", 1) for kv in m.group(2).split())}
+    values["compiled"] = float(values.get("compile_count", 0) > last)
+    last = values.get("compile_count", last)
+    steps[int(m.group(1))] = values
+  return steps
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if len(argv) != 2:
+    print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
+    return 2
+  col, cad = read(argv[0]), read(argv[1])
+  both = sorted(s for s in col.keys() & cad.keys()
+                if not col[s]["compiled"] and not cad[s]["compiled"])
+  if not both:
+    print("no step ran uncompiled in both runs", file=sys.stderr)
+    return 1
+  print(f"{len(both)} steps timed in both runs (of {len(col)} / {len(cad)})")
+  print("| steps | count | colocated s | distca s | speedup |\n|---|---|---|---|---|")
+  for name, pick in (("all", lambda s: True), ("CAD ran", lambda s: cad[s].get("cad") == 1.0),
+                     ("gated (colocated)", lambda s: cad[s].get("cad") == 0.0)):
+    chosen = [s for s in both if pick(s)]
+    if chosen:
+      a = sum(col[s]["step_s"] for s in chosen)
+      b = sum(cad[s]["step_s"] for s in chosen)
+      print(f"| {name} | {len(chosen)} | {a:.2f} | {b:.2f} | {a / b:.3f} |")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
