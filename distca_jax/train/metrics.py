@@ -93,8 +93,8 @@ def predicted_cad_saving(shape: ModelShape, layout: Layout, plans, attention_con
   nano-batches, balanced), net of the exchange: (the slowest device's attention time colocated −
   the slowest server's after planning − the exchange's cost) / the colocated step. Times from
   FLOPs (the gate's cost model, `attention_config.gate_*`); the same on every process (global
-  plans only). The plans' bytes are for all heads: with mesh.tensor > 1 each device moves only
-  its share, so the exchange is overstated there (the gate errs towards colocated)."""
+  plans only). Every term is the whole model's (all heads' bytes, all matmuls): with
+  mesh.tensor > 1 each device does 1/tensor of each, so the fraction is the same."""
   costs = _costs(attention_config)
   linear, attn, per_area = _colocated_step(shape, layout, costs)
   step = (linear + attn).max()
