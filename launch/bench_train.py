@@ -299,7 +299,10 @@ def main(argv=None) -> int:
           continue
         if name == "colocated":
           base_time = r["median_s"]
-        r["cad_ran"] = name != "colocated" and r["imbalance"] is not None
+        # Whether the variant's step ran CAD (the gate may run a distca variant colocated); a
+        # compile-only report ran no step.
+        r["cad_ran"] = None if args.compile_only else (name != "colocated"
+                                                       and r["imbalance"] is not None)
         if r["imbalance"] is None:  # colocated, or distca stopped by the gate (attention.gate)
           load = metrics_lib.attention_load_per_device(batch.layout)
           r["imbalance"] = (metrics_lib.imbalance(load), metrics_lib.imbalance(load))

@@ -119,7 +119,10 @@ def main() -> None:
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
   args = ap.parse_args()
-  fit(extra=from_bench_json(args.files, args.devices, tuple(args.set)))
+  extra = from_bench_json(args.files, args.devices, tuple(args.set))
+  if args.files:
+    print(f"{len(extra)} measured pairs from {', '.join(args.files)} join the fit")
+  fit(extra=extra)
   if args.expect:
     expect(args.expect)
   if args.sim:
