@@ -427,17 +427,29 @@ def comm_model(shape, attention_config) -> CommModel:
   return CommModel.for_model(shape, resend=attention_config.memory_mode == "resend")
 
 
-def plan_for_layout(attention_config, layout: Layout, shape, devices=None,
-                    batch: Batch | None = None) -> tuple[Plan, DispatchPlan]:
-  """Schedules one nano-batch and returns the scheduler's plan and its dispatch arrays, checked
-  row by row for `devices` (default: all; a process passes the rows it feeds, `mesh.local_rows`).
-  `batch`: the nano-batch itself, when at hand (see `validate_plan`)."""
-  plan = make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
+def schedule_layout(attention_config, layout: Layout, shape) -> Plan:
+  """The scheduler's plan for one nano-batch (global: the same on every process)."""
+  return make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
                    min_imbalance=attention_config.min_imbalance, with_arrays=False)
+
+
+def dispatch_for_plan(plan: Plan, layout: Layout, devices=None,
+                      batch: Batch | None = None) -> DispatchPlan:
+  """A plan's dispatch arrays, checked row by row for `devices` (default: all; a process passes
+  the rows it feeds, `mesh.local_rows`). `batch`: the nano-batch itself, when at hand (see
+  `validate_plan`)."""
   dispatch = build_dispatch(plan.tasks, layout, plan.capacities.skv, plan.capacities.ctask,
                             devices=devices)
   validate_plan(dispatch, layout, devices, batch)
-  return plan, dispatch
+  return dispatch
+
+
+def plan_for_layout(attention_config, layout: Layout, shape, devices=None,
+                    batch: Batch | None = None) -> tuple[Plan, DispatchPlan]:
+  """Schedules one nano-batch and returns the scheduler's plan and its checked dispatch arrays
+  (`schedule_layout`, then `dispatch_for_plan`)."""
+  plan = schedule_layout(attention_config, layout, shape)
+  return plan, dispatch_for_plan(plan, layout, devices, batch)
 
 
 def plan_layouts(attention_config, layouts, shape,
@@ -482,15 +494,17 @@ class StepContext:
 def host_context(attention_config, batch: Batch, shape, devices=None):
   """Splits the batch into nano-batches (if ping-pong) and plans each; runs on the host, in the
   trainer's prefetch thread, one step ahead of the devices. `devices`: the rows this process
-  checks (`plan_for_layout`).
+  builds and checks (`dispatch_for_plan`).
 
   The gate (`attention.gate`): a batch whose plans are predicted to save less than
   `attention.min_gain` of the step, net of the exchange (`metrics.predicted_cad_saving`, from the
   global plans, so every process decides alike), or whose colocated attention imbalance is below
   `attention.min_imbalance`, has nothing worth moving: the step runs colocated attention instead
   (its `ColocatedContext`: one stream, no exchange, no ping-pong split; compiled once beside the
-  distca step). A batch whose saving cannot reach `min_gain` even with perfect balance and a free
-  exchange (`metrics.predicted_cad_gain` less the exchange's fixed part) is not planned at all."""
+  distca step). The gate decides on the plans alone, before their dispatch arrays are built and
+  checked (the costly part at scale); a batch whose saving cannot reach `min_gain` even with
+  perfect balance (`metrics.predicted_cad_gain` less the exchange's fixed part) is not planned
+  at all."""
   from distca_jax.attention import colocated_context
   from distca_jax.train import metrics
 
@@ -502,12 +516,12 @@ def host_context(attention_config, batch: Batch, shape, devices=None):
                                          attention_config=attention_config) < attention_config.min_gain:
     return colocated_context(layout)
   batches = split_pingpong_batch(batch) if attention_config.pingpong else (batch,)
-  planned = [plan_for_layout(attention_config, b.layout, shape, devices, b) for b in batches]
-  plans = tuple(p for p, _ in planned)
+  plans = tuple(schedule_layout(attention_config, b.layout, shape) for b in batches)
   if gate and (metrics.predicted_cad_saving(shape, layout, plans, attention_config)
                < attention_config.min_gain):
     return colocated_context(layout)
-  return StepContext(batches=batches, dispatch=tuple(d for _, d in planned), plans=plans)
+  return StepContext(batches=batches, plans=plans, dispatch=tuple(
+      dispatch_for_plan(p, b.layout, devices, b) for p, b in zip(plans, batches)))
 
 
 def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:

@@ -196,10 +196,18 @@ def test_gate_on_the_plan(monkeypatch):
   free = dataclasses.replace(a, gate_exchange_fixed=0.0, gate_exchange_flops_per_byte=0.0)
   assert metrics.predicted_cad_saving(shape, equal.layout, plans, free) == 0.0
 
+  def no_dispatch(*a, **k):
+    raise AssertionError("built the dispatch arrays of a step the gate stopped")
+
+  with monkeypatch.context() as m:  # a gated step's plans are made, their arrays are not
+    m.setattr(dispatch, "dispatch_for_plan", no_dispatch)
+    a = dataclasses.replace(cfg.attention, gate=True, min_gain=saving + 0.01)
+    assert isinstance(attn.host_context(a, batch, shape), attn.ColocatedContext)
+
   def no_planning(*a, **k):
     raise AssertionError("planned a batch the pre-check should have stopped")
 
-  monkeypatch.setattr(dispatch, "plan_for_layout", no_planning)
+  monkeypatch.setattr(dispatch, "schedule_layout", no_planning)
   gated = dataclasses.replace(cfg.attention, gate=True, min_gain=0.0)
   assert isinstance(attn.host_context(gated, equal, shape), attn.ColocatedContext)
 
