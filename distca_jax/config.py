@@ -80,6 +80,13 @@ class AttentionConfig:
   """How core attention runs: where the tokens are (`colocated`) or on attention servers."""
 
   impl: Literal["colocated", "distca"] = "colocated"
+
+  def min_imbalance_for(self, pipelined: bool) -> float:
+    """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
+    if self.min_imbalance is not None:
+      return self.min_imbalance
+    return 1.25 if pipelined else 1.0
+
   kernel: Literal["auto", "reference", "pallas", "triton", "mosaic", "cudnn"] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
@@ -102,8 +109,10 @@ class AttentionConfig:
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
-  # 2.2% where batches at 1.32 and 1.41 lost 2%): off (1.0) unless set.
-  min_imbalance: float = 1.0
+  # 2.2% where batches at 1.32 and 1.41 lost 2%). Unset: off (1.0) for unpipelined steps, which
+  # the gate above decides; 1.25 for a pipeline's ticks, which have no other gate
+  # (`min_imbalance_for`).
+  min_imbalance: float | None = None
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU), or `ragged`
@@ -354,7 +363,7 @@ def validate(config: Config) -> None:
   if not -1 < a.min_gain < 1:
     raise ConfigError(f"attention.min_gain: a fraction of the step, must be in (-1, 1) "
                       f"(attention.gate=false turns the gate off), got {a.min_gain}")
-  if not a.min_imbalance >= 1:
+  if a.min_imbalance is not None and not a.min_imbalance >= 1:
     raise ConfigError(f"attention.min_imbalance: a max / mean ratio, must be >= 1 (1 turns the "
                       f"gate off), got {a.min_imbalance}")
   o = config.optim

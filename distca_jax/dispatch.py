@@ -430,7 +430,8 @@ def comm_model(shape, attention_config) -> CommModel:
 def schedule_layout(attention_config, layout: Layout, shape) -> Plan:
   """The scheduler's plan for one nano-batch (global: the same on every process)."""
   return make_plan(layout, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
-                   min_imbalance=attention_config.min_imbalance, with_arrays=False)
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=False),
+                   with_arrays=False)
 
 
 def dispatch_for_plan(plan: Plan, layout: Layout, devices=None,
@@ -458,7 +459,8 @@ def plan_layouts(attention_config, layouts, shape,
   shape: capacities are the largest any of them needs, so the plans stack and the step compiles
   once per combination of buckets."""
   plans = [make_plan(l, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
-                     min_imbalance=attention_config.min_imbalance, with_arrays=False)
+                     min_imbalance=attention_config.min_imbalance_for(pipelined=True),
+                     with_arrays=False)
            for l in layouts]
   T = layouts[0].buffer_len
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
@@ -509,7 +511,8 @@ def host_context(attention_config, batch: Batch, shape, devices=None):
   from distca_jax.train import metrics
 
   layout = batch.layout
-  if metrics.imbalance(metrics.attention_load_per_device(layout)) < attention_config.min_imbalance:
+  min_imbalance = attention_config.min_imbalance_for(pipelined=False)
+  if metrics.imbalance(metrics.attention_load_per_device(layout)) < min_imbalance:
     return colocated_context(layout)
   gate = attention_config.gate
   if gate and metrics.predicted_cad_gain(shape, layout, exchange=True,

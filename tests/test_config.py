@@ -230,3 +230,14 @@ def test_launch_train_bad_config_exits_2(capsys, argv, field):
   assert _launch_main()(argv) == 2
   err = capsys.readouterr().err
   assert err.startswith("config error:") and field in err
+
+
+def test_min_imbalance_default_per_path():
+  """Unset, the ratio gate is off for unpipelined steps (the predicted-saving gate decides) and
+  1.25 for a pipeline's ticks (their only gate, as before the predicted-saving gate); a set value
+  holds for both."""
+  a = load_config(None, []).attention
+  assert a.min_imbalance is None
+  assert (a.min_imbalance_for(pipelined=False), a.min_imbalance_for(pipelined=True)) == (1.0, 1.25)
+  a = load_config(None, ["attention.min_imbalance=1.5"]).attention
+  assert (a.min_imbalance_for(pipelined=False), a.min_imbalance_for(pipelined=True)) == (1.5, 1.5)
