@@ -80,13 +80,6 @@ class AttentionConfig:
   """How core attention runs: where the tokens are (`colocated`) or on attention servers."""
 
   impl: Literal["colocated", "distca"] = "colocated"
-
-  def min_imbalance_for(self, pipelined: bool) -> float:
-    """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
-    if self.min_imbalance is not None:
-      return self.min_imbalance
-    return 1.25 if pipelined else 1.0
-
   kernel: Literal["auto", "reference", "pallas", "triton", "mosaic", "cudnn"] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: float = 0.1
@@ -119,6 +112,12 @@ class AttentionConfig:
   # (GPU only): only the rows that move travel, but XLA 0.11 waits on the host before each call
   # (measured 0.74x colocated where tiled gives 1.09x, docs/PERFORMANCE.md).
   exchange: Literal["tiled", "ragged"] = "tiled"
+
+  def min_imbalance_for(self, pipelined: bool) -> float:
+    """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
+    if self.min_imbalance is not None:
+      return self.min_imbalance
+    return 1.25 if pipelined else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
