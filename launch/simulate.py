@@ -37,7 +37,7 @@ def main(argv=None) -> int:
                   help="also print each batch's colocated and CAD step time (batch k is the "
                        "trainer's batch of step k with the same data settings: "
                        "bench_train.py's <distribution>@k), and CAD's speedup by colocated "
-                       "imbalance over all batches (where attention.min_imbalance should sit)")
+                       "imbalance over all batches")
   ap.add_argument("overrides", nargs="*", help="key=value, e.g. gpus=[64,128] epsilon=0.1")
   args = ap.parse_args(argv)
   try:
