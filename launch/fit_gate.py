@@ -50,8 +50,6 @@ def expect(steps: int) -> None:
                            "data.tokens_per_device=65536", "attention.impl=distca",
                            "attention.gate=false"])
   shape = resolve(cfg.model)
-  per_area = (3.5 * cfg.attention.gate_attention_cost * 4.0 * shape.head_dim * shape.heads
-              * shape.layers)
   print(f"\n| devices | batches | CAD on | predicted speedup over {steps} steps |\n|---|---|---|---|")
   for n in (4, 2):
     for dist in ("pretrain", "prolong"):
@@ -59,13 +57,12 @@ def expect(steps: int) -> None:
       src = synthetic_from_config(data, shape.vocab_size, n)
       colocated, gated, cad = 0.0, 0.0, 0
       for step in range(steps):
-        layout = src.batch(step).layout
+        batch = src.batch(step)
         saving = metrics.predicted_cad_saving(
-            shape, layout, dispatch.host_context(cfg.attention, src.batch(step), shape).plans,
+            shape, batch.layout, dispatch.host_context(cfg.attention, batch, shape).plans,
             cfg.attention)
-        tokens = np.bincount(layout.buffer, weights=layout.length, minlength=n)
-        t = (3.0 * shape.matmul_flops_per_token() * tokens
-             + per_area * metrics.attention_load_per_device(layout)).max()
+        linear, attn = metrics.colocated_flops(shape, batch.layout)
+        t = (linear + cfg.attention.gate_attention_cost * attn).max()
         runs_cad = saving >= cfg.attention.min_gain
         colocated += t
         gated += t * (1 - saving) if runs_cad else t
@@ -174,17 +171,15 @@ def fit(verbose: bool = True, extra=()) -> dict:
     shape = resolve(cfg.model)
     batch = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
                                   shape.vocab_size, devices).batch(step)
-    area = metrics.attention_load_per_device(batch.layout)
     ctx = dispatch.host_context(cfg.attention, batch, shape)
     planned = sum(p.stats.load_after for p in ctx.plans)
-    tokens = np.bincount(batch.layout.buffer, weights=batch.layout.length, minlength=devices)
-    per_area = 3.5 * 4.0 * shape.head_dim * shape.heads * shape.layers
+    linear, attn = metrics.colocated_flops(shape, batch.layout)
     rows.append(dict(
         batch=f"{dist}@{step}" + ("" if (devices, setup) == (DEVICES, SETUP) else f" ({devices} dev)"),
-        col=col, cad=cad, imb=metrics.imbalance(area),
+        col=col, cad=cad, imb=metrics.imbalance(attn),
         gain=metrics.predicted_cad_gain(shape, batch.layout, attention_config=cfg.attention),
-        linear=3.0 * shape.matmul_flops_per_token() * tokens.max(), attn=per_area * area.max(),
-        planned=per_area * planned.max(),
+        linear=linear.max(), attn=attn.max(),
+        planned=metrics.attention_flops_per_area(shape) * planned.max(),
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
         bytes=sum(p.traffic.send + p.traffic.recv for p in ctx.plans).max() * shape.layers,
         plans=ctx.plans, layout=batch.layout, shape=shape, attention=cfg.attention))

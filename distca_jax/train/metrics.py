@@ -62,13 +62,26 @@ def _costs(attention_config):
   return attention_config
 
 
+def attention_flops_per_area(shape: ModelShape) -> float:
+  """Training FLOPs of core attention per query-key pair, all layers and heads (forward and
+  backward: 3.5 x the forward's 4 x head_dim per pair and head)."""
+  return 3.5 * 4.0 * shape.head_dim * shape.heads * shape.layers
+
+
+def colocated_flops(shape: ModelShape, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+  """Per device, the colocated step's matmul FLOPs (3 x forward, every real token) and core
+  attention FLOPs: the two terms the gate's cost model weighs."""
+  tokens = np.bincount(layout.buffer, weights=layout.length, minlength=layout.num_buffers)
+  return (3.0 * shape.matmul_flops_per_token() * tokens,
+          attention_flops_per_area(shape) * attention_load_per_device(layout))
+
+
 def _colocated_step(shape: ModelShape, layout: Layout, costs) -> tuple[np.ndarray, np.ndarray, float]:
   """Per device, in matmul FLOPs: the colocated step's matmul time and attention time; and the
   attention time per unit of causal area."""
-  per_area = 3.5 * costs.gate_attention_cost * 4.0 * shape.head_dim * shape.heads * shape.layers
-  tokens = np.bincount(layout.buffer, weights=layout.length, minlength=layout.num_buffers)
-  linear = 3.0 * shape.matmul_flops_per_token() * tokens
-  return linear, per_area * attention_load_per_device(layout), per_area
+  linear, attn = colocated_flops(shape, layout)
+  return (linear, costs.gate_attention_cost * attn,
+          costs.gate_attention_cost * attention_flops_per_area(shape))
 
 
 def predicted_cad_gain(shape: ModelShape, layout: Layout, exchange: bool = False,
