@@ -1,12 +1,25 @@
-"""Shared test utilities: small configs, an independent plain-jnp Llama, parameter access."""
+"""Shared test utilities: small configs, an independent plain-jnp Llama, parameter access, the
+launch scripts as modules."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from distca_jax.config import load_config
+
+
+def launch_script(name: str):
+  """launch/<name>.py as a module (launch/ is scripts, not a package)."""
+  path = Path(__file__).resolve().parents[1] / "launch" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"launch_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def small_config(*overrides: str):

@@ -1,7 +1,6 @@
 """Every configuration error fails at start-up with a message that names the field (and, for a
 closed set, the allowed values); every shipped YAML loads."""
 
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -9,6 +8,7 @@ import pytest
 
 from distca_jax.config import Config, ConfigError, MeshConfig, load_config, parse_override
 from distca_jax.mesh import make_mesh
+from helpers import launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 # Simulator configs (sim_*.yaml) have their own schema (distca_jax/sim/config.py).
@@ -215,10 +215,7 @@ def test_expected_train_configs_exist():
 
 
 def _launch_main():
-  spec = importlib.util.spec_from_file_location("launch_train", ROOT / "launch" / "train.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main
+  return launch_script("train").main
 
 
 @pytest.mark.parametrize("argv, field", [

@@ -7,7 +7,6 @@ plain Python reference that concatenates documents in each epoch's order and sli
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,19 +21,12 @@ from distca_jax.config import ConfigError, DataConfig  # noqa: E402
 from distca_jax.data.corpus import (  # noqa: E402
     Corpus, CorpusError, CorpusSource, CorpusWriter, corpus_from_config, sidecar_path)
 from distca_jax.data.packing import PAD_SEGMENT  # noqa: E402
+from helpers import launch_script  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(40)]
 
 
-def _load_build_corpus():
-  spec = importlib.util.spec_from_file_location("build_corpus", ROOT / "launch" / "build_corpus.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-build_corpus = _load_build_corpus()
+build_corpus = launch_script("build_corpus")
 
 
 def _texts(n: int, seed: int) -> list[str]:

@@ -13,7 +13,8 @@ from distca_jax import dispatch
 from distca_jax import mesh as mesh_lib
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.train.step import Trainer
-from helpers import pure_params, reference_loss, reference_value_and_grad, small_config, tree_rel_err
+from helpers import (launch_script, pure_params, reference_value_and_grad, small_config,
+                     tree_rel_err)
 
 T = 256  # default buffer length; CASES may use less to keep the suite fast on 2 CPU cores
 
@@ -238,18 +239,6 @@ def test_gate_decides_alike_on_every_process(dist):
                 == (min_gain > want))
 
 
-def _launch_module(name: str):
-  """launch/<name>.py as a module (launch/ is scripts, not a package)."""
-  import importlib.util
-  from pathlib import Path
-
-  path = Path(__file__).resolve().parents[1] / "launch" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   """The gate's default cost model (attention.gate_*) is what launch/fit_gate.py fits to the step times it records
   (4 x H100, docs/PERFORMANCE.md "The step gate"): a change to the planner, the traffic model or
@@ -258,7 +247,7 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   more than 1%."""
   from distca_jax.config import AttentionConfig
 
-  fitted = _launch_module("fit_gate").fit(verbose=False)
+  fitted = launch_script("fit_gate").fit(verbose=False)
   shipped = AttentionConfig()
   for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
     assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
@@ -276,7 +265,7 @@ def test_fit_gate_reads_bench_json(tmp_path):
 
   from distca_jax.config import AttentionConfig
 
-  fit_gate = _launch_module("fit_gate")
+  fit_gate = launch_script("fit_gate")
   row = lambda batch, variant, s, ran=False: dict(batch=batch, variant=variant, median_s=s,
                                                   cad_ran=ran)
   rows = [row("prolong@58", "colocated", 2.0328), row("prolong@58", "distca", 2.03),
@@ -304,7 +293,7 @@ def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
          line(5, 3.0, 2, 0)]
   (tmp_path / "c.log").write_text("noise\n" + "\n".join(col))
   (tmp_path / "d.log").write_text("\n".join(cad) + "\nsummary")
-  assert _launch_module("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
+  assert launch_script("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
   out = capsys.readouterr().out
   assert out.startswith("2 steps timed in both runs")  # 1: both compiled, 3: distca, 4: colocated
   assert "| all | 2 | 5.00 | 4.00 | 1.250 |" in out

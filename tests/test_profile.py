@@ -1,7 +1,6 @@
 """Profiling: phase attribution by named scope from a real xprof trace, step-time statistics, and
 `launch/profile_steps.py` end to end (compile time, step times, trace, phases, attention load PNG)."""
 
-import importlib.util
 import json
 import os
 import tempfile
@@ -14,8 +13,8 @@ import pytest
 
 from distca_jax.launch_env import enable_compile_cache
 from distca_jax.train import profile as profile_lib
+from helpers import launch_script
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_phase_of_follows_the_named_scope_contract():
@@ -87,9 +86,7 @@ def test_profile_cli_end_to_end(tmp_path, capsys):
     pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
   enable_compile_cache(os.environ.setdefault("DISTCA_TEST_COMPILE_CACHE",
                                              tempfile.mkdtemp(prefix="distca_compile_cache_")))
-  spec = importlib.util.spec_from_file_location("launch_profile", ROOT / "launch" / "profile_steps.py")
-  cli = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(cli)
+  cli = launch_script("profile_steps")
   rc = cli.main(["--warmup", "0", "--measure", "1", "--trace", "1",
                  "model.dtype=float32", "model.remat=none", "model.layers=1", "model.hidden=64",
                  "model.ffn=128", "model.vocab_size=256", "data.tokens_per_device=256",

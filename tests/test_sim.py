@@ -2,7 +2,6 @@
 
 import csv
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from distca_jax.schedule.cost import AnalyticKernel, CommModel, range_area
 from distca_jax.schedule.planner import balance
 from distca_jax.sim.config import load_sim_config
 from distca_jax.sim.engine import Point, Simulator
+from helpers import launch_script
 
 COMM = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=8)
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,16 +205,8 @@ def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):
     assert res2[name].iter_s == pytest.approx(res[name].iter_s, rel=0.15)
 
 
-def _simulate_cli():
-  """launch/simulate.py as a module (launch/ is scripts, not a package)."""
-  spec = importlib.util.spec_from_file_location("simulate_cli", ROOT / "launch" / "simulate.py")
-  cli = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(cli)
-  return cli
-
-
 def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
-  cli = _simulate_cli()
+  cli = launch_script("simulate")
   main = cli.main
 
   out, plans = tmp_path / "out", tmp_path / "plans"
@@ -237,7 +229,7 @@ def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
 
 
 def test_gate_table_bins_every_batch_once():
-  cli = _simulate_cli()
+  cli = launch_script("simulate")
   pairs = [(1.05, 0.99), (1.15, 1.0), (1.12, 1.02), (1.45, 1.1), (4.0, 1.4)]
   lines = cli.gate_table(pairs, bins=(1.0, 1.1, 1.2, 2.0, float("inf")))
   assert lines[2:] == ["| 1.00-1.10 | 1 | 0.990 (0.990-0.990) |",
@@ -357,7 +349,7 @@ def test_pipeline_config_errors_and_sweeps():
 
 
 def test_cli_4d_writes_pipeline_columns_and_tick_plans(tmp_path, capsys):
-  cli = _simulate_cli()
+  cli = launch_script("simulate")
   out, plans = tmp_path / "out", tmp_path / "plans"
   rc = cli.main(["--config", str(ROOT / "configs" / "sim_quick_4d.yaml"), f"out_dir={out}",
                  "progress=false", "--dump-plans", str(plans)])
