@@ -98,13 +98,17 @@ def colocated_context(layout: Layout, capacity: int | None = None, window: int |
   return ColocatedContext(**arrays, window=window)
 
 
-def colocated_contexts(layouts, group: int) -> list[ColocatedContext]:
-  """Contexts of several layouts with one capacity and one window (stackable)."""
+def colocated_contexts(layouts, group: int | None = None, shapes=None) -> list[ColocatedContext]:
+  """Contexts of several layouts with one capacity and one window (stackable). `shapes`: a
+  run's `dispatch.StepShapes`, whose largest capacity and window so far they take when larger."""
   capacity = bucket(max(int(np.bincount(l.buffer, minlength=l.num_buffers).max(initial=1))
                         for l in layouts), minimum=32)
-  T = layouts[0].buffer_len
+  N, T = layouts[0].num_buffers, layouts[0].buffer_len
   need = max(int(l.doc_offset[l.buffer_offset == 0].max(initial=0)) for l in layouts)
-  window = colocated_window(need, group, T)
+  window = colocated_window(need, group or N, T)
+  if shapes is not None:
+    fitted = shapes.fit(f"colocated@{T}", capacity=capacity, window=window)
+    capacity, window = fitted["capacity"], fitted["window"]
   return [colocated_context(l, capacity, window) for l in layouts]
 
 
@@ -155,15 +159,17 @@ def make_core_attention(attention_config, mesh: Mesh) -> Callable:
   return dispatch.make_distca_attention(attention_config, mesh)
 
 
-def host_context(attention_config, batch: "Batch | Layout", model_shape=None, devices=None) -> Any:
+def host_context(attention_config, batch: "Batch | Layout", model_shape=None, devices=None,
+                 shapes=None) -> Any:
   """The per-step context for the configured attention, computed on the host: a
   `ColocatedContext` (colocated), or a `dispatch.StepContext` (distca: nano-batches and plans;
-  `devices`: the rows this process checks, `mesh.local_rows`)."""
+  `devices`: the rows this process checks, `mesh.local_rows`). `shapes`: the run's
+  `dispatch.StepShapes`, so steps compile only when a capacity grows."""
   layout = batch if isinstance(batch, Layout) else batch.layout
   if attention_config.impl == "colocated":
-    return colocated_context(layout)
+    return colocated_contexts([layout], shapes=shapes)[0]
   from distca_jax import dispatch
 
   if isinstance(batch, Layout):
     raise TypeError("distca attention plans from the whole batch (ping-pong re-packs its tokens)")
-  return dispatch.host_context(attention_config, batch, model_shape, devices)
+  return dispatch.host_context(attention_config, batch, model_shape, devices, shapes)

@@ -434,15 +434,64 @@ def schedule_layout(attention_config, layout: Layout, shape) -> Plan:
                    with_arrays=False)
 
 
+class StepShapes:
+  """The array capacities a training run's steps have compiled with, grown and never shrunk.
+
+  Every step's plan needs its own buckets (rows per exchanged block, K/V rows and tasks per
+  server; a colocated step's task capacity and K/V window). Taken step by step, most steps of a
+  run land on a combination no earlier step had, and each new combination compiles the step
+  again (4 x H100, Pretrain 64K: 17 compilations in 21 steps, ~9 s each). Kept here, each
+  capacity is the largest any step of the run has needed: a step compiles only when one of
+  them grows, a few times early in a run, and never for a shape an earlier step had. The cost
+  is padding: a step whose plan needs less still sends and holds the grown capacity (the tiled
+  exchange moves whole blocks).
+
+  One per run, used from the trainer's one prefetch thread; every process sees the same global
+  plans in the same order, so every process grows the same capacities at the same step."""
+
+  def __init__(self):
+    self.sizes: dict[str, int] = {}
+    self.growths = 0
+
+  def fit(self, kind: str, **need: int) -> dict[str, int]:
+    """The capacities of `kind` ("cad", "colocated", ...) for a step that needs `need` (each
+    already a bucket): the elementwise maximum of `need` and what earlier steps needed."""
+    keys = {name: f"{kind}.{name}" for name in need}
+    grown = {name: max(int(value), self.sizes.get(keys[name], 0)) for name, value in need.items()}
+    if any(grown[name] != self.sizes.get(key) for name, key in keys.items()):
+      self.growths += 1
+      if any(key in self.sizes for key in keys.values()):
+        log.info("%s step capacities grew to %s: the step compiles again", kind, grown)
+      self.sizes.update({keys[name]: value for name, value in grown.items()})
+    return grown
+
+
+def dispatch_for_plans(plans, layouts, devices=None, batches=None,
+                       shapes: StepShapes | None = None) -> list[DispatchPlan]:
+  """The dispatch arrays of several plans of one step (its nano-batches, or a pipelined step's
+  ticks), in one shape so they stack: each capacity the largest any of them needs, or with
+  `shapes` the largest any step of the run has needed. Each is checked row by row for `devices`
+  (default: all; a process passes the rows it feeds, `mesh.local_rows`). `batches`: the
+  nano-batches themselves, when at hand (see `validate_plan`)."""
+  T = layouts[0].buffer_len
+  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
+  moved = np.array([exchange_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]).max(0)
+  caps = dict(c=exchange_capacity(int(moved[0]), T), ckv=exchange_capacity(int(moved[1]), T),
+              skv=max(p.capacities.skv for p in plans),
+              ctask=max(p.capacities.ctask for p in plans))
+  if shapes is not None:
+    caps = shapes.fit(f"cad@{T}", **caps)
+  dispatch = [build_dispatch(p.tasks, l, devices=devices, kv=kv, **caps)
+              for p, l, kv in zip(plans, layouts, kvs)]
+  for d, l, b in zip(dispatch, layouts, batches or [None] * len(plans)):
+    validate_plan(d, l, devices, b)
+  return dispatch
+
+
 def dispatch_for_plan(plan: Plan, layout: Layout, devices=None,
                       batch: Batch | None = None) -> DispatchPlan:
-  """A plan's dispatch arrays, checked row by row for `devices` (default: all; a process passes
-  the rows it feeds, `mesh.local_rows`). `batch`: the nano-batch itself, when at hand (see
-  `validate_plan`)."""
-  dispatch = build_dispatch(plan.tasks, layout, plan.capacities.skv, plan.capacities.ctask,
-                            devices=devices)
-  validate_plan(dispatch, layout, devices, batch)
-  return dispatch
+  """One plan's checked dispatch arrays (`dispatch_for_plans`)."""
+  return dispatch_for_plans([plan], [layout], devices, [batch])[0]
 
 
 def plan_for_layout(attention_config, layout: Layout, shape, devices=None,
@@ -453,26 +502,15 @@ def plan_for_layout(attention_config, layout: Layout, shape, devices=None,
   return plan, dispatch_for_plan(plan, layout, devices, batch)
 
 
-def plan_layouts(attention_config, layouts, shape,
-                 devices=None) -> tuple[list[Plan], list[DispatchPlan]]:
+def plan_layouts(attention_config, layouts, shape, devices=None,
+                 shapes: StepShapes | None = None) -> tuple[list[Plan], list[DispatchPlan]]:
   """Plans several layouts of one shape (a pipelined step's ticks) into dispatch plans of one
-  shape: capacities are the largest any of them needs, so the plans stack and the step compiles
-  once per combination of buckets."""
+  shape (`dispatch_for_plans`), so the plans stack."""
   plans = [make_plan(l, comm_model(shape, attention_config), epsilon=attention_config.epsilon,
                      min_imbalance=attention_config.min_imbalance_for(pipelined=True),
                      with_arrays=False)
            for l in layouts]
-  T = layouts[0].buffer_len
-  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
-  moved = np.array([exchange_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]).max(0)
-  c, ckv = exchange_capacity(int(moved[0]), T), exchange_capacity(int(moved[1]), T)
-  skv = max(p.capacities.skv for p in plans)
-  ctask = max(p.capacities.ctask for p in plans)
-  dispatch = [build_dispatch(p.tasks, l, skv, ctask, c, ckv, devices, kv)
-              for p, l, kv in zip(plans, layouts, kvs)]
-  for d, l in zip(dispatch, layouts):
-    validate_plan(d, l, devices)
-  return plans, dispatch
+  return plans, dispatch_for_plans(plans, layouts, devices, shapes=shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,10 +531,13 @@ class StepContext:
     return ratio(before), ratio(after)
 
 
-def host_context(attention_config, batch: Batch, shape, devices=None):
+def host_context(attention_config, batch: Batch, shape, devices=None,
+                 shapes: StepShapes | None = None):
   """Splits the batch into nano-batches (if ping-pong) and plans each; runs on the host, in the
   trainer's prefetch thread, one step ahead of the devices. `devices`: the rows this process
-  builds and checks (`dispatch_for_plan`).
+  builds and checks (`dispatch_for_plans`). `shapes`: the run's `StepShapes` (a trainer passes
+  one, so its steps compile only when a capacity grows); without it each step takes the buckets
+  it needs.
 
   The gate (`attention.gate`): a batch whose plans are predicted to save less than
   `attention.min_gain` of the step, net of the exchange (`metrics.predicted_cad_saving`, from the
@@ -507,24 +548,25 @@ def host_context(attention_config, batch: Batch, shape, devices=None):
   checked (the costly part at scale); a batch whose saving cannot reach `min_gain` even with
   perfect balance (`metrics.predicted_cad_gain` less the exchange's fixed part) is not planned
   at all."""
-  from distca_jax.attention import colocated_context
+  from distca_jax.attention import colocated_contexts
   from distca_jax.train import metrics
 
   layout = batch.layout
+  colocated = lambda: colocated_contexts([layout], shapes=shapes)[0]
   min_imbalance = attention_config.min_imbalance_for(pipelined=False)
   if metrics.imbalance(metrics.attention_load_per_device(layout)) < min_imbalance:
-    return colocated_context(layout)
+    return colocated()
   gate = attention_config.gate
   if gate and metrics.predicted_cad_gain(shape, layout, exchange=True,
                                          attention_config=attention_config) < attention_config.min_gain:
-    return colocated_context(layout)
+    return colocated()
   batches = split_pingpong_batch(batch) if attention_config.pingpong else (batch,)
   plans = tuple(schedule_layout(attention_config, b.layout, shape) for b in batches)
   if gate and (metrics.predicted_cad_saving(shape, layout, plans, attention_config)
                < attention_config.min_gain):
-    return colocated_context(layout)
-  return StepContext(batches=batches, plans=plans, dispatch=tuple(
-      dispatch_for_plan(p, b.layout, devices, b) for p, b in zip(plans, batches)))
+    return colocated()
+  dispatch = dispatch_for_plans(plans, [b.layout for b in batches], devices, batches, shapes)
+  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch))
 
 
 def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:

@@ -235,9 +235,10 @@ class StepContext:
 
 
 def host_context(attention_config, microbatches: list[Batch], stages: int, shape,
-                 devices=None) -> StepContext:
+                 devices=None, shapes=None) -> StepContext:
   """Plans one pipelined step on the host (runs in the trainer's prefetch thread); `devices`:
-  the rows (stage-major, as `mesh.ROW_AXES`) whose plans this process checks row by row."""
+  the rows (stage-major, as `mesh.ROW_AXES`) whose plans this process checks row by row;
+  `shapes`: the run's `dispatch.StepShapes`, so steps compile only when a capacity grows."""
   schedule = Schedule(stages, len(microbatches))
   N, T = microbatches[0].layout.num_buffers, microbatches[0].layout.buffer_len
   lays = [b.layout for b in microbatches]
@@ -248,11 +249,11 @@ def host_context(attention_config, microbatches: list[Batch], stages: int, shape
   if attention_config.impl == "colocated":
     from distca_jax import attention as attention_lib
 
-    ctxs, plans = attention_lib.colocated_contexts(fwd + bwd, group=N), ()
+    ctxs, plans = attention_lib.colocated_contexts(fwd + bwd, group=N, shapes=shapes), ()
   else:
     from distca_jax import dispatch
 
-    plans, ctxs = dispatch.plan_layouts(attention_config, fwd + bwd, shape, devices)
+    plans, ctxs = dispatch.plan_layouts(attention_config, fwd + bwd, shape, devices, shapes)
   stack = lambda items: jax.tree.map(lambda *xs: np.stack(xs), *items)
   n = schedule.num_ticks
   return StepContext(schedule=schedule, microbatches=tuple(microbatches), forward=fwd, backward=bwd,

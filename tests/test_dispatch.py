@@ -132,7 +132,49 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   assert [" cad_predicted_saving=" in l for l in lines if l.startswith("step ")] == cad
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
   assert dist.compile_count >= 2
+  assert dist.compile_count == dist.step_shapes  # a step compiles only for a new shape
   np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)
+
+
+def _step_shape(ctx):
+  """What the step compiles for: its kind and every context array's shape (and the window)."""
+  if isinstance(ctx, attn.ColocatedContext):
+    return ("colocated", ctx.q_start.shape, ctx.window)
+  return ("cad",) + tuple(jax.tree.leaves(jax.tree.map(np.shape, ctx.dispatch)))
+
+
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_step_shapes_only_grow(pingpong):
+  """Over a run's sampled batches, a trainer's StepShapes gives every step capacities no smaller
+  than any earlier step's: no shape repeats after it was left, one new shape per growth, fewer
+  shapes than steps planned alone (each taking its own buckets) -- and the same CAD plans."""
+  cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=pretrain",
+                     "attention.impl=distca", "attention.gate=false", "model.layers=1",
+                     f"attention.pingpong={str(pingpong).lower()}")
+  shape = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])).shape
+  source = synthetic_from_config(cfg.data, 512, 4)
+  shapes = dispatch.StepShapes()
+  grown, alone = [], []
+  for step in range(12):
+    batch = source.batch(step)
+    ctx = attn.host_context(cfg.attention, batch, shape, shapes=shapes)
+    grown.append(_step_shape(ctx))
+    alone_ctx = attn.host_context(cfg.attention, batch, shape)
+    alone.append(_step_shape(alone_ctx))
+    if isinstance(ctx, dispatch.StepContext):  # same tasks, larger arrays
+      assert [p.tasks.server.tolist() for p in ctx.plans] == [p.tasks.server.tolist() for p in alone_ctx.plans]
+  firsts = [s for i, s in enumerate(grown) if s not in grown[:i]]
+  # Within each kind, each new shape is elementwise >= the previous one.
+  for kind in ("cad", "colocated"):
+    seq = [s for s in firsts if s[0] == kind]
+    for a, b in zip(seq, seq[1:]):
+      assert all(np.all(np.array(y) >= np.array(x)) for x, y in zip(a[1:], b[1:]))
+  # A step reuses the latest shape of its kind: no return to a shape it had left.
+  for kind in ("cad", "colocated"):
+    seq = [s for s in grown if s[0] == kind]
+    assert all(seq[i] == seq[i + 1] or seq[i + 1] not in seq[:i + 1] for i in range(len(seq) - 1))
+  assert len(firsts) == shapes.growths
+  assert len(firsts) < len(set(alone)), (len(firsts), len(set(alone)))
 
 
 def test_predicted_gain():

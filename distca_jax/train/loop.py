@@ -33,6 +33,7 @@ import numpy as np
 from distca_jax import attention as attention_lib
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import Config, ConfigError, to_dict
+from distca_jax.dispatch import StepShapes
 from distca_jax.models.presets import resolve
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train import profile as profile_lib
@@ -73,6 +74,10 @@ class Summary:
   # (attention.gate / min_imbalance) stopped them (None: colocated attention configured, or a
   # pipelined run).
   colocated_steps: int | None = None
+  # New step shapes: times one of the array capacities (dispatch.StepShapes) grew, the first
+  # step's included; each compiles the step, so compile_count is at most this (plus the
+  # pipeline's or profiler's own).
+  step_shapes: int = 0
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -170,16 +175,17 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
 
   microbatches = config.train.microbatches
   rows = mesh_lib.local_rows(mesh)  # each process checks the plans of the rows it feeds
+  shapes = StepShapes()  # capacities only grow: a step compiles only when one does
 
   def make_item(step):
     if trainer.pipeline is not None:
       from distca_jax import pipeline
 
       mbs = [source.batch(step * microbatches + i) for i in range(microbatches)]
-      ctx = pipeline.host_context(config.attention, mbs, mesh.shape["pipe"], shape, rows)
+      ctx = pipeline.host_context(config.attention, mbs, mesh.shape["pipe"], shape, rows, shapes)
       return ctx.as_batch(), ctx, ctx.attention_loads()
     batch = source.batch(step)
-    ctx = attention_lib.host_context(config.attention, batch, shape, rows)
+    ctx = attention_lib.host_context(config.attention, batch, shape, rows, shapes=shapes)
     loads = profile_lib.attention_loads(ctx, batch.layout, shape, config.attention,
                                         tensor_parallel=mesh.shape["tensor"],
                                         plan_after=config.train.imbalance_after)
@@ -315,7 +321,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       attention_imbalance_after=float(np.mean(imbalances_after)) if imbalances_after else None,
       step_time_median_s=stats["median_s"], step_time_p90_s=stats["p90_s"],
       peak_memory_bytes=memory, microbatches=microbatches, pipeline_bubble=bubble,
-      colocated_steps=colocated_steps)
+      colocated_steps=colocated_steps, step_shapes=shapes.growths)
   if main:
     (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
     if config.train.profile:
