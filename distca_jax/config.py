@@ -97,8 +97,8 @@ class AttentionConfig:
   # kernel (`python launch/fit_gate.py` refits from measured step times and prints these three
   # as overrides): refit them for other GPUs, kernels or multi-node exchanges.
   gate_attention_cost: float = 0.75
-  gate_exchange_fixed: float = 0.0228
-  gate_exchange_flops_per_byte: float = 4170.0
+  gate_exchange_fixed: float = 0.00773
+  gate_exchange_flops_per_byte: float = 1326.0
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained

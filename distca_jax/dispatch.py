@@ -453,12 +453,13 @@ class StepShapes:
     self.sizes: dict[str, int] = {}
     self.growths = 0
 
-  def fit(self, kind: str, **need: int) -> dict[str, int]:
-    """The capacities of `kind` ("cad", "colocated", ...) for a step that needs `need` (each
-    already a bucket): the elementwise maximum of `need` and what earlier steps needed."""
+  def fit(self, kind: str, *, commit: bool = True, **need: int) -> dict[str, int]:
+    """The capacities of `kind` ("cad@T", "colocated@T") for a step that needs `need` (each
+    already a bucket): the elementwise maximum of `need` and what earlier steps needed; kept
+    for later steps unless `commit` is false (a step the gate may still turn away)."""
     keys = {name: f"{kind}.{name}" for name in need}
     grown = {name: max(int(value), self.sizes.get(keys[name], 0)) for name, value in need.items()}
-    if any(grown[name] != self.sizes.get(key) for name, key in keys.items()):
+    if commit and any(grown[name] != self.sizes.get(key) for name, key in keys.items()):
       self.growths += 1
       if any(key in self.sizes for key in keys.values()):
         log.info("%s step capacities grew to %s: the step compiles again", kind, grown)
@@ -466,21 +467,41 @@ class StepShapes:
     return grown
 
 
-def dispatch_for_plans(plans, layouts, devices=None, batches=None,
-                       shapes: StepShapes | None = None) -> list[DispatchPlan]:
+def step_capacities(plans, layouts, kvs) -> dict[str, int]:
+  """The bucketed capacities the plans of one step need together (`build_dispatch`'s c, ckv,
+  skv, ctask); `kvs`: their `kv_requests`."""
+  T = layouts[0].buffer_len
+  moved = np.array([exchange_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]).max(0)
+  return dict(c=exchange_capacity(int(moved[0]), T), ckv=exchange_capacity(int(moved[1]), T),
+              skv=max(p.capacities.skv for p in plans),
+              ctask=max(p.capacities.ctask for p in plans))
+
+
+def exchange_bytes(attention_config, shape, plans, capacities: dict[str, int]) -> np.ndarray:
+  """Per device, the bytes one layer's exchange sends plus receives over the step's plans.
+  Tiled (`attention.exchange`): every off-diagonal (device, server) block travels whole, padded
+  to the capacities (`c` query rows, `ckv` K/V rows), whatever the plan moves; ragged: the rows
+  that move (the plans' traffic)."""
+  if attention_config.exchange == "ragged":
+    return sum(p.traffic.send + p.traffic.recv for p in plans)
+  comm = comm_model(shape, attention_config)
+  n = plans[0].stats.load_after.size
+  block = capacities["c"] * comm.q_row_bytes + capacities["ckv"] * comm.kv_row_bytes
+  return np.full(n, 2.0 * (n - 1) * block * len(plans))
+
+
+def dispatch_for_plans(plans, layouts, devices=None, batches=None, shapes: StepShapes | None = None,
+                       kvs=None) -> list[DispatchPlan]:
   """The dispatch arrays of several plans of one step (its nano-batches, or a pipelined step's
   ticks), in one shape so they stack: each capacity the largest any of them needs, or with
   `shapes` the largest any step of the run has needed. Each is checked row by row for `devices`
   (default: all; a process passes the rows it feeds, `mesh.local_rows`). `batches`: the
-  nano-batches themselves, when at hand (see `validate_plan`)."""
-  T = layouts[0].buffer_len
-  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
-  moved = np.array([exchange_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]).max(0)
-  caps = dict(c=exchange_capacity(int(moved[0]), T), ckv=exchange_capacity(int(moved[1]), T),
-              skv=max(p.capacities.skv for p in plans),
-              ctask=max(p.capacities.ctask for p in plans))
+  nano-batches themselves, when at hand (see `validate_plan`); `kvs`: the plans'
+  `kv_requests`, when at hand."""
+  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)] if kvs is None else kvs
+  caps = step_capacities(plans, layouts, kvs)
   if shapes is not None:
-    caps = shapes.fit(f"cad@{T}", **caps)
+    caps = shapes.fit(f"cad@{layouts[0].buffer_len}", **caps)
   dispatch = [build_dispatch(p.tasks, l, devices=devices, kv=kv, **caps)
               for p, l, kv in zip(plans, layouts, kvs)]
   for d, l, b in zip(dispatch, layouts, batches or [None] * len(plans)):
@@ -521,6 +542,16 @@ class StepContext:
   batches: tuple[Batch, ...]
   dispatch: tuple[DispatchPlan, ...]
   plans: tuple[Plan, ...]
+  # What the gate's cost model predicts the step saves (`metrics.predicted_cad_saving`, with
+  # the exchange at the capacities the step runs with), whether or not the gate is on.
+  predicted_saving: float = float("nan")
+
+  @property
+  def capacities(self) -> dict[str, int]:
+    """The capacities its dispatch arrays have (`build_dispatch`'s c, ckv, skv, ctask)."""
+    d = self.dispatch[0]
+    return dict(c=d.send_q_idx.shape[-1], ckv=d.send_kv_idx.shape[-1],
+                skv=d.server_kv_idx.shape[-1], ctask=d.q_start.shape[-1])
 
   def imbalance(self) -> tuple[float, float]:
     """Attention-area imbalance (max/mean over servers) before and after scheduling, summed
@@ -562,11 +593,17 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
     return colocated()
   batches = split_pingpong_batch(batch) if attention_config.pingpong else (batch,)
   plans = tuple(schedule_layout(attention_config, b.layout, shape) for b in batches)
-  if gate and (metrics.predicted_cad_saving(shape, layout, plans, attention_config)
-               < attention_config.min_gain):
+  layouts = [b.layout for b in batches]
+  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
+  caps = step_capacities(plans, layouts, kvs)
+  if shapes is not None:  # the run's capacities, should this step run CAD
+    caps = shapes.fit(f"cad@{layouts[0].buffer_len}", commit=False, **caps)
+  saving = metrics.predicted_cad_saving(shape, layout, plans, attention_config,
+                                        exchange_bytes(attention_config, shape, plans, caps))
+  if gate and saving < attention_config.min_gain:
     return colocated()
-  dispatch = dispatch_for_plans(plans, [b.layout for b in batches], devices, batches, shapes)
-  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch))
+  dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs)
+  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving)
 
 
 def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:

@@ -152,13 +152,11 @@ def _predicted_saving(config, batch, shape, cache: dict) -> float:
   import dataclasses
 
   from distca_jax import dispatch
-  from distca_jax.train import metrics
 
   a = dataclasses.replace(config.attention, impl="distca", gate=False, min_imbalance=1.0,
                           kernel="auto", exchange="tiled")
   if a not in cache:
-    cache[a] = metrics.predicted_cad_saving(shape, batch.layout,
-                                            dispatch.host_context(a, batch, shape).plans, a)
+    cache[a] = dispatch.host_context(a, batch, shape).predicted_saving
   return cache[a]
 
 

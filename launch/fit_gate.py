@@ -56,11 +56,10 @@ def expect(steps: int) -> None:
       data = dataclasses.replace(cfg.data, distribution=dist)
       src = synthetic_from_config(data, shape.vocab_size, n)
       colocated, gated, cad = 0.0, 0.0, 0
+      shapes = dispatch.StepShapes()  # as a training run: capacities grow, never shrink
       for step in range(steps):
         batch = src.batch(step)
-        saving = metrics.predicted_cad_saving(
-            shape, batch.layout, dispatch.host_context(cfg.attention, batch, shape).plans,
-            cfg.attention)
+        saving = dispatch.host_context(cfg.attention, batch, shape, shapes=shapes).predicted_saving
         linear, attn = metrics.colocated_flops(shape, batch.layout)
         t = (linear + cfg.attention.gate_attention_cost * attn).max()
         runs_cad = saving >= cfg.attention.min_gain
@@ -181,8 +180,8 @@ def fit(verbose: bool = True, extra=()) -> dict:
         linear=linear.max(), attn=attn.max(),
         planned=metrics.attention_flops_per_area(shape) * planned.max(),
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
-        bytes=sum(p.traffic.send + p.traffic.recv for p in ctx.plans).max() * shape.layers,
-        plans=ctx.plans, layout=batch.layout, shape=shape, attention=cfg.attention))
+        bytes=dispatch.exchange_bytes(cfg.attention, shape, ctx.plans, ctx.capacities).max()
+        * shape.layers, predicted=ctx.predicted_saving, attention=cfg.attention))
   say = print if verbose else (lambda *a, **k: None)
   col = np.array([r["col"] for r in rows])
   c_lin, c_att = np.linalg.lstsq(np.array([[r["linear"], r["attn"]] for r in rows]), col,
@@ -210,7 +209,7 @@ def fit(verbose: bool = True, extra=()) -> dict:
     keep = np.arange(len(rows)) != i
     fi, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
     net = ideal[i] - fi * lin_ms[i] - bi * r["bytes"]
-    shipped = metrics.predicted_cad_saving(r["shape"], r["layout"], r["plans"], r["attention"])
+    shipped = r["predicted"]
     out["batches"][r["batch"]] = (saved[i] / r["col"], shipped)
     say(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
         f"{lin_ms[i] + c_att * r['attn']:.0f} (measured {r['col']:.0f}) | "

@@ -6,13 +6,16 @@ attention against distca with its gate (`bash launch/gpu_session.sh gaterun` wri
 Reads each run's per-step log lines (`step N: ... step_s=... compile_count=... cad=...`, written
 with `train.progress=false`), keeps the steps on which neither run compiled, and prints the
 run-level speedup (sum of colocated step times over the sum of distca's), the same over the steps
-the gate gave CAD and over those it kept colocated, and how often each happened.
+the gate gave CAD and over those it kept colocated, and how often each happened; then, over the
+steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+
+import numpy as np
 
 LINE = re.compile(r"^step (\d+): (.*)$")
 
@@ -51,6 +54,15 @@ def main(argv=None) -> int:
       a = sum(col[s]["step_s"] for s in chosen)
       b = sum(cad[s]["step_s"] for s in chosen)
       print(f"| {name} | {len(chosen)} | {a:.2f} | {b:.2f} | {a / b:.3f} |")
+  # The gate's prediction against the step it predicted, on the steps CAD ran.
+  pairs = np.array([(cad[s]["cad_predicted_saving"], 1 - cad[s]["step_s"] / col[s]["step_s"])
+                    for s in both if cad[s].get("cad") == 1.0 and "cad_predicted_saving" in cad[s]])
+  if len(pairs):
+    err = pairs[:, 0] - pairs[:, 1]
+    print(f"\nCAD steps: predicted saving {pairs[:, 0].mean():+.1%} on average, measured "
+          f"{pairs[:, 1].mean():+.1%}; error RMS {np.sqrt(np.mean(err ** 2)):.1%}, at most "
+          f"{np.abs(err).max():.1%}; same sign on {int(np.sum(np.sign(pairs[:, 0]) == np.sign(pairs[:, 1])))} "
+          f"of {len(pairs)}")
   return 0
 
 

@@ -255,8 +255,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       if ran_cad is not None:
         record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)
       if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
-        record["cad_predicted_saving"] = metrics_lib.predicted_cad_saving(
-            shape, batch.layout, ctx.plans, config.attention)
+        record["cad_predicted_saving"] = ctx.predicted_saving
       if load_after is not None:
         imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
         record["attention_imbalance_after"] = imbalances_after[-1]

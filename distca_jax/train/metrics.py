@@ -101,12 +101,15 @@ def predicted_cad_gain(shape: ModelShape, layout: Layout, exchange: bool = False
   return float((attn.max() - attn.mean() - fixed) / step)
 
 
-def predicted_cad_saving(shape: ModelShape, layout: Layout, plans, attention_config=None) -> float:
+def predicted_cad_saving(shape: ModelShape, layout: Layout, plans, attention_config=None,
+                         exchange_bytes: np.ndarray | None = None) -> float:
   """Fraction of the colocated step CAD is predicted to save with these plans (the step's
   nano-batches, balanced), net of the exchange: (the slowest device's attention time colocated −
   the slowest server's after planning − the exchange's cost) / the colocated step. Times from
   FLOPs (the gate's cost model, `attention_config.gate_*`); the same on every process (global
-  plans only). Every term is the whole model's (all heads' bytes, all matmuls): with
+  plans only). `exchange_bytes`: per device, the bytes one layer's exchange sends plus receives
+  over the step (`dispatch.exchange_bytes`: the tiled exchange's padded blocks); default: the
+  rows the plans move. Every term is the whole model's (all heads' bytes, all matmuls): with
   mesh.tensor > 1 each device does 1/tensor of each, so the fraction is the same."""
   costs = _costs(attention_config)
   linear, attn, per_area = _colocated_step(shape, layout, costs)
@@ -114,7 +117,9 @@ def predicted_cad_saving(shape: ModelShape, layout: Layout, plans, attention_con
   if step <= 0:
     return 0.0
   planned = per_area * sum(p.stats.load_after for p in plans)
-  moved = sum(p.traffic.send + p.traffic.recv for p in plans).max() * shape.layers
+  if exchange_bytes is None:
+    exchange_bytes = sum(p.traffic.send + p.traffic.recv for p in plans)
+  moved = np.max(exchange_bytes) * shape.layers
   net = (attn.max() - planned.max() - costs.gate_exchange_fixed * linear.max()
          - costs.gate_exchange_flops_per_byte * moved)
   return float(net / step)
