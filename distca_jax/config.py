@@ -93,9 +93,11 @@ class AttentionConfig:
   min_gain: float = 0.0
   # The gate's cost model, in matmul-FLOP units: attention's time per FLOP relative to the rest
   # of the step; the exchange's fixed cost as a fraction of the matmul time; and its cost per
-  # byte the busiest device sends and receives. Fit on one NVLink host of 4 H100s with the Triton
-  # kernel (`python launch/fit_gate.py` refits from measured step times and prints these three
-  # as overrides): refit them for other GPUs, kernels or multi-node exchanges.
+  # byte the busiest device sends and receives (the tiled exchange: whole padded blocks at the
+  # run's capacities, `dispatch.exchange_bytes`). Fit on one NVLink host of 4 H100s with the
+  # Triton kernel, checked on 2 H200s (`python launch/fit_gate.py` refits from measured step
+  # times and prints these three as overrides): refit them for other GPUs, kernels or
+  # multi-node exchanges.
   gate_attention_cost: float = 0.75
   gate_exchange_fixed: float = 0.00773
   gate_exchange_flops_per_byte: float = 1326.0
