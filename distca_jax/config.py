@@ -108,6 +108,10 @@ class AttentionConfig:
   # the gate above decides; 1.25 for a pipeline's ticks, which have no other gate
   # (`min_imbalance_for`).
   min_imbalance: float | None = None
+  # Ping-pong: two nano-batches of half the tokens each, so one's exchange overlaps the other's
+  # compute. Equal halves cut at most one document per step in two: its suffix starts a new
+  # document (positions from 0, no attention to its prefix) -- one extra document boundary per
+  # step. `false` keeps every document whole (one stream, no overlap).
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU), or `ragged`

@@ -133,7 +133,27 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
   assert dist.compile_count >= 2
   assert dist.compile_count == dist.step_shapes  # a step compiles only for a new shape
+  assert dist.attention_imbalance == pytest.approx(colo.attention_imbalance, rel=1e-12)
   np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)
+
+
+def test_logged_imbalance_is_the_batch_s():
+  """A CAD step logs the imbalance of the batch as loaded (what colocated attention runs), not
+  of its ping-pong halves, which the split alone often evens out: a colocated and a distca run
+  of the same batches log the same `attention_imbalance`; `after` is the plans' load."""
+  from distca_jax.train import metrics, profile
+
+  cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=prolong",
+                     "attention.impl=distca")
+  shape = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])).shape
+  batch = synthetic_from_config(cfg.data, 512, 4).batch(1)
+  ctx = attn.host_context(cfg.attention, batch, shape)
+  halves = sum(p.stats.load_before for p in ctx.plans)
+  whole = metrics.attention_load_per_device(batch.layout)
+  assert metrics.imbalance(halves) != pytest.approx(metrics.imbalance(whole))  # they differ here
+  before, after = profile.attention_loads(ctx, batch.layout, shape, cfg.attention)
+  np.testing.assert_array_equal(before, whole)
+  np.testing.assert_array_equal(after, sum(p.stats.load_after for p in ctx.plans))
 
 
 def _step_shape(ctx):

@@ -183,17 +183,18 @@ def attention_loads(ctx: Any, layout, shape, attention_config, tensor_parallel: 
                     plan_after: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
   """Per-device causal attention area (query-key pairs) before and after scheduling.
 
-  Hook: a host context that carries the scheduler's plans (`ctx.plans`, e.g.
-  `dispatch.StepContext`) reports their loads, summed over nano-batches. Otherwise "before" is
-  the colocated layout's load and, when `plan_after`, "after" is what `schedule.make_plan` would
-  reach on this layout (planned on the host, not executed); None when not planned.
+  "Before" is always the batch's own layout's load: what colocated attention runs, so a
+  colocated and a distca run of the same batches log the same imbalance. Hook: a host context
+  that carries the scheduler's plans (`ctx.plans`, e.g. `dispatch.StepContext`) reports their
+  loads as "after", summed over nano-batches (ping-pong re-packs the batch's documents into two
+  half-length layouts, which alone often evens the load out; the plans then balance each).
+  Otherwise, when `plan_after`, "after" is what `schedule.make_plan` would reach on this layout
+  (planned on the host, not executed); None when not planned.
   """
+  before = metrics_lib.attention_load_per_device(layout)
   plans = getattr(ctx, "plans", None)
   if plans:
-    before = sum(np.asarray(p.stats.load_before, np.float64) for p in plans)
-    after = sum(np.asarray(p.stats.load_after, np.float64) for p in plans)
-    return before, after
-  before = metrics_lib.attention_load_per_device(layout)
+    return before, sum(np.asarray(p.stats.load_after, np.float64) for p in plans)
   if not plan_after:
     return before, None
   from distca_jax.schedule.cost import CommModel
