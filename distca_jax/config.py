@@ -99,8 +99,8 @@ class AttentionConfig:
   # times and prints these three as overrides): refit them for other GPUs, kernels or
   # multi-node exchanges.
   gate_attention_cost: float = 0.75
-  gate_exchange_fixed: float = 0.00773
-  gate_exchange_flops_per_byte: float = 1326.0
+  gate_exchange_fixed: float = 0.00936
+  gate_exchange_flops_per_byte: float = 1305.0
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
@@ -110,9 +110,14 @@ class AttentionConfig:
   min_imbalance: float | None = None
   # Ping-pong: two nano-batches of half the tokens each, so one's exchange overlaps the other's
   # compute. Equal halves cut at most one document per step in two: its suffix starts a new
-  # document (positions from 0, no attention to its prefix) -- one extra document boundary per
-  # step. `false` keeps every document whole (one stream, no overlap).
+  # document (positions from 0, no attention to its prefix). The split cuts a short document
+  # where it can; a step whose split would lose more than `pingpong_max_drop` of its causal
+  # query-key pairs (a document longer than half the step's tokens is always cut: on 2 x 64K
+  # Pretrain, a quarter of the steps, losing a third of their attention) runs as one stream
+  # instead, exact. 0 never cuts (one stream unless the halves come out whole); `pingpong:
+  # false` keeps every step one stream. Steps log what their split lost (`pingpong_dropped`).
   pingpong: bool = True
+  pingpong_max_drop: float = 0.001
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU), or `ragged`
   # (GPU only): only the rows that move travel, but XLA 0.11 waits on the host before each call
@@ -368,6 +373,9 @@ def validate(config: Config) -> None:
   if not -1 < a.min_gain < 1:
     raise ConfigError(f"attention.min_gain: a fraction of the step, must be in (-1, 1) "
                       f"(attention.gate=false turns the gate off), got {a.min_gain}")
+  if not 0 <= a.pingpong_max_drop <= 1:
+    raise ConfigError(f"attention.pingpong_max_drop: a fraction of the step's attention pairs, "
+                      f"must be in [0, 1], got {a.pingpong_max_drop}")
   if a.min_imbalance is not None and not a.min_imbalance >= 1:
     raise ConfigError(f"attention.min_imbalance: a max / mean ratio, must be >= 1 (1 turns the "
                       f"gate off), got {a.min_imbalance}")

