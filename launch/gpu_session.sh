@@ -35,7 +35,8 @@
 #   uniform128  all GPUs: colocated vs distca on the uniform batch at 128K tokens per device
 #   gaterun  all GPUs: launch/train.py for G_STEPS (24) sampled steps of G_DIST (pretrain), once
 #          colocated and once distca with its gate, G_TOKENS (65536) per device; per-step logs in
-#          $OUT/gaterun_<impl>.log, compared step by step by launch/gate_report.py
+#          $OUT/gaterun_<impl>.log, compared step by step by launch/gate_report.py; G_EXTRA: more
+#          overrides for both runs (e.g. data.elongate_factor=2)
 # Logs and tables go to $OUT (or ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -135,7 +136,7 @@ for suite in "$@"; do
              timeout -k 10 ${G_TIMEOUT:-280} python3 -P launch/train.py model.preset=llama3_8b model.layers=2 \
                data.tokens_per_device=${G_TOKENS:-65536} data.length_scale=1 data.distribution=${G_DIST:-pretrain} \
                mesh.data=$n attention.impl=$impl train.steps=${G_STEPS:-24} train.progress=false \
-               train.tensorboard=false checkpoint.every=0 train.out_dir="/tmp/gaterun_$impl" 2>&1 \
+               train.tensorboard=false checkpoint.every=0 train.out_dir="/tmp/gaterun_$impl" ${G_EXTRA:-} 2>&1 \
                | grep -v -i warn > "$OUT/gaterun_$impl.log"; tail -6 "$OUT/gaterun_$impl.log"
            done
            python3 -P launch/gate_report.py "$OUT/gaterun_colocated.log" "$OUT/gaterun_distca.log" \
