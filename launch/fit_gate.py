@@ -10,9 +10,10 @@ measured saving, then plans the batch as the trainer does (ping-pong on), fits t
 overhead from the matmul time and the bytes the busiest device moves, prints the three
 `attention.gate_*` costs it implies, and predicts each batch's net saving from a fit of the
 others (leave-one-out).
-`--expect N`: then, for the sampler's first N batches of each distribution on 4 and 2 devices,
-the gate's decisions and the speedup its predictions give over those N steps (a prediction from
-the fitted model, not a measurement). `--sim`: the simulator's own cost terms fit to the same
+`--expect N [--expect-devices 4 2] [--expect-set k=v ...]`: then, for the sampler's first N
+batches of each distribution, the gate's decisions and the speedup its predictions give over
+those N steps, planned as the trainer plans them (a prediction from the fitted model, not a
+measurement). `--sim`: the simulator's own cost terms fit to the same
 batches.
 """
 
@@ -37,36 +38,44 @@ SETUP = ("model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
          "data.tokens_per_device=65536")
 
 
-def expect(steps: int) -> None:
-  """Share of steps the gate gives CAD, and the predicted speedup of the gated run over the
-  colocated one summed over `steps` sampled batches."""
+def expect(steps: int, devices=(4, 2), overrides=()) -> None:
+  """Per device count and distribution: the steps the gate gives CAD, and the predicted speedup
+  of the gated run over the colocated one summed over the sampler's first `steps` batches,
+  planned as the trainer plans them (the gate on, capacities that only grow: `StepShapes`) and,
+  for comparison, with every step taking its own buckets (compilations not counted). A
+  prediction from the gate's cost model, not a measurement. `overrides`: config overrides on
+  the default setup (Llama-3-8B shape with 2 layers, 64K tokens per device)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics
 
-  cfg = load_config(None, ["model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
-                           "data.tokens_per_device=65536", "attention.impl=distca",
-                           "attention.gate=false"])
+  cfg = load_config(None, list(SETUP) + ["attention.impl=distca", "attention.gate=true"]
+                    + list(overrides))
   shape = resolve(cfg.model)
-  print(f"\n| devices | batches | CAD on | predicted speedup over {steps} steps |\n|---|---|---|---|")
-  for n in (4, 2):
+  print(f"\n{' '.join(overrides) or 'default setup'}, {steps} steps\n"
+        "| devices | batches | CAD steps | predicted speedup | own buckets: CAD steps, speedup "
+        "| step shapes |\n|---|---|---|---|---|---|")
+  for n in devices:
     for dist in ("pretrain", "prolong"):
-      data = dataclasses.replace(cfg.data, distribution=dist)
-      src = synthetic_from_config(data, shape.vocab_size, n)
-      colocated, gated, cad = 0.0, 0.0, 0
-      shapes = dispatch.StepShapes()  # as a training run: capacities grow, never shrink
-      for step in range(steps):
-        batch = src.batch(step)
-        saving = dispatch.host_context(cfg.attention, batch, shape, shapes=shapes).predicted_saving
-        linear, attn = metrics.colocated_flops(shape, batch.layout)
-        t = (linear + cfg.attention.gate_attention_cost * attn).max()
-        runs_cad = saving >= cfg.attention.min_gain
-        colocated += t
-        gated += t * (1 - saving) if runs_cad else t
-        cad += runs_cad
-      print(f"| {n} | {dist} | {cad / steps:.0%} | {colocated / gated:.3f} |")
+      src = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
+                                  shape.vocab_size, n)
+      out = []
+      for shapes in (dispatch.StepShapes(), None):
+        colocated, gated, cad = 0.0, 0.0, 0
+        for step in range(steps):
+          batch = src.batch(step)
+          ctx = dispatch.host_context(cfg.attention, batch, shape, shapes=shapes)
+          linear, attn = metrics.colocated_flops(shape, batch.layout)
+          t = (linear + cfg.attention.gate_attention_cost * attn).max()
+          runs_cad = isinstance(ctx, dispatch.StepContext)
+          colocated += t
+          gated += t * (1 - ctx.predicted_saving) if runs_cad else t
+          cad += runs_cad
+        out.append((cad, colocated / gated, shapes.growths if shapes else None))
+      (cad, speedup, grown), (own_cad, own_speedup, _) = out
+      print(f"| {n} | {dist} | {cad} | {speedup:.3f} | {own_cad}, {own_speedup:.3f} | {grown} |")
 
 
 SIM_ARGS = ["gpus=[4]", "tensor_parallel=1", "pipeline_parallel=[1]", "tokens_per_rank=[65536]",
@@ -111,7 +120,11 @@ def main() -> None:
   ap.add_argument("--devices", type=int, default=DEVICES, help="devices of the --from runs")
   ap.add_argument("--set", nargs="*", default=list(SETUP),
                   help="config overrides of the --from runs (model, tokens per device)")
-  ap.add_argument("--expect", type=int, default=0)
+  ap.add_argument("--expect", type=int, default=0, metavar="STEPS",
+                  help="predict gated runs over this many sampled steps (see expect())")
+  ap.add_argument("--expect-devices", type=int, nargs="*", default=[4, 2])
+  ap.add_argument("--expect-set", nargs="*", default=[],
+                  help="config overrides for --expect (e.g. data.tokens_per_device=131072)")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
   args = ap.parse_args()
@@ -120,7 +133,7 @@ def main() -> None:
     print(f"{len(extra)} measured pairs from {', '.join(args.files)} join the fit")
   fit(extra=extra)
   if args.expect:
-    expect(args.expect)
+    expect(args.expect, args.expect_devices, args.expect_set)
   if args.sim:
     fit_simulator()
 
