@@ -643,3 +643,18 @@ def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
   with caplog.at_level("WARNING", logger="distca_jax.dispatch"):
     dispatch.make_distca_attention(cfg.attention, mesh)
   assert "attention.exchange=tiled" not in caplog.text
+
+
+def test_fit_gate_expect_plans_as_the_trainer(capsys):
+  """fit_gate --expect: per distribution, the CAD steps and the predicted run speedup with the
+  run's grown capacities and with each step's own buckets; the gated run never predicts below
+  colocated (the gate keeps a step colocated rather than lose)."""
+  launch_script("fit_gate").expect(6, devices=(2,))  # 2 x 64K, Llama-3-8B shape (host only)
+  rows = [l.split("|")[1:-1] for l in capsys.readouterr().out.splitlines()
+          if l.startswith("| 2 |")]
+  assert [r[1].strip() for r in rows] == ["pretrain", "prolong"]
+  for r in rows:
+    cad, speedup = int(r[2]), float(r[3])
+    own_cad, own_speedup = (float(x) for x in r[4].split(","))
+    assert 1 <= cad <= 6 and 1 <= own_cad <= 6 and speedup > 1.0 and own_speedup > 1.0
+    assert speedup <= own_speedup + 1e-9  # padding to the run's capacities never helps
