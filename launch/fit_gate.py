@@ -1,6 +1,7 @@
 """Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "The step gate").
 
     python launch/fit_gate.py [--expect 50] [--sim] [--from cad.json ... --devices N --set ...]
+    python launch/fit_gate.py --logs colocated.log distca.log --devices 2 --set ... data.distribution=prolong
 
 CPU only. For each measured batch (4 x H100, Llama-3-8B shape with 2 layers, 64K tokens per
 device; colocated and distca step ms from `bench_train.py --suite cad`; `--from` adds pairs
@@ -127,10 +128,18 @@ def main() -> None:
                   help="config overrides for --expect (e.g. data.tokens_per_device=131072)")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
+  ap.add_argument("--logs", nargs=2, action="append", default=[], metavar=("COLOCATED", "DISTCA"),
+                  help="two launch/train.py logs of the same sampled steps (gpu_session.sh "
+                       "gaterun): each CAD step that neither run compiled joins the fit (their "
+                       "setup: --devices and --set, data.distribution included)")
   args = ap.parse_args()
   extra = from_bench_json(args.files, args.devices, tuple(args.set))
   if args.files:
     print(f"{len(extra)} measured pairs from {', '.join(args.files)} join the fit")
+  for col, cad in args.logs:
+    pairs = from_train_logs(col, cad, args.devices, tuple(args.set))
+    print(f"{len(pairs)} CAD steps from {col} / {cad} join the fit")
+    extra += pairs
   fit(extra=extra)
   if args.expect:
     expect(args.expect, args.expect_devices, args.expect_set)
@@ -160,6 +169,33 @@ def from_bench_json(paths, devices: int, setup: tuple) -> list[tuple]:
   return out
 
 
+def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tuple) -> list[tuple]:
+  """Measured pairs from two `launch/train.py` logs of the same sampled steps (colocated, and
+  distca with its gate): per step on which CAD ran and neither run compiled, both step times and
+  the rows per exchanged block the step ran with (its run's grown capacities, which set the
+  tiled exchange's bytes). Log step s trained on the sampler's batch s - 1; the distribution
+  is `data.distribution` in `setup` (default: the config's)."""
+  import os
+  import sys
+
+  from distca_jax.config import load_config
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
+  import gate_report
+
+  dist = load_config(None, list(setup)).data.distribution
+  rest = tuple(o for o in setup if not o.startswith("data.distribution="))
+  col, cad = gate_report.read(colocated_log), gate_report.read(distca_log)
+  out = []
+  for s in sorted(col.keys() & cad.keys()):
+    c, d = col[s], cad[s]
+    if c["compiled"] or d["compiled"] or d.get("cad") != 1.0 or "exchange_q_rows" not in d:
+      continue
+    caps = {"c": int(d["exchange_q_rows"]), "ckv": int(d["exchange_kv_rows"])}
+    out.append((devices, rest, dist, s - 1, c["step_s"] * 1e3, d["step_s"] * 1e3, caps))
+  return out
+
+
 def fit(verbose: bool = True, extra=()) -> dict:
   """The fit above, over MEASURED and `extra` ((devices, overrides, distribution, step,
   colocated ms, CAD ms) tuples); prints it (and the per-batch table) when `verbose`. Returns the
@@ -176,9 +212,9 @@ def fit(verbose: bool = True, extra=()) -> dict:
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics
 
-  entries = [(DEVICES, SETUP, d, s, col, cad) for (d, s), (col, cad) in MEASURED.items()]
+  entries = [(DEVICES, SETUP, d, s, col, cad, None) for (d, s), (col, cad) in MEASURED.items()]
   rows = []
-  for devices, setup, dist, step, col, cad in list(entries) + list(extra):
+  for devices, setup, dist, step, col, cad, *caps in list(entries) + list(extra):
     cfg = load_config(None, list(setup) + ["attention.impl=distca", "attention.gate=false"])
     shape = resolve(cfg.model)
     batch = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
@@ -193,8 +229,11 @@ def fit(verbose: bool = True, extra=()) -> dict:
         linear=linear.max(), attn=attn.max(),
         planned=metrics.attention_flops_per_area(shape) * planned.max(),
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
-        bytes=dispatch.exchange_bytes(cfg.attention, shape, ctx.plans, ctx.capacities).max()
-        * shape.layers, predicted=ctx.predicted_saving, attention=cfg.attention))
+        # The exchange at the capacities the step ran with: a training run's grown ones when
+        # its log says (from_train_logs), else the step's own (a benchmark compiles each batch).
+        bytes=dispatch.exchange_bytes(cfg.attention, shape, ctx.plans,
+                                      (caps and caps[0]) or ctx.capacities).max() * shape.layers,
+        predicted=ctx.predicted_saving, attention=cfg.attention))
   say = print if verbose else (lambda *a, **k: None)
   col = np.array([r["col"] for r in rows])
   c_lin, c_att = np.linalg.lstsq(np.array([[r["linear"], r["attn"]] for r in rows]), col,

@@ -151,6 +151,7 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   # CAD steps log what the gate predicted their plans save; gated steps have no plans.
   assert [" cad_predicted_saving=" in l for l in lines if l.startswith("step ")] == cad
   assert [" nano_batches=1 " in l + " " for l in lines if l.startswith("step ")] == cad  # ping-pong off
+  assert [" exchange_q_rows=" in l for l in lines if l.startswith("step ")] == cad
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
   assert dist.compile_count >= 2
   assert dist.compile_count == dist.step_shapes  # a step compiles only for a new shape
@@ -658,3 +659,32 @@ def test_fit_gate_expect_plans_as_the_trainer(capsys):
     own_cad, own_speedup = (float(x) for x in r[4].split(","))
     assert 1 <= cad <= 6 and 1 <= own_cad <= 6 and speedup > 1.0 and own_speedup > 1.0
     assert speedup <= own_speedup + 1e-9  # padding to the run's capacities never helps
+
+
+def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
+  """fit_gate --logs: the CAD steps of a gated train.py run on which neither run compiled join
+  the fit, each with its batch (log step s trained on the sampler's batch s - 1) and the rows per
+  exchanged block it ran with (the run's grown capacities), which price its exchange."""
+  fit_gate = launch_script("fit_gate")
+  line = lambda n, s, c, extra="": f"step {n}: loss=1 step_s={s} compile_count={c}{extra}"
+  ran = lambda q, kv: f" cad=1 cad_predicted_saving=0.1 nano_batches=2 exchange_q_rows={q} exchange_kv_rows={kv}"
+  col = [line(1, 9.0, 1), line(2, 2.0, 1), line(3, 2.0, 1), line(4, 2.0, 1)]
+  cad = [line(1, 9.0, 1, ran(8192, 16384)), line(2, 1.8, 1, ran(8192, 16384)),
+         line(3, 2.0, 1, " cad=0"), line(4, 1.9, 2, ran(16384, 16384))]
+  (tmp_path / "c.log").write_text("\n".join(col))
+  (tmp_path / "d.log").write_text("\n".join(cad))
+  setup = fit_gate.SETUP + ("data.distribution=prolong",)
+  pairs = fit_gate.from_train_logs(tmp_path / "c.log", tmp_path / "d.log", 2, setup)
+  # Step 1 compiled in both, 3 ran colocated, 4 compiled in distca: step 2 only.
+  assert pairs == [(2, fit_gate.SETUP, "prolong", 1, 2000.0, 1800.0, {"c": 8192, "ckv": 16384})]
+  seen = []
+  real = dispatch.exchange_bytes
+
+  def spy(attention_config, shape, plans, capacities):
+    seen.append(capacities)
+    return real(attention_config, shape, plans, capacities)
+
+  monkeypatch.setattr(dispatch, "exchange_bytes", spy)
+  fitted = fit_gate.fit(verbose=False, extra=pairs)
+  assert "prolong@1 (2 dev)" in fitted["batches"] and len(fitted["batches"]) == 15
+  assert any(c is pairs[0][6] for c in seen)  # priced at the logged capacities

@@ -260,6 +260,9 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
         # of the step's attention pairs the split lost.
         record["nano_batches"] = len(ctx.batches)
         record["pingpong_dropped"] = ctx.pingpong_dropped
+        # Rows per exchanged block (query, K/V): the run's capacities, what the exchange sends.
+        record["exchange_q_rows"] = ctx.capacities["c"]
+        record["exchange_kv_rows"] = ctx.capacities["ckv"]
       if load_after is not None:
         imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
         record["attention_imbalance_after"] = imbalances_after[-1]
