@@ -66,6 +66,8 @@ def test_two_processes_match_one_process(tmp_path, impl):
   assert two["devices"] == 8 and two["mesh_shape"]["data"] == 8
   # Same global batch, same parameters; only the reduction order of the collectives differs.
   np.testing.assert_allclose(two["losses"], one.losses, rtol=1e-5)
+  # Every process grows the same step capacities at the same step (same global plans).
+  assert two["step_shapes"] == one.step_shapes and two["compile_count"] == one.compile_count
   # Process 1 ran the same steps but wrote no files and printed no per-step lines.
   log1 = (tmp_path / "logs" / "process_1.log").read_text()
   assert "step 1:" not in log1 and "loss " in log1
