@@ -179,6 +179,19 @@ def test_one_rank_cad_equals_colocated(tmp_path):
   assert res["cad"].iter_s == pytest.approx(res["colocated"].iter_s, rel=2e-3)
 
 
+def test_simulator_runs_one_plan_rather_than_cut_a_long_document(tmp_path):
+  """As training does: a batch whose ping-pong split would cut a document longer than half the
+  batch is simulated as one plan (what pingpong=false gives); allowed to cut, it is not."""
+  path = tmp_path / "lens.json"
+  path.write_text(json.dumps([5 * 131072] + [2000] * 200))  # one document of 5 of 8 ranks' tokens
+  base = ["gpus=[8]", "tensor_parallel=1", "batches=1", f"distributions=[{path}]"]
+  point = Point("llama3_8b", 8, 131072, str(path))
+  run = lambda *extra: Simulator(load_sim_config(None, base + list(extra)), point).batch(0)[0]["cad"]
+  exact, single = run(), run("pingpong=false")
+  assert exact.bytes_per_layer == single.bytes_per_layer and exact.iter_s == single.iter_s
+  assert run("pingpong_max_drop=1").bytes_per_layer != single.bytes_per_layer
+
+
 def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):
   cfg = load_sim_config(None, ["gpus=[64]", "batches=1"])
   sim = Simulator(cfg, Point("llama3_8b", 64, 131072, "pretrain"))

@@ -174,7 +174,7 @@ class Simulator:
     # The calibrated costs beyond the model (SimConfig.cad_fixed_overhead, cad_ms_per_gb).
     extra = (cfg.cad_fixed_overhead * tokens * self.lin_ms_per_token
              + cfg.cad_ms_per_gb * sum(x[5] for x in per) / 1e9)
-    if cfg.pingpong:
+    if len(per) == 2:  # ping-pong (a step whose split would cut a long document runs one)
       comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
       ov = cfg.pingpong_overlap
       exposed = sum(np.maximum(per[i][3] - ov * comp[1 - i], (1 - ov) * per[i][3]) for i in (0, 1))
@@ -256,11 +256,16 @@ class Simulator:
     cfg, n, t = self.cfg, self.ranks, self.t
     # CAD: with ping-pong, one plan per nano-batch (equal tokens, balanced Σl², half buffers);
     # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
+    # As training does (attention.pingpong_max_drop): a batch whose split would lose more of its
+    # causal pairs than that (a document longer than half the batch) runs as one stream.
+    halves, split = (layout,), None
     if cfg.pingpong:
       ping, pong, split = pingpong_layouts(lens, n, t)
-      halves = (ping, pong)
-    else:
-      halves, split = (layout,), None
+      total = float(np.sum(range_area(0, np.asarray(lens, np.float64))))
+      if split.cut_pairs <= cfg.pingpong_max_drop * total:
+        halves = (ping, pong)
+      else:
+        split = None
     per = []
     shards = 0
     for k, lay in enumerate(halves):
@@ -277,7 +282,7 @@ class Simulator:
       shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))
       if dump_dir is not None:
         p = self.point
-        tag = ("_ping", "_pong")[k] if cfg.pingpong else ""
+        tag = ("_ping", "_pong")[k] if len(halves) == 2 else ""
         plan.dump_json(dump_dir / f"{p.model}_{p.gpus}g_{p.tokens_per_rank}_"
                                   f"{Path(p.distribution).stem}_b{step}{tag}.json")
     area_after = sum(x[0].stats.load_after for x in per)
