@@ -33,11 +33,11 @@ def _layout_batch(kind: str, n: int, seed: int, T: int = T):
   return make_batch(lens, rng.integers(0, 512, lens.sum()).astype(np.int32), n, T)
 
 
-def _run(cfg, batch, n):
+def _run(cfg, batch, n, shapes=None):
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:n])
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
-  ctx = attn.host_context(cfg.attention, batch, trainer.shape)
+  ctx = attn.host_context(cfg.attention, batch, trainer.shape, shapes=shapes)
   arrays, dctx = trainer.put_batch(batch, ctx)
   (loss, _), grads = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))(state.params, arrays, dctx)
   return float(loss), pure_params(grads), pure_params(state.params), trainer.shape, ctx
@@ -176,6 +176,27 @@ def test_logged_imbalance_is_the_batch_s():
   before, after = profile.attention_loads(ctx, batch.layout, shape, cfg.attention)
   np.testing.assert_array_equal(before, whole)
   np.testing.assert_array_equal(after, sum(p.stats.load_after for p in ctx.plans))
+
+
+def test_grown_capacities_compute_the_same_step():
+  """A step run at capacities grown by earlier steps (padded exchange blocks, larger server K/V
+  buffers and task tables) gives the reference's loss and gradients, ping-pong on."""
+  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     "data.distribution=prolong", "model.layers=1", "attention.pingpong_max_drop=1")
+  batch = synthetic_from_config(cfg.data, 512, 4).batch(3)
+  plain = _run(cfg, batch, 4)
+  caps = plain[4].capacities
+  assert caps["c"] > 0 and caps["ckv"] > 0  # rows move between devices
+  shapes = dispatch.StepShapes()
+  shapes.fit(f"cad@{T // 2}", c=caps["c"] + 128, ckv=caps["ckv"] + 256, skv=2 * caps["skv"],
+             ctask=2 * caps["ctask"])
+  loss, grads, params, shape, ctx = _run(cfg, batch, 4, shapes)
+  assert ctx.capacities == dict(c=caps["c"] + 128, ckv=caps["ckv"] + 256, skv=2 * caps["skv"],
+                                ctask=2 * caps["ctask"])
+  ref_loss, ref_grads = _reference(params, shape, ctx.batches)
+  assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+  assert tree_rel_err(grads, ref_grads) <= 1e-5
+  assert abs(loss - plain[0]) <= 1e-5 * abs(loss)
 
 
 def _step_shape(ctx):
