@@ -450,8 +450,9 @@ class StepShapes:
   plans in the same order, so every process grows the same capacities at the same step."""
 
   def __init__(self):
-    self.sizes: dict[str, int] = {}
-    self.growths = 0
+    self.sizes: dict[str, int] = {}  # "<kind>.<capacity>" -> rows (a checkpoint keeps them)
+    self.growths = 0  # shapes this process has used: each compiles the step once
+    self._used: set[str] = set()
 
   def fit(self, kind: str, *, commit: bool = True, **need: int) -> dict[str, int]:
     """The capacities of `kind` ("cad@T", "colocated@T") for a step that needs `need` (each
@@ -459,11 +460,15 @@ class StepShapes:
     for later steps unless `commit` is false (a step the gate may still turn away)."""
     keys = {name: f"{kind}.{name}" for name in need}
     grown = {name: max(int(value), self.sizes.get(keys[name], 0)) for name, value in need.items()}
-    if commit and any(grown[name] != self.sizes.get(key) for name, key in keys.items()):
+    if not commit:
+      return grown
+    changed = any(grown[name] != self.sizes.get(key) for name, key in keys.items())
+    if changed or kind not in self._used:  # a new shape (or restored sizes, first used here)
       self.growths += 1
-      if any(key in self.sizes for key in keys.values()):
+      if changed and any(key in self.sizes for key in keys.values()):
         log.info("%s step capacities grew to %s: the step compiles again", kind, grown)
       self.sizes.update({keys[name]: value for name, value in grown.items()})
+      self._used.add(kind)
     return grown
 
 

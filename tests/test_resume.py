@@ -61,6 +61,33 @@ def test_resumed_losses_equal_uninterrupted(runs):
   assert resumed.losses == straight.losses[N:]  # exact, not approximately
 
 
+def test_distca_resumes_exactly_with_its_step_capacities(tmp_path):
+  """A CAD run resumed from a checkpoint trains the same losses as the uninterrupted run, and
+  starts from the step capacities its checkpoint's steps had reached (saved in the checkpoint):
+  the step compiles once per shape it uses, and never for a smaller one."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
+  devices = jax.devices()[:4]
+  # Seed 3: the first N steps exchange 256-row blocks, the next N need only 128.
+  cad = ("attention.impl=distca", "data.distribution=prolong", "attention.pingpong=false",
+         "data.seed=3")
+  straight = loop.run(config(tmp_path / "s", *cad), devices=devices, log=lambda *a: None)
+  loop.run(config(tmp_path / "h", *cad, f"train.stop_at_step={N}"), devices=devices,
+           log=lambda *a: None)
+  with Checkpointer(tmp_path / "h" / "checkpoints", save_every=N, keep=5, read_only=True) as ck:
+    _, extra = ck.read_extra()
+  saved = extra["step_shapes"]
+  assert any(k.startswith("cad@") for k in saved), saved
+  lines = []
+  resumed = loop.run(config(tmp_path / "h", *cad), devices=devices, log=lines.append)
+  assert resumed.start_step == N and resumed.losses == straight.losses[N:]
+  assert resumed.compile_count == resumed.step_shapes
+  # Every CAD step after the resume exchanges blocks at least as large as the saved capacity.
+  saved_c = next(v for k, v in saved.items() if k.startswith("cad@") and k.endswith(".c"))
+  rows = [float(l.split("exchange_q_rows=")[1].split()[0]) for l in lines if "exchange_q_rows=" in l]
+  assert rows and min(rows) >= saved_c
+
+
 def test_resume_onto_another_mesh_shape(runs):
   """Saved on data=4 (4 devices), restored onto data=4 x tensor=2 (8 devices): the same batches
   (4 buffers), parameters resharded over heads. Reductions run in another order, so the losses

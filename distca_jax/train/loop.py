@@ -156,6 +156,9 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
   t0 = time.perf_counter()
   state = trainer.init_state(config.train.seed)
   start_step = 0
+  # Step capacities only grow, so a step compiles only when one does; a resumed run starts from
+  # the capacities its checkpoint's steps had reached.
+  shapes = StepShapes()
   checkpointer = None
   if config.checkpoint.every > 0:
     from distca_jax.train.checkpoint import Checkpointer
@@ -166,6 +169,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
       state, extra = restore_any_layout(checkpointer, trainer, state,
                                         expect={"model": dataclasses.asdict(shape)})
       start_step = int(extra["step"])
+      shapes.sizes.update(extra.get("step_shapes", {}))
       log(f"resumed from checkpoint at step {start_step}" + (
           f" (saved with {extra['pipeline_stages']} pipeline stages, now {trainer.stages})"
           if extra.get("pipeline_stages", 1) != trainer.stages else ""))
@@ -175,7 +179,6 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
 
   microbatches = config.train.microbatches
   rows = mesh_lib.local_rows(mesh)  # each process checks the plans of the rows it feeds
-  shapes = StepShapes()  # capacities only grow: a step compiles only when one does
 
   def make_item(step):
     if trainer.pipeline is not None:
@@ -183,13 +186,13 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
 
       mbs = [source.batch(step * microbatches + i) for i in range(microbatches)]
       ctx = pipeline.host_context(config.attention, mbs, mesh.shape["pipe"], shape, rows, shapes)
-      return ctx.as_batch(), ctx, ctx.attention_loads()
+      return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
     batch = source.batch(step)
     ctx = attention_lib.host_context(config.attention, batch, shape, rows, shapes=shapes)
     loads = profile_lib.attention_loads(ctx, batch.layout, shape, config.attention,
                                         tensor_parallel=mesh.shape["tensor"],
                                         plan_after=config.train.imbalance_after)
-    return batch, ctx, loads
+    return batch, ctx, loads, dict(shapes.sizes)  # the capacities as of this step, to save
 
   device_kind = mesh.devices.flat[0].device_kind
   peak = metrics_lib.peak_flops_per_device(device_kind, config.train.peak_tflops)
@@ -212,7 +215,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
   try:
     for _ in range(start_step, last_step):
       t_wait = time.perf_counter()
-      step, batch, ctx, (load_before, load_after) = prefetch.get()
+      step, batch, ctx, (load_before, load_after), step_sizes = prefetch.get()
       host_wait += time.perf_counter() - t_wait if step > start_step else 0.0
       if profiling and step + 1 == config.train.profile_start:
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -287,7 +290,8 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
         log(f"step {step + 1}: " + " ".join(f"{k}={v:.4g}" for k, v in record.items()))
       # Checked here too: orbax's should_save also saves the first step a manager sees.
       if (checkpointer is not None and (step + 1) % config.checkpoint.every == 0
-          and checkpointer.maybe_save(step + 1, state, _extra(step + 1, shape, trainer.stages))):
+          and checkpointer.maybe_save(step + 1, state,
+                                      _extra(step + 1, shape, trainer.stages, step_sizes))):
         saved_step = step + 1
       if config.train.max_seconds is not None and _out_of_time(run_start, config.train.max_seconds):
         if main:
@@ -296,7 +300,8 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
     done = start_step + len(losses)
     if checkpointer is not None and losses and saved_step != done and done < config.train.steps:
       # An early stop (stop_at_step, max_seconds) keeps its progress: checkpoint where it ended.
-      checkpointer.maybe_save(done, state, _extra(done, shape, trainer.stages), force=True)
+      checkpointer.maybe_save(done, state, _extra(done, shape, trainer.stages, step_sizes),
+                              force=True)
   finally:
     prefetch.close()
     if tracing:
@@ -346,10 +351,12 @@ def _out_of_time(run_start: float, max_seconds: float) -> bool:
   return out
 
 
-def _extra(step: int, shape, stages: int) -> dict[str, Any]:
-  """Checkpoint `extra`: the data iterator's state (the step), the model shape it belongs to and
-  the pipeline stages of its parameter layout."""
-  return {"step": step, "model": dataclasses.asdict(shape), "pipeline_stages": stages}
+def _extra(step: int, shape, stages: int, step_shapes: dict[str, int]) -> dict[str, Any]:
+  """Checkpoint `extra`: the data iterator's state (the step), the model shape it belongs to,
+  the pipeline stages of its parameter layout, and the step capacities (`StepShapes.sizes`)
+  its steps had reached, so a resumed run does not compile its way back up to them."""
+  return {"step": step, "model": dataclasses.asdict(shape), "pipeline_stages": stages,
+          "step_shapes": step_shapes}
 
 
 def restore_any_layout(checkpointer, trainer, state, expect: dict[str, Any]) -> tuple[Any, dict]:
