@@ -709,3 +709,12 @@ def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
   fitted = fit_gate.fit(verbose=False, extra=pairs)
   assert "prolong@1 (2 dev)" in fitted["batches"] and len(fitted["batches"]) == 15
   assert any(c is pairs[0][6] for c in seen)  # priced at the logged capacities
+
+
+def test_exchange_padding_report(capsys):
+  """launch/exchange_padding.py: the tiled exchange sends at least what one block size for all
+  pairs needs, which is at least what per-shift blocks need, which is at least what moves."""
+  assert launch_script("exchange_padding").main(["--steps", "2"]) == 0
+  rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| all |")]
+  tiled, pair, shift = (float(x.strip().rstrip("x")) for x in rows[0].split("|")[2:5])
+  assert tiled >= pair >= shift >= 1.0 and tiled > 1.0
