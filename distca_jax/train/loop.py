@@ -74,9 +74,9 @@ class Summary:
   # (attention.gate / min_imbalance) stopped them (None: colocated attention configured, or a
   # pipelined run).
   colocated_steps: int | None = None
-  # New step shapes: times one of the array capacities (dispatch.StepShapes) grew, the first
-  # step's included; each compiles the step, so compile_count is at most this (plus the
-  # pipeline's or profiler's own).
+  # Shapes the step took in this run (dispatch.StepShapes: a capacity grew, the first step's
+  # included, or a resumed run first used the capacities its checkpoint kept); each compiles the
+  # step once, so compile_count is this, plus any compilation the profiler adds.
   step_shapes: int = 0
 
   def as_dict(self) -> dict[str, Any]:
