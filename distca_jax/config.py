@@ -119,10 +119,13 @@ class AttentionConfig:
   pingpong: bool = True
   pingpong_max_drop: float = 0.001
   memory_mode: Literal["keep", "resend"] = "keep"
-  # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU), or `ragged`
-  # (GPU only): only the rows that move travel, but XLA 0.11 waits on the host before each call
+  # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); `shifted`, one
+  # ppermute per shift k (block d -> d + k), each shift's blocks at that shift's largest rather
+  # than every pair at the largest pair (CPU and GPU; on the 4-GPU batches 2.9x the moved bytes
+  # instead of 5.9x, launch/exchange_padding.py; not yet timed on a GPU); or `ragged` (GPU
+  # only): only the rows that move travel, but XLA 0.11 waits on the host before each call
   # (measured 0.74x colocated where tiled gives 1.09x, docs/PERFORMANCE.md).
-  exchange: Literal["tiled", "ragged"] = "tiled"
+  exchange: Literal["tiled", "shifted", "ragged"] = "tiled"
 
   def min_imbalance_for(self, pipelined: bool) -> float:
     """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
@@ -373,6 +376,9 @@ def validate(config: Config) -> None:
   if not -1 < a.min_gain < 1:
     raise ConfigError(f"attention.min_gain: a fraction of the step, must be in (-1, 1) "
                       f"(attention.gate=false turns the gate off), got {a.min_gain}")
+  if a.exchange == "shifted" and m.pipe > 1:
+    raise ConfigError("attention.exchange=shifted: not with mesh.pipe > 1 yet (its ppermutes run "
+                      "over `data` alone); use attention.exchange=tiled")
   if not 0 <= a.pingpong_max_drop <= 1:
     raise ConfigError(f"attention.pingpong_max_drop: a fraction of the step's attention pairs, "
                       f"must be in [0, 1], got {a.pingpong_max_drop}")

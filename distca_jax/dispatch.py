@@ -70,7 +70,8 @@ class PlanMismatchError(ValueError):
   """A dispatch plan does not belong to the batch it is used with, or breaks its capacities."""
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_ARRAY_FIELDS), meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_ARRAY_FIELDS),
+                   meta_fields=["shift_q", "shift_kv"])
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
   """One step's dispatch arrays, leading dim N (one row per device, sharded over `ROW_AXES`).
@@ -95,6 +96,10 @@ class DispatchPlan:
   recv_q_count  [N, N]       the block's start); rows received from each device (the transpose)
   send_kv_count, recv_kv_count [N, N]  the same for K/V. With `attention.exchange: ragged` only
                              these rows travel (`jax.lax.ragged_all_to_all`, GPU)
+  shift_q, shift_kv          static: with `attention.exchange: shifted`, the rows that travel
+                             per shift k = 1 .. N-1 (device d's block for server d + k mod N,
+                             one `ppermute` each; every block of a shift at that shift's
+                             largest); () for the other exchanges
   """
 
   local_q_idx: Any
@@ -117,6 +122,8 @@ class DispatchPlan:
   recv_q_count: Any
   send_kv_count: Any
   recv_kv_count: Any
+  shift_q: tuple = ()
+  shift_kv: tuple = ()
 
 
 # ----------------------------------------------------------------------------- host side
@@ -347,6 +354,18 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
                    for v, n in zip(blocks_of(valid), blocks_of(send)))):
       raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count do not describe its "
                               f"send blocks (rows packed from the start, recv the transpose)")
+    # A shifted exchange sends rows [0, shift[k - 1]) of each block d -> d + k: none may lie past.
+    shift = p.shift_q if name == "q" else p.shift_kv
+    if shift:
+      if len(shift) != N - 1 or max(shift) > valid.shape[-1]:
+        raise PlanMismatchError(f"plan shift_{name} {shift} is not one capacity <= "
+                                f"{valid.shape[-1]} per shift of {N} devices")
+      k = (np.arange(N)[None, :] - np.arange(N)[:, None]) % N  # [d, s]: the shift of block d -> s
+      cap = np.asarray((0,) + tuple(shift))[k]
+      if (send > cap).any():
+        d, s_ = np.argwhere(send > cap)[0]
+        raise PlanMismatchError(f"plan sends {int(send[d, s_])} {name} rows from device {d} to "
+                                f"{s_}, more than shift {int(k[d, s_])}'s capacity {int(cap[d, s_])}")
   # Every real token of a home in D sits in exactly one slot: a local row or a row it sends.
   off_diag = D[:, None] != np.arange(N)[None, :]
   slots = int(rows_of(p.local_q_valid).sum()) + int((rows_of(p.send_q_valid) & off_diag[..., None]).sum())
@@ -472,14 +491,33 @@ class StepShapes:
     return grown
 
 
-def step_capacities(plans, layouts, kvs) -> dict[str, int]:
+def step_capacities(plans, layouts, kvs, shifted: bool = False) -> dict[str, int]:
   """The bucketed capacities the plans of one step need together (`build_dispatch`'s c, ckv,
-  skv, ctask); `kvs`: their `kv_requests`."""
-  T = layouts[0].buffer_len
-  moved = np.array([exchange_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]).max(0)
-  return dict(c=exchange_capacity(int(moved[0]), T), ckv=exchange_capacity(int(moved[1]), T),
+  skv, ctask; with `shifted`, also each shift's rows, q1 .. q{N-1} and kv1 .. kv{N-1}: the
+  largest block d -> d + k mod N); `kvs`: their `kv_requests`."""
+  T, n = layouts[0].buffer_len, layouts[0].num_buffers
+  pairs = [pair_rows(p.tasks, l, kv) for p, l, kv in zip(plans, layouts, kvs)]
+  q = np.max([x[0] for x in pairs], axis=0)  # [N, N] rows per (device, server), over the plans
+  kv = np.max([x[1] for x in pairs], axis=0)
+  caps = dict(c=exchange_capacity(int(q.max(initial=0)), T),
+              ckv=exchange_capacity(int(kv.max(initial=0)), T),
               skv=max(p.capacities.skv for p in plans),
               ctask=max(p.capacities.ctask for p in plans))
+  if shifted:
+    d = np.arange(n)
+    for k in range(1, n):
+      caps[f"q{k}"] = exchange_capacity(int(q[d, (d + k) % n].max()), T)
+      caps[f"kv{k}"] = exchange_capacity(int(kv[d, (d + k) % n].max()), T)
+  return caps
+
+
+def _shifts(caps: dict[str, int], name: str) -> tuple[int, ...]:
+  """A shifted exchange's rows per shift from `step_capacities` (`name`1, `name`2, ...); () when
+  the step's exchange is not shifted."""
+  out = []
+  while f"{name}{len(out) + 1}" in caps:
+    out.append(caps[f"{name}{len(out) + 1}"])
+  return tuple(out)
 
 
 def exchange_bytes(attention_config, shape, plans, capacities: dict[str, int]) -> np.ndarray:
@@ -491,23 +529,29 @@ def exchange_bytes(attention_config, shape, plans, capacities: dict[str, int]) -
     return sum(p.traffic.send + p.traffic.recv for p in plans)
   comm = comm_model(shape, attention_config)
   n = plans[0].stats.load_after.size
-  block = capacities["c"] * comm.q_row_bytes + capacities["ckv"] * comm.kv_row_bytes
-  return np.full(n, 2.0 * (n - 1) * block * len(plans))
+  if attention_config.exchange == "shifted":  # each shift's blocks at that shift's largest
+    sent = (sum(_shifts(capacities, "q")) * comm.q_row_bytes
+            + sum(_shifts(capacities, "kv")) * comm.kv_row_bytes)
+  else:
+    sent = (n - 1) * (capacities["c"] * comm.q_row_bytes + capacities["ckv"] * comm.kv_row_bytes)
+  return np.full(n, 2.0 * sent * len(plans))
 
 
 def dispatch_for_plans(plans, layouts, devices=None, batches=None, shapes: StepShapes | None = None,
-                       kvs=None) -> list[DispatchPlan]:
+                       kvs=None, shifted: bool = False) -> list[DispatchPlan]:
   """The dispatch arrays of several plans of one step (its nano-batches, or a pipelined step's
   ticks), in one shape so they stack: each capacity the largest any of them needs, or with
   `shapes` the largest any step of the run has needed. Each is checked row by row for `devices`
   (default: all; a process passes the rows it feeds, `mesh.local_rows`). `batches`: the
   nano-batches themselves, when at hand (see `validate_plan`); `kvs`: the plans'
-  `kv_requests`, when at hand."""
+  `kv_requests`, when at hand; `shifted`: for `attention.exchange: shifted` (per-shift rows)."""
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)] if kvs is None else kvs
-  caps = step_capacities(plans, layouts, kvs)
+  caps = step_capacities(plans, layouts, kvs, shifted)
   if shapes is not None:
     caps = shapes.fit(f"cad@{layouts[0].buffer_len}", **caps)
-  dispatch = [build_dispatch(p.tasks, l, devices=devices, kv=kv, **caps)
+  sizes = {k: caps[k] for k in ("c", "ckv", "skv", "ctask")}
+  dispatch = [dataclasses.replace(build_dispatch(p.tasks, l, devices=devices, kv=kv, **sizes),
+                                  shift_q=_shifts(caps, "q"), shift_kv=_shifts(caps, "kv"))
               for p, l, kv in zip(plans, layouts, kvs)]
   for d, l, b in zip(dispatch, layouts, batches or [None] * len(plans)):
     validate_plan(d, l, devices, b)
@@ -536,7 +580,8 @@ def plan_layouts(attention_config, layouts, shape, devices=None,
                      min_imbalance=attention_config.min_imbalance_for(pipelined=True),
                      with_arrays=False)
            for l in layouts]
-  return plans, dispatch_for_plans(plans, layouts, devices, shapes=shapes)
+  return plans, dispatch_for_plans(plans, layouts, devices, shapes=shapes,
+                                   shifted=attention_config.exchange == "shifted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -559,7 +604,9 @@ class StepContext:
     """The capacities its dispatch arrays have (`build_dispatch`'s c, ckv, skv, ctask)."""
     d = self.dispatch[0]
     return dict(c=d.send_q_idx.shape[-1], ckv=d.send_kv_idx.shape[-1],
-                skv=d.server_kv_idx.shape[-1], ctask=d.q_start.shape[-1])
+                skv=d.server_kv_idx.shape[-1], ctask=d.q_start.shape[-1],
+                **{f"q{k}": c for k, c in enumerate(d.shift_q, 1)},
+                **{f"kv{k}": c for k, c in enumerate(d.shift_kv, 1)})
 
   def imbalance(self) -> tuple[float, float]:
     """Attention-area imbalance (max/mean over servers) before and after scheduling, summed
@@ -610,14 +657,15 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   plans = tuple(schedule_layout(attention_config, b.layout, shape) for b in batches)
   layouts = [b.layout for b in batches]
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
-  caps = step_capacities(plans, layouts, kvs)
+  shifted = attention_config.exchange == "shifted"
+  caps = step_capacities(plans, layouts, kvs, shifted)
   if shapes is not None:  # the run's capacities, should this step run CAD
     caps = shapes.fit(f"cad@{layouts[0].buffer_len}", commit=False, **caps)
   saving = metrics.predicted_cad_saving(shape, layout, plans, attention_config,
                                         exchange_bytes(attention_config, shape, plans, caps))
   if gate and saving < attention_config.min_gain:
     return colocated()
-  dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs)
+  dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs, shifted)
   return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving,
                      pingpong_dropped=dropped)
 
@@ -645,14 +693,32 @@ def split_pingpong_batch(batch: Batch, split=None) -> tuple[Batch, Batch]:
 # ----------------------------------------------------------------------------- device side
 
 
-def _exchange(blocks_NxCx, send_count_N, recv_count_N, ragged: bool):
+def _exchange(blocks_NxCx, send_count_N, recv_count_N, mode: str, shifts: tuple = ()):
   """One exchange over the server pool: block s goes to device s, the block from device s lands
-  at s. Tiled: one all_to_all of the whole padded blocks (CPU and GPU). Ragged: only the first
-  `send_count_N[s]` rows of block s travel and `recv_count_N[s]` rows land in block s, the rest
-  staying zero (`jax.lax.ragged_all_to_all`, GPU): the same result when the rows past a count are
-  zero, as the exchange's callers make them. Either is its own transpose with the counts swapped."""
-  if not ragged:
+  at s. Tiled: one all_to_all of the whole padded blocks (CPU and GPU). Shifted: one `ppermute`
+  per shift k = 1 .. N-1, block d + k mod N going to that device with its first `shifts[k - 1]`
+  rows (CPU and GPU). Ragged: only the first `send_count_N[s]` rows of block s travel and
+  `recv_count_N[s]` rows land in block s (`jax.lax.ragged_all_to_all`, GPU). All give the same
+  result when the rows past a block's count are zero, as the exchange's callers make them (and
+  `validate_plan` checks every count fits its shift). Each is its own transpose with the counts
+  swapped, or the shifts reversed (what went out on shift k comes back on shift N - k)."""
+  if mode == "tiled":
     return jax.lax.all_to_all(blocks_NxCx, ROW_AXES, 0, 0, tiled=True)
+  if mode == "shifted":
+    # Over `data` alone (config refuses shifted with mesh.pipe > 1): over two axes, ppermute
+    # numbers devices in the mesh's axis order while all_to_all and axis_index follow the axis
+    # tuple's, and the mesh is (data, pipe, tensor) where rows are (pipe, data).
+    N, C = blocks_NxCx.shape[:2]
+    me = jax.lax.axis_index("data")
+    out = jnp.zeros_like(blocks_NxCx)
+    for k, rows in enumerate(shifts, 1):
+      if rows == 0:
+        continue
+      block = jax.lax.dynamic_index_in_dim(blocks_NxCx, (me + k) % N, 0, keepdims=False)[:rows]
+      got = jax.lax.ppermute(block, "data", perm=[(i, (i + k) % N) for i in range(N)])
+      got = jnp.pad(got, [(0, C - rows)] + [(0, 0)] * (got.ndim - 1))
+      out = jax.lax.dynamic_update_index_in_dim(out, got, (me - k) % N, 0)
+    return out
   N, C = blocks_NxCx.shape[:2]
   flat = blocks_NxCx.reshape((N * C,) + blocks_NxCx.shape[2:])
   block_start = jnp.arange(N, dtype=jnp.int32) * C
@@ -681,24 +747,24 @@ def _with_transpose(linear, transpose):
   return f
 
 
-def _send(x_TxKxE, idx_NxC, valid_NxC, send_count, recv_count, ragged):
+def _send(x_TxKxE, idx_NxC, valid_NxC, send_count, recv_count, mode, shifts):
   """The rows `idx_NxC[s]` of `x` to server s, one exchange: the [N * C] rows received."""
   blocks = jnp.take(x_TxKxE, idx_NxC.reshape(-1), axis=0).reshape(idx_NxC.shape + x_TxKxE.shape[1:])
   with jax.named_scope("dispatch"):
-    recv = _exchange(_masked(valid_NxC, blocks), send_count, recv_count, ragged)
+    recv = _exchange(_masked(valid_NxC, blocks), send_count, recv_count, mode, shifts)
   return recv.reshape((-1,) + x_TxKxE.shape[1:])
 
 
-def _rows_to_servers(x_TxHxE, p: "DispatchPlan", ragged=False):
+def _rows_to_servers(x_TxHxE, p: "DispatchPlan", mode="tiled"):
   """Home rows -> server-side rows [local T | received N*C] (Q forward, dO backward)."""
   local = _masked(p.local_q_valid, jnp.take(x_TxHxE, p.local_q_idx, axis=0))
   if p.send_q_idx.shape[-1] == 0:
     return local
   return jnp.concatenate([local, _send(x_TxHxE, p.send_q_idx, p.send_q_valid, p.send_q_count,
-                                       p.recv_q_count, ragged)])
+                                       p.recv_q_count, mode, p.shift_q)])
 
 
-def _rows_to_home(y_RxHxE, p: "DispatchPlan", ragged=False):
+def _rows_to_home(y_RxHxE, p: "DispatchPlan", mode="tiled"):
   """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`
   (every real token sits in exactly one server slot; `validate_plan` checks it). Rows past a
   block's count are never read at home, so the reverse exchange may leave them out."""
@@ -707,21 +773,21 @@ def _rows_to_home(y_RxHxE, p: "DispatchPlan", ragged=False):
   if C:
     with jax.named_scope("return"):
       back = _exchange(y_RxHxE[T:].reshape((N, C) + y_RxHxE.shape[1:]), p.recv_q_count,
-                       p.send_q_count, ragged)
+                       p.send_q_count, mode, p.shift_q[::-1])
     y_RxHxE = jnp.concatenate([y_RxHxE[:T], back.reshape((-1,) + y_RxHxE.shape[1:])])
   return _masked(p.return_valid, jnp.take(y_RxHxE, p.return_idx, axis=0))
 
 
-def _kv_to_servers(x_TxKxE, p: "DispatchPlan", ragged=False):
+def _kv_to_servers(x_TxKxE, p: "DispatchPlan", mode="tiled"):
   """Home K/V rows -> the server's gathered K/V buffer [Skv] (each document prefix contiguous)."""
   rows = x_TxKxE
   if p.send_kv_idx.shape[-1]:
     rows = jnp.concatenate([x_TxKxE, _send(x_TxKxE, p.send_kv_idx, p.send_kv_valid,
-                                           p.send_kv_count, p.recv_kv_count, ragged)])
+                                           p.send_kv_count, p.recv_kv_count, mode, p.shift_kv)])
   return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
 
 
-def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan", ragged=False):
+def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan", mode="tiled"):
   """The transpose of `_kv_to_servers`: a gather by the inverse slot map, the reverse exchange,
   and a scatter-add of the returned rows onto the local ones (a row sent to several servers
   sums their gradients), in place."""
@@ -732,25 +798,25 @@ def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan", ragged=False):
     return rows
   with jax.named_scope("return"):
     back = _exchange(rows[T:].reshape((N, C) + rows.shape[1:]), p.recv_kv_count, p.send_kv_count,
-                     ragged)
+                     mode, p.shift_kv[::-1])
   back = _masked(p.send_kv_valid, back).reshape((-1,) + rows.shape[1:])
   return rows[:T].at[p.send_kv_idx.reshape(-1)].add(back)
 
 
 @functools.cache
-def _movers(ragged: bool):
-  """(rows_to_servers, rows_to_home, kv_to_servers) with explicit transposes, over a tiled or a
-  ragged exchange."""
-  fs = {f: functools.partial(f, ragged=ragged)
+def _movers(mode: str):
+  """(rows_to_servers, rows_to_home, kv_to_servers) with explicit transposes, over the exchange
+  `mode` (tiled, shifted or ragged)."""
+  fs = {f: functools.partial(f, mode=mode)
         for f in (_rows_to_servers, _rows_to_home, _kv_to_servers, _kv_grads_to_home)}
   return (_with_transpose(fs[_rows_to_servers], fs[_rows_to_home]),
           _with_transpose(fs[_rows_to_home], fs[_rows_to_servers]),
           _with_transpose(fs[_kv_to_servers], fs[_kv_grads_to_home]))
 
 
-def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str, ragged: bool):
+def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str, mode: str):
   """Steps 1-4 for one device (inside shard_map; plan arrays without their leading N)."""
-  to_servers, to_home, kv_to_srv = _movers(ragged)
+  to_servers, to_home, kv_to_srv = _movers(mode)
   q_rows = to_servers(q_TxHxE, p)
   k_srv, v_srv = kv_to_srv(k_TxKxE, p), kv_to_srv(v_TxKxE, p)
   tasks = TaskTable(p.q_start, p.q_len, p.kv_start, p.kv_len)
@@ -760,7 +826,7 @@ def _server_exchange(q_TxHxE, k_TxKxE, v_TxKxE, p: DispatchPlan, backend: str, r
 
 
 def resolve_exchange(exchange: str) -> str:
-  """`tiled` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
+  """`tiled`, `shifted` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
   if exchange == "ragged" and jax.default_backend() != "gpu":
     raise ValueError(f"attention.exchange=ragged needs GPUs (jax.lax.ragged_all_to_all), this "
                      f"backend is {jax.default_backend()}; use attention.exchange=tiled")
@@ -790,7 +856,7 @@ def make_distca_attention(attention_config, mesh: Mesh):
   qkv_spec = P(ROW_AXES, None, "tensor", None)
   plan_spec = P(ROW_AXES)
   exchange = functools.partial(_server_exchange, backend=backend,
-                               ragged=resolve_exchange(attention_config.exchange) == "ragged")
+                               mode=resolve_exchange(attention_config.exchange))
   if attention_config.memory_mode == "resend":
     exchange = jax.checkpoint(exchange, policy=jax.checkpoint_policies.nothing_saveable)
 

@@ -181,6 +181,9 @@ def main(argv=None) -> int:
                       help="batch on which distca also runs with attention.memory_mode=resend")
   parser.add_argument("--ragged-ablation", default="",
                       help="batch on which distca also runs with attention.exchange=ragged (GPU)")
+  parser.add_argument("--shifted-ablation", default="",
+                      help="batches (space-separated) on which distca also runs with "
+                           "attention.exchange=shifted (one ppermute per shift)")
   parser.add_argument("--ungated-ablation", default="",
                       help="batches (space-separated) on which distca also runs with "
                            "attention.gate=false (moving work however balanced the batch)")
@@ -286,6 +289,9 @@ def main(argv=None) -> int:
       if kind == args.ragged_ablation:  # only the rows that move travel
         variants.append(("distca-ragged", cad + ["attention.pingpong=true",
                                                  "attention.exchange=ragged"]))
+      if kind in args.shifted_ablation.split():  # blocks sized per shift, not per pool
+        variants.append(("distca-shifted", cad + ["attention.pingpong=true",
+                                                  "attention.exchange=shifted"]))
       base_time, saving_cache = None, {}
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)
@@ -324,7 +330,7 @@ def main(argv=None) -> int:
                 f"args {r['args_gib']:.1f} GiB  compile {r['compile_s']:.0f}s", flush=True)
           continue
         if r.get("pingpong_dropped", 0) > 0:
-          print(f"{kind:9s} {name:14s} ping-pong split lost {r['pingpong_dropped']:.2%} of the "
+          print(f"{kind:9s} {name:14s} ping-pong split lost {100 * r['pingpong_dropped']:.2g}% of the "
                 f"attention pairs: not the computation colocated ran", flush=True)
         print(f"{kind:9s} {name:14s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
               f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  predicted saving "

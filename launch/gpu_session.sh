@@ -7,6 +7,7 @@
 #          CAD_RESEND: the batch that also runs memory_mode=resend (temp memory per mode),
 #          CAD_RAGGED: the batch that also runs attention.exchange=ragged, CAD_UNGATED: batches
 #          that also run distca with attention.min_imbalance=1 (balancing however small the gain),
+#          CAD_SHIFTED: batches that also run attention.exchange=shifted,
 #          CAD_TRACE: where to trace the first batch's distca step, "" for no trace, CAD_EXTRA:
 #          more key=value overrides, e.g. data.elongate_factor=2; a batch "prolong@N" is the
 #          sampler's batch of step N; the ablations run CAD on every batch, min_imbalance=1)
@@ -58,7 +59,7 @@ for suite in "$@"; do
     cad) timeout -k 10 ${CAD_TIMEOUT:-330} python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
            --batches ${CAD_BATCHES:-pretrain prolong skewed uniform} --pingpong-ablation "${CAD_ABLATION-pretrain}" \
            --resend-ablation "${CAD_RESEND-skewed}" --ragged-ablation "${CAD_RAGGED-prolong}" \
-           --ungated-ablation "${CAD_UNGATED-}" ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
+           --ungated-ablation "${CAD_UNGATED-}" --shifted-ablation "${CAD_SHIFTED-}" ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
            data.length_scale=1 ${CAD_EXTRA:-} 2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          if [ -n "$CAD_TRACE" ]; then
            find "$CAD_TRACE"/*-distca -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;

@@ -653,6 +653,59 @@ def test_ragged_exchange_equals_tiled():
   assert tree_rel_err(out["ragged"][1], out["tiled"][1]) <= 1e-6
 
 
+@pytest.mark.parametrize("n,pingpong,layout", [(2, True, "long_on_one"), (4, False, "prolong"),
+                                               (8, True, "pretrain")])
+def test_shifted_exchange_equals_tiled(n, pingpong, layout):
+  """attention.exchange=shifted (one ppermute per shift, each at its own capacity): loss and
+  every gradient as with the tiled all_to_all, which sends more."""
+  if layout in ("prolong", "pretrain"):
+    data_cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=128",
+                            f"data.distribution={layout}")
+    batch = synthetic_from_config(data_cfg.data, 512, n).batch(5)
+  else:
+    batch = _layout_batch(layout, n, 0)
+  out = {}
+  for exchange in ("tiled", "shifted"):
+    cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={batch.layout.buffer_len}",
+                       "attention.impl=distca", f"attention.pingpong={str(pingpong).lower()}",
+                       "attention.pingpong_max_drop=1", "model.layers=1",
+                       "attention.kernel=reference", f"attention.exchange={exchange}")
+    out[exchange] = _run(cfg, batch, n)
+  ctx = out["shifted"][4]
+  assert any(p.stats.moves > 0 for p in ctx.plans)
+  d = ctx.dispatch[0]
+  assert len(d.shift_q) == n - 1 and max(d.shift_q) <= d.send_q_idx.shape[-1]
+  assert out["tiled"][4].dispatch[0].shift_q == ()
+  assert abs(out["shifted"][0] - out["tiled"][0]) <= 1e-6 * abs(out["tiled"][0])
+  assert tree_rel_err(out["shifted"][1], out["tiled"][1]) <= 1e-6
+  if n > 2:  # per-shift blocks send fewer bytes than one block size for every pair
+    shape = out["shifted"][3]
+    sent = {x: dispatch.exchange_bytes(small_config(f"attention.exchange={x}").attention, shape,
+                                       ctx.plans, ctx.capacities).max() for x in ("tiled", "shifted")}
+    assert sent["shifted"] < sent["tiled"]
+
+
+def test_shifted_plan_that_overflows_a_shift_is_refused():
+  """A shifted plan whose block carries more rows than its shift's capacity would drop rows on
+  the wire: refused before the step runs."""
+  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     "attention.pingpong=false", "attention.exchange=shifted",
+                     "data.distribution=prolong")
+  batch = synthetic_from_config(cfg.data, 512, 4).batch(5)
+  ctx = attn.host_context(cfg.attention, batch, Trainer(cfg, mesh_lib.make_mesh(
+      cfg.mesh, jax.devices()[:4])).shape)
+  d = ctx.dispatch[0]
+  rows = np.asarray(d.send_q_count)
+  per_shift = [int(rows[np.arange(4), (np.arange(4) + k) % 4].max()) for k in (1, 2, 3)]
+  k = int(np.argmax(per_shift)) + 1  # the shift that carries the most rows
+  assert 0 < per_shift[k - 1] <= d.shift_q[k - 1]
+  small = tuple(x if i != k - 1 else per_shift[k - 1] - 1 for i, x in enumerate(d.shift_q))
+  with pytest.raises(dispatch.PlanMismatchError, match=f"shift {k}'s capacity"):
+    dispatch.validate_plan(dataclasses.replace(d, shift_q=small), batch.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match="one capacity"):
+    dispatch.validate_plan(dataclasses.replace(d, shift_q=d.shift_q[:-1]), batch.layout)
+
+
 def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
   cfg = small_config("mesh.data=2", "attention.impl=distca")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2])
