@@ -523,8 +523,9 @@ def _shifts(caps: dict[str, int], name: str) -> tuple[int, ...]:
 def exchange_bytes(attention_config, shape, plans, capacities: dict[str, int]) -> np.ndarray:
   """Per device, the bytes one layer's exchange sends plus receives over the step's plans.
   Tiled (`attention.exchange`): every off-diagonal (device, server) block travels whole, padded
-  to the capacities (`c` query rows, `ckv` K/V rows), whatever the plan moves; ragged: the rows
-  that move (the plans' traffic)."""
+  to the capacities (`c` query rows, `ckv` K/V rows), whatever the plan moves; shifted: each
+  shift's blocks at that shift's capacity (`q1`.., `kv1`..); ragged: the rows that move (the
+  plans' traffic)."""
   if attention_config.exchange == "ragged":
     return sum(p.traffic.send + p.traffic.recv for p in plans)
   comm = comm_model(shape, attention_config)
