@@ -539,15 +539,16 @@ def exchange_bytes(attention_config, shape, plans, capacities: dict[str, int]) -
 
 
 def dispatch_for_plans(plans, layouts, devices=None, batches=None, shapes: StepShapes | None = None,
-                       kvs=None, shifted: bool = False) -> list[DispatchPlan]:
+                       kvs=None, shifted: bool = False, caps=None) -> list[DispatchPlan]:
   """The dispatch arrays of several plans of one step (its nano-batches, or a pipelined step's
   ticks), in one shape so they stack: each capacity the largest any of them needs, or with
   `shapes` the largest any step of the run has needed. Each is checked row by row for `devices`
   (default: all; a process passes the rows it feeds, `mesh.local_rows`). `batches`: the
   nano-batches themselves, when at hand (see `validate_plan`); `kvs`: the plans'
-  `kv_requests`, when at hand; `shifted`: for `attention.exchange: shifted` (per-shift rows)."""
+  `kv_requests`, when at hand; `shifted`: for `attention.exchange: shifted` (per-shift rows);
+  `caps`: their `step_capacities`, when at hand."""
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)] if kvs is None else kvs
-  caps = step_capacities(plans, layouts, kvs, shifted)
+  caps = step_capacities(plans, layouts, kvs, shifted) if caps is None else caps
   if shapes is not None:
     caps = shapes.fit(f"cad@{layouts[0].buffer_len}", **caps)
   sizes = {k: caps[k] for k in ("c", "ckv", "skv", "ctask")}
@@ -666,7 +667,7 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
                                         exchange_bytes(attention_config, shape, plans, caps))
   if gate and saving < attention_config.min_gain:
     return colocated()
-  dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs, shifted)
+  dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs, shifted, caps)
   return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving,
                      pingpong_dropped=dropped)
 

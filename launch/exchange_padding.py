@@ -51,7 +51,9 @@ def main(argv=None) -> int:
     ctx = dispatch.host_context(cfg.attention, src.batch(step), shape)
     if not isinstance(ctx, dispatch.StepContext):
       continue
-    caps, sums = ctx.capacities, np.zeros(4)
+    # As it runs: what the gate charges (per device, sent plus received; summed, each byte twice).
+    sums = np.array([0.0, dispatch.exchange_bytes(cfg.attention, shape, ctx.plans,
+                                                  ctx.capacities).sum() / 2, 0.0, 0.0])
     for plan, nano in zip(ctx.plans, ctx.batches):
       q, kv = (np.asarray(x, np.float64) for x in pair_rows(plan.tasks, nano.layout))
       n = q.shape[0]
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
       idx = np.arange(n)
       per_shift = sum(n * row(q[idx, (idx + k) % n].max(), kv[idx, (idx + k) % n].max())
                       for k in range(1, n))
-      sums += [row(q[off], kv[off]).sum(), off.sum() * row(caps["c"], caps["ckv"]),
+      sums += [row(q[off], kv[off]).sum(), 0.0,
                off.sum() * row(q[off].max(initial=0), kv[off].max(initial=0)), per_shift]
     total += sums
     if sums[0] > 0:
