@@ -109,15 +109,10 @@ class AttentionConfig:
   # (`min_imbalance_for`).
   min_imbalance: float | None = None
   # Ping-pong: two nano-batches of half the tokens each, so one's exchange overlaps the other's
-  # compute. Equal halves cut at most one document per step in two: its suffix starts a new
-  # document (positions from 0, no attention to its prefix). The split cuts a short document
-  # where it can; a step whose split would lose more than `pingpong_max_drop` of its causal
-  # query-key pairs (a document longer than half the step's tokens is always cut: on 2 x 64K
-  # Pretrain, a quarter of the steps, losing a third of their attention) runs as one stream
-  # instead, exact. 0 never cuts (one stream unless the halves come out whole); `pingpong:
-  # false` keeps every step one stream. Steps log what their split lost (`pingpong_dropped`).
+  # compute. Equal halves cut at most one document per step in two; the second half's attention
+  # reads the first half's K/V rows of its prefix, so the step computes exactly what one stream
+  # would. `false`: every step one stream (the single-stream ablation).
   pingpong: bool = True
-  pingpong_max_drop: float = 0.001
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); `shifted`, one
   # ppermute per shift k (block d -> d + k), each shift's blocks at that shift's largest rather
@@ -379,9 +374,6 @@ def validate(config: Config) -> None:
   if a.exchange == "shifted" and m.pipe > 1:
     raise ConfigError("attention.exchange=shifted: not with mesh.pipe > 1 yet (its ppermutes run "
                       "over `data` alone); use attention.exchange=tiled")
-  if not 0 <= a.pingpong_max_drop <= 1:
-    raise ConfigError(f"attention.pingpong_max_drop: a fraction of the step's attention pairs, "
-                      f"must be in [0, 1], got {a.pingpong_max_drop}")
   if a.min_imbalance is not None and not a.min_imbalance >= 1:
     raise ConfigError(f"attention.min_imbalance: a max / mean ratio, must be >= 1 (1 turns the "
                       f"gate off), got {a.min_imbalance}")

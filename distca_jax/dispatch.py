@@ -49,11 +49,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from distca_jax import kernels
 from distca_jax.data.packing import PAD_SEGMENT, Layout
-from distca_jax.data.sources import Batch, make_batch
+from distca_jax.data.sources import Batch
 from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
 from distca_jax.schedule.cost import CommModel
-from distca_jax.schedule.pingpong import split_pingpong
+from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.items import Tasks, exchange_capacity
 from distca_jax.schedule.plan import Plan, cumsum_in_groups, fill_ranges, make_plan
 from distca_jax.schedule.planner import kv_requests, pair_rows
@@ -76,17 +76,19 @@ class PlanMismatchError(ValueError):
 class DispatchPlan:
   """One step's dispatch arrays, leading dim N (one row per device, sharded over `ROW_AXES`).
 
-  Server-side rows are laid out as [local rows (T) | rows received from each device (N * C)]:
+  Server-side rows are laid out as [local rows | rows received from each device (N * C)]; the
+  local K/V rows are the device's T rows, or for ping-pong's Pong 2T: its own, then Ping's
+  (`Layout.prior`: the prefix of the document the split cut is in Ping's buffers):
 
   local_q_idx   [N, T]       home rows kept for local tasks, in the order the tasks expect
   local_q_valid [N, T]       bool (unused local rows: 0 and False; no task reads them)
   send_q_idx    [N, N, C]    home rows sent to each server (the diagonal block is unused)
   send_q_valid  [N, N, C]    bool
-  send_kv_idx   [N, N, Ckv]  home K/V rows sent to each server (diagonal unused)
+  send_kv_idx   [N, N, Ckv]  local K/V rows sent to each server (diagonal unused)
   send_kv_valid [N, N, Ckv]
-  server_kv_idx [N, Skv]     server-side K/V gather over [local T | received N*Ckv] rows
+  server_kv_idx [N, Skv]     server-side K/V gather over [local Tkv | received N*Ckv] rows
   server_kv_valid [N, Skv]
-  server_kv_inv [N, T + N*Ckv]  its inverse (each K/V row a server holds sits in at most one
+  server_kv_inv [N, Tkv + N*Ckv]  its inverse (each K/V row a server holds sits in at most one
   server_kv_inv_valid           slot): the backward gathers K/V gradients instead of scattering
   q_start, q_len, kv_start, kv_len [N, Ctask]  the server's task table (kernels/tasks.py) over
                              its [local T | received N*C] query rows and gathered K/V rows
@@ -149,6 +151,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   loop over tasks and K/V pieces, never over tokens. `kv`: the tasks' `kv_requests`, when
   already at hand. Raises PlanMismatchError when a capacity is too small."""
   n, t = layout.num_buffers, layout.buffer_len
+  tkv = layout.kv_rows  # K/V rows per device: its buffer, then a ping-pong prior buffer's
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   kv = kv_requests(tasks, layout) if kv is None else kv
   # Rows per block of the whole plan (every process agrees on them, whatever it fills).
@@ -213,7 +216,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
   w = mine[kdst]
   fill_ranges(server_kv_idx, server_kv_valid,
               (kdst * skv + pair_base[pair] + kv.piece_doc_off[korder])[w],
-              np.where(own, src_off, t + src * ckv + kpos)[w], rows[w])
+              np.where(own, src_off, tkv + src * ckv + kpos)[w], rows[w])
 
   # Task tables: per server, in order of their query rows.
   num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
@@ -234,7 +237,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | 
 
   server_kv_idx = server_kv_idx.reshape(n, skv)
   server_kv_valid = server_kv_valid.reshape(n, skv)
-  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, t + n * ckv, devices)
+  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, tkv + n * ckv, devices)
   send_q_valid = send_q_valid.reshape(n, n, c)
   send_kv_valid = send_kv_valid.reshape(n, n, ckv)
   send_q_count, send_kv_count = q_pairs.astype(np.int32), kv_pairs.astype(np.int32)
@@ -311,6 +314,11 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   seg = layout.segment_ids() if batch is None else batch.segment_ids
   pos = layout.positions() if batch is None else batch.positions
   real = seg != PAD_SEGMENT
+  TKV = layout.kv_rows  # K/V rows: the buffer's, then (ping-pong's Pong) the prior buffer's
+  seg_kv, pos_kv = seg, pos
+  if layout.prior is not None:
+    seg_kv = np.concatenate([seg, layout.prior.segment_ids()], axis=1)
+    pos_kv = np.concatenate([pos, layout.prior.positions()], axis=1)
   if not np.array_equal(rows_of(p.return_valid), real[D]):
     i, r = np.argwhere(rows_of(p.return_valid) != real[D])[0]
     raise PlanMismatchError(f"plan does not match the batch: device {D[i]} row {r} is "
@@ -325,23 +333,24 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   if (q_len > kv_len).any():
     raise PlanMismatchError("plan has a task with more queries than keys")
   server_kv_idx = rows_of(p.server_kv_idx)
-  if (server_kv_idx < 0).any() or (server_kv_idx >= T + N * ckv).any():
+  if (server_kv_idx < 0).any() or (server_kv_idx >= TKV + N * ckv).any():
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
-  for name, parts in (("local_q_idx", (rows_of(p.local_q_idx),)),
-                      ("send_q_idx", blocks_of(p.send_q_idx)), ("send_kv_idx", blocks_of(p.send_kv_idx))):
-    if any(a.size and (a.min() < 0 or a.max() >= T) for a in parts):
-      raise PlanMismatchError(f"plan {name} outside the {T} rows of a buffer")
+  for name, parts, limit in (("local_q_idx", (rows_of(p.local_q_idx),), T),
+                             ("send_q_idx", blocks_of(p.send_q_idx), T),
+                             ("send_kv_idx", blocks_of(p.send_kv_idx), TKV)):
+    if any(a.size and (a.min() < 0 or a.max() >= limit) for a in parts):
+      raise PlanMismatchError(f"plan {name} outside the {limit} rows of a buffer")
   # The backward runs the exchange transposed (gathers by these inverses, `_server_exchange`):
   # exact only if every query row sits in at most one server slot and the K/V inverse matches.
   # Every filled slot's row maps back to that slot, and no other row is marked: then no row
   # fills two slots and the inverse is exact (O(slots), no inverse rebuilt).
-  if p.server_kv_inv.shape != (N, T + N * ckv) or p.server_kv_inv_valid.shape != (N, T + N * ckv):
+  if p.server_kv_inv.shape != (N, TKV + N * ckv) or p.server_kv_inv_valid.shape != (N, TKV + N * ckv):
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
   i_, j_ = np.nonzero(rows_of(p.server_kv_valid))
   d_, target = D[i_], server_kv_idx[i_, j_]
   if (int(rows_of(p.server_kv_inv_valid).sum()) != d_.size
       or not p.server_kv_inv_valid[d_, target].all() or (p.server_kv_inv[d_, target] != j_).any()):
-    if np.unique(d_ * (T + N * ckv) + target).size < d_.size:  # (the failure path only)
+    if np.unique(d_ * (TKV + N * ckv) + target).size < d_.size:  # (the failure path only)
       raise PlanMismatchError("plan gathers one K/V row into two server slots")
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
   # The exchange's counts: valid rows packed from each block's start (a ragged exchange sends
@@ -403,9 +412,9 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   def kv_identity(srv, slot):
     """(home device, home row, valid) of the K/V row in slot `slot` of server `srv`."""
     v = p.server_kv_idx[srv, slot].astype(np.int64)
-    local = v < T
+    local = v < TKV
     ck1 = max(ckv, 1)
-    h, j = np.maximum(v - T, 0) // ck1, np.maximum(v - T, 0) % ck1
+    h, j = np.maximum(v - TKV, 0) // ck1, np.maximum(v - TKV, 0) % ck1
     ok = p.server_kv_valid[srv, slot]
     if not ckv:
       return srv, v, ok
@@ -433,7 +442,7 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   bad_q = ~q_ok | (q_doc != task_doc[o]) | (q_pos != (kl - ql)[o] + off)
   o2, row2, off2 = expand(ks, kl)
   kd, kr, k_ok = kv_identity(t_srv[o2], row2)
-  k_doc, k_pos = seg[kd, kr], pos[kd, kr]
+  k_doc, k_pos = seg_kv[kd, kr], pos_kv[kd, kr]
   bad_k = ~k_ok | (k_doc != task_doc[o2]) | (k_pos != off2)
   if bad_q.any() or bad_k.any() or (task_doc == PAD_SEGMENT).any():
     t = int(o[np.argmax(bad_q)]) if bad_q.any() else int(o2[np.argmax(bad_k)]) if bad_k.any() else 0
@@ -597,9 +606,6 @@ class StepContext:
   # What the gate's cost model predicts the step saves (`metrics.predicted_cad_saving`, with
   # the exchange at the capacities the step runs with), whether or not the gate is on.
   predicted_saving: float = float("nan")
-  # Fraction of the batch's causal query-key pairs the ping-pong split loses (the suffix of a cut
-  # document does not attend to its prefix); 0 for one stream.
-  pingpong_dropped: float = 0.0
 
   @property
   def capacities(self) -> dict[str, int]:
@@ -648,14 +654,7 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   if gate and metrics.predicted_cad_gain(shape, layout, exchange=True,
                                          attention_config=attention_config) < attention_config.min_gain:
     return colocated()
-  batches, dropped = (batch,), 0.0
-  if attention_config.pingpong:
-    split = split_pingpong(layout.doc_lens)
-    dropped = split.cut_pairs / max(float(metrics.attention_load_per_device(layout).sum()), 1.0)
-    if dropped <= attention_config.pingpong_max_drop:
-      batches = split_pingpong_batch(batch, split)
-    else:  # the split would cut a long document: one exact stream this step
-      dropped = 0.0
+  batches = split_pingpong_batch(batch) if attention_config.pingpong else (batch,)
   plans = tuple(schedule_layout(attention_config, b.layout, shape) for b in batches)
   layouts = [b.layout for b in batches]
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
@@ -668,27 +667,37 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   if gate and saving < attention_config.min_gain:
     return colocated()
   dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs, shifted, caps)
-  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving,
-                     pingpong_dropped=dropped)
+  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving)
 
 
-def split_pingpong_batch(batch: Batch, split=None) -> tuple[Batch, Batch]:
+def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
   """Ping and Pong: the batch's documents split into two halves of equal tokens and balanced
-  sum of squared lengths (schedule/pingpong.py; `split`: its `split_pingpong` of the batch's
-  documents, when at hand), each packed into buffers of half the length."""
+  attention (`schedule/pingpong.py`), each packed into buffers of half the length. Every token
+  keeps its target, loss weight and position: the two halves train exactly the batch (Pong's
+  layout lists the cut document's prefix in Ping as `prior` shards, which its attention reads)."""
   layout = batch.layout
   N, T = layout.num_buffers, layout.buffer_len
   if T % 2:
     raise ValueError(f"ping-pong needs an even buffer length, got {T}")
-  doc_lens = layout.doc_lens
-  tokens_flat = batch.tokens.reshape(-1)
-  doc_start = np.cumsum(doc_lens) - doc_lens
-  split = split_pingpong(doc_lens) if split is None else split
+  ping, pong, split = pingpong_layouts(layout.doc_lens, N, T)
+  # A packed batch holds each document at consecutive flat rows (buffer * T + offset).
+  doc_start = np.cumsum(layout.doc_lens) - layout.doc_lens
+  if not np.array_equal(layout.buffer * T + layout.buffer_offset,
+                        doc_start[layout.doc] + layout.doc_offset):
+    raise ValueError("ping-pong: the batch's layout is not packed in document order")
   halves = []
-  for lens, source in zip(split.lens, split.source):
+  for lay, lens, source in zip((ping, pong), split.lens, split.source):
     starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)
-    idx = (np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum())))
-    halves.append(make_batch(lens, tokens_flat[idx], N, T // 2))
+    take = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+
+    def gather(a):
+      out = np.zeros(N * (T // 2), a.dtype)
+      out[: take.size] = a.reshape(-1)[take]
+      return out.reshape(N, T // 2)
+
+    halves.append(Batch(tokens=gather(batch.tokens), targets=gather(batch.targets),
+                        loss_mask=gather(batch.loss_mask), segment_ids=lay.segment_ids(),
+                        positions=gather(batch.positions), layout=lay))
   return tuple(halves)
 
 
@@ -873,9 +882,19 @@ def make_distca_attention(attention_config, mesh: Mesh):
 
   colocated = make_colocated_attention(mesh, attention_config.kernel)
 
-  def core_attention(q, k, v, ctx):
+  def core_attention(q, k, v, ctx, prior_kv=None):
     if isinstance(ctx, ColocatedContext):  # a step the gate stopped (host_context)
       return colocated(q, k, v, ctx)
+    # Ping-pong's Pong reads K/V rows of Ping too (the prefix of the document the split cut):
+    # its plan's local K/V rows are [its own T | Ping's T] (`Layout.prior`), static per plan.
+    N, T = ctx.return_idx.shape
+    kv_rows = ctx.server_kv_inv.shape[-1] - N * ctx.send_kv_idx.shape[-1]
+    if kv_rows != T:
+      if prior_kv is None or kv_rows != 2 * T:
+        raise ValueError(f"distca attention: the plan reads {kv_rows} K/V rows per device, the "
+                         f"stream has {T}{'' if prior_kv is None else ' and an earlier stream ' + str(T)}")
+      k = jnp.concatenate([k, prior_kv[0]], axis=1)
+      v = jnp.concatenate([v, prior_kv[1]], axis=1)
     return sharded(q, k, v, ctx)
 
   return core_attention

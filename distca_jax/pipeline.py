@@ -175,6 +175,9 @@ def tick_layout(layouts: list[Layout | None], num_buffers: int, buffer_len: int)
     if (lay.num_buffers, lay.buffer_len) != (num_buffers, buffer_len):
       raise ValueError(f"micro-batch layout is {lay.num_buffers} x {lay.buffer_len}, the "
                        f"pipeline expects {num_buffers} x {buffer_len}")
+    if lay.prior is not None:
+      raise ValueError("tick_layout: a ping-pong half (prior shards) in a pipeline tick; the "
+                       "pipeline runs without ping-pong")
     parts["doc_lens"].append(lay.doc_lens)
     parts["buffer"].append(lay.buffer + s * num_buffers)
     parts["buffer_offset"].append(lay.buffer_offset)

@@ -3,7 +3,10 @@
 The model knows nothing about meshes or devices. Two seams connect it to the rest of the system:
 - `core_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, attn_ctx) -> o_BxTxHxD` computes
   softmax(QK^T)V for packed documents. `attn_ctx` is an opaque pytree passed through `__call__`
-  (segment information, task tables, dispatch plans): the model never looks inside it.
+  (segment information, task tables, dispatch plans): the model never looks inside it. With
+  several streams (ping-pong), every stream after the first is called with
+  `prior_kv=(k, v)` of the stream before it as well, which its context may read (a document
+  cut between the two).
 - `constrain(x, logical_axes)` pins an activation's layout by logical axis names; the default
   does nothing. `distca_jax.mesh` supplies one that maps names to mesh axes.
 
@@ -94,8 +97,11 @@ class Attention(nnx.Module):
     """Tuples in, tuple out: one entry per nano-batch stream (see `Llama`)."""
     qkv = [self.project(x, pos) for x, pos in zip(xs_BxTxD, positions_BxT)]
     # Core attention of every stream is issued after all projections, so that one stream's
-    # dispatch has independent work (the other stream's) to overlap with.
-    outs = [self.core_attention(q, k, v, ctx) for (q, k, v), ctx in zip(qkv, attn_ctxs)]
+    # dispatch has independent work (the other stream's) to overlap with. A later stream may
+    # read the K/V rows of the one before it (`prior_kv`: a document cut between two streams).
+    outs = [self.core_attention(q, k, v, ctx) if i == 0 else
+            self.core_attention(q, k, v, ctx, prior_kv=qkv[i - 1][1:])
+            for i, ((q, k, v), ctx) in enumerate(zip(qkv, attn_ctxs))]
     return tuple(self.output(o) for o in outs)
 
 

@@ -103,8 +103,6 @@ def test_tokens_per_device_multiple_of_128(tokens):
     ("attention.min_gain=-1", "attention.min_gain"),
     ("attention.gate_exchange_fixed=-0.1", "attention.gate_exchange_fixed"),
     ("attention.min_gain=1", "attention.min_gain"),
-    ("attention.pingpong_max_drop=-0.1", "attention.pingpong_max_drop"),
-    ("attention.pingpong_max_drop=1.5", "attention.pingpong_max_drop"),
     ("optim.lr=-1", "optim.lr"),
     ("train.steps=0", "train.steps"),
 ])

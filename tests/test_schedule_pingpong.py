@@ -1,5 +1,7 @@
 """Ping-pong split: equal tokens, balanced Σl², pieces that rebuild the micro-batch."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -24,20 +26,24 @@ def test_split_invariants(lens):
     for (g, off), l in zip(sp.source[h], sp.lens[h]):
       rebuilt.setdefault(int(g), []).append((int(off), int(l)))
   assert sorted(rebuilt) == list(range(lens.size))
-  cuts, lost = 0, 0
+  cuts = 0
   for g, parts in rebuilt.items():
     parts.sort()
     assert parts[0][0] == 0
     assert all(a + la == b for (a, la), (b, _) in zip(parts, parts[1:]))
     assert sum(l for _, l in parts) == lens[g]
     cuts += len(parts) - 1
-    # Each suffix query of a cut document loses every key of the pieces before it.
-    lost += sum(off * l for off, l in parts[1:])
   assert cuts <= 1  # at most one document per micro-batch is cut
-  assert sp.cut_pairs == lost
-  # Σl² balanced up to the largest document's square (greedy bound).
-  s0, s1 = sp.sum_sq
-  assert abs(s0 - s1) <= float(lens.max()) ** 2
+  if cuts:  # its prefix in Ping, its suffix in Pong
+    g, x = sp.cut
+    assert (g, 0) in map(tuple, sp.source[0].tolist()) and (g, x) in map(tuple, sp.source[1].tolist())
+  else:
+    assert sp.cut is None
+  # Attention balanced up to the largest document's area (greedy bound); the halves' areas sum
+  # to the batch's (a suffix sees its prefix).
+  a0, a1 = sp.areas
+  assert a0 + a1 == pytest.approx(float((lens * (lens + 1.0) / 2).sum()))
+  assert abs(a0 - a1) <= float(lens.max()) ** 2
 
 
 def test_split_balances_attention_better_than_halving_in_order():
@@ -47,47 +53,23 @@ def test_split_balances_attention_better_than_halving_in_order():
   ours, naive = [], []
   for step in range(4):
     lens = LengthSampler(load_lengths("pretrain")).sample(8 * 131072, step)
-    s0, s1 = split_pingpong(lens).sum_sq
+    s0, s1 = split_pingpong(lens).areas
     half = np.cumsum(lens) <= lens.sum() // 2
-    n0, n1 = float((lens[half] ** 2.0).sum()), float((lens[~half] ** 2.0).sum())
+    n0, n1 = (float((l * (l + 1.0) / 2).sum()) for l in (lens[half], lens[~half]))
     ours.append(abs(s0 - s1) / (s0 + s1))
     naive.append(abs(n0 - n1) / (n0 + n1))
     assert ours[-1] <= naive[-1] + 1e-12
   assert np.mean(ours) < 0.5 * np.mean(naive)
 
 
-def _cut_in_the_chosen_half(lens):
-  """The rule the split replaced: the half with the smaller Σl² takes each document, cutting it
-  when that half has less room, even if the other half has room for all of it."""
-  total = int(lens.sum())
-  room, sq, lost = [-(-total // 2), total // 2], [0.0, 0.0], 0
-  for l in sorted(lens.tolist(), reverse=True):
-    open_ = [h for h in (0, 1) if room[h] > 0]
-    h = min(open_, key=lambda i: sq[i]) if len(open_) == 2 else open_[0]
-    take = min(l, room[h])
-    room[h] -= take
-    sq[h] += take ** 2
-    if take < l:
-      room[1 - h] -= l - take
-      sq[1 - h] += (l - take) ** 2
-      lost += take * (l - take)
-  return lost
-
-
 def test_split_cuts_only_what_fits_nowhere():
-  """A document that fits whole in the other half goes there (the rule it replaced cut it), and
-  on sampled micro-batches the split loses no more attention pairs than that rule did."""
-  lens = np.array([1, 13, 12, 3, 3])  # 13 | 12, 3: the last 3 fits whole beside the 13
-  assert _cut_in_the_chosen_half(lens) > 0
-  sp = split_pingpong(lens)
-  assert sp.cut_pairs == 0 and sp.tokens == (16, 16)
-  ours, old = 0, 0
-  for name in ("pretrain", "prolong"):
-    for step in range(6):
-      lens = LengthSampler(load_lengths(name)).sample(4 * 65536, step)
-      ours += split_pingpong(lens).cut_pairs
-      old += _cut_in_the_chosen_half(lens)
-  assert ours < old
+  """A document that fits whole in either half is never cut; one that fits in neither is cut
+  with its prefix filling Ping."""
+  sp = split_pingpong(np.array([1, 13, 12, 3, 3]))  # 13 | 12, 3: the last 3 fits beside the 13
+  assert sp.cut is None and sp.tokens == (16, 16)
+  sp = split_pingpong(np.array([20, 6, 6]))  # 16 | 16: the 20 fits nowhere
+  assert sp.cut == (0, 16) and sp.tokens == (16, 16)
+  assert sp.lens[0].tolist() == [16] and sp.lens[1].tolist() == [4, 6, 6]
 
 
 def test_layouts_fit_half_buffers():
@@ -99,5 +81,15 @@ def test_layouts_fit_half_buffers():
   assert ping.length.sum() == pong.length.sum() == 6096
   with pytest.raises(ValueError, match="even"):
     pingpong_layouts(lens, 2, 6097)
+  # A cut document: Pong keeps it whole from the cut on, its prefix as Ping's (prior) shards.
+  ping, pong, sp = pingpong_layouts([20, 6, 6], 2, 16)  # halves of 2 x 8 tokens; 20 fits nowhere
+  assert sp.cut == (0, 16) and ping.prior is None
+  assert pong.doc_lens[0] == 20 and pong.positions()[0, :4].tolist() == [16, 17, 18, 19]
+  assert int(pong.prior.length.sum()) == 16 and (pong.prior.doc == 0).all()
+  assert pong.kv_rows == 16 and ping.kv_rows == 8
+  validate_layout(pong)
+  shifted = dataclasses.replace(pong.prior, doc_offset=pong.prior.doc_offset + 1)
+  with pytest.raises(ValueError, match="document 0"):
+    validate_layout(dataclasses.replace(pong, prior=shifted))
   with pytest.raises(ValueError, match=">= 1"):
     split_pingpong([4, 0])

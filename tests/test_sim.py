@@ -179,17 +179,20 @@ def test_one_rank_cad_equals_colocated(tmp_path):
   assert res["cad"].iter_s == pytest.approx(res["colocated"].iter_s, rel=2e-3)
 
 
-def test_simulator_runs_one_plan_rather_than_cut_a_long_document(tmp_path):
-  """As training does: a batch whose ping-pong split would cut a document longer than half the
-  batch is simulated as one plan (what pingpong=false gives); allowed to cut, it is not."""
+def test_simulator_charges_a_cut_document_whole(tmp_path):
+  """A document longer than half the batch is cut between Ping and Pong; Pong's plan reads the
+  prefix's K/V rows, so CAD's scheduled attention is the batch's whole causal area (the suffix
+  skips nothing), as with one plan, while its traffic is the two plans'."""
   path = tmp_path / "lens.json"
   path.write_text(json.dumps([5 * 131072] + [2000] * 200))  # one document of 5 of 8 ranks' tokens
   base = ["gpus=[8]", "tensor_parallel=1", "batches=1", f"distributions=[{path}]"]
   point = Point("llama3_8b", 8, 131072, str(path))
-  run = lambda *extra: Simulator(load_sim_config(None, base + list(extra)), point).batch(0)[0]["cad"]
-  exact, single = run(), run("pingpong=false")
-  assert exact.bytes_per_layer == single.bytes_per_layer and exact.iter_s == single.iter_s
-  assert run("pingpong_max_drop=1").bytes_per_layer != single.bytes_per_layer
+  run = lambda *extra: Simulator(load_sim_config(None, base + list(extra)), point).batch(0)
+  (res, loads), (single, single_loads) = run(), run("pingpong=false")
+  total = float(loads["before"].sum())  # the sampled batch's causal area, colocated
+  assert float(loads["after"].sum()) == pytest.approx(total, rel=1e-12)
+  assert float(single_loads["after"].sum()) == pytest.approx(total, rel=1e-12)
+  assert res["cad"].bytes_per_layer != single["cad"].bytes_per_layer
 
 
 def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):

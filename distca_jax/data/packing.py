@@ -28,6 +28,13 @@ class Layout:
   doc[s]             document id
   doc_offset[s]      in-document position of the shard's first token
   length[s]          tokens in the shard (>= 1)
+
+  prior: ping-pong's second nano-batch only (`schedule/pingpong.py`): a Layout of the shards of
+  this layout's documents that the first nano-batch's buffers hold (the prefix of the document
+  the split cut in two), numbered as this layout numbers documents and buffers, `buffer_offset`
+  in those buffers. They are not tokens of this layout (no queries, no outputs, not in
+  `segment_ids`); its attention reads their K/V rows from the other stream, laid after its own
+  rows: K/V row `buffer_len + r` of a device is row r of its prior buffer (`kv_rows`).
   """
 
   num_buffers: int
@@ -38,10 +45,16 @@ class Layout:
   doc: np.ndarray
   doc_offset: np.ndarray
   length: np.ndarray
+  prior: "Layout | None" = None
 
   @property
   def num_shards(self) -> int:
     return int(self.length.size)
+
+  @property
+  def kv_rows(self) -> int:
+    """K/V rows per device its attention reads: its buffer, then a `prior` stream's buffer."""
+    return self.buffer_len * (1 if self.prior is None else 2)
 
   def segment_ids(self) -> np.ndarray:
     """[num_buffers, buffer_len] int32 document id per token, PAD_SEGMENT for padding."""

@@ -92,7 +92,7 @@ def validate_layout(layout: Layout) -> None:
 
   Checks: positive buffer count and length; every shard length >= 1; shards inside their buffer;
   no two shards overlap in a buffer; shard ranges inside their document; every document covered
-  exactly once by its shards (lengths >= 1).
+  exactly once, in order, by its shards (lengths >= 1) and its `prior` shards (ping-pong).
   """
   n, t = layout.num_buffers, layout.buffer_len
   if n < 1 or t < 1:
@@ -130,11 +130,31 @@ def validate_layout(layout: Layout) -> None:
     b, o, e = layout.buffer, layout.buffer_offset, end
   if ((b[1:] == b[:-1]) & (o[1:] < e[:-1])).any():
     raise ValueError("layout: two shards overlap in one buffer")
-  covered = np.bincount(layout.doc, weights=layout.length, minlength=doc_lens.size)
+  doc, doc_off, length = layout.doc, layout.doc_offset, layout.length
+  if layout.prior is not None:  # shards of its documents another stream holds (ping-pong)
+    p = layout.prior
+    if (p.num_buffers, p.buffer_len) != (n, t) or not np.array_equal(p.doc_lens, doc_lens):
+      raise ValueError("layout: its prior shards are for other buffers or documents")
+    if p.num_shards and (p.length.min() < 1 or p.buffer.min() < 0 or p.buffer.max() >= n
+                         or p.buffer_offset.min() < 0 or (p.buffer_offset + p.length).max() > t
+                         or p.doc.min() < 0 or p.doc.max() >= doc_lens.size):
+      raise ValueError("layout: a prior shard lies outside its buffers or documents")
+    doc, doc_off, length = (np.concatenate([doc, p.doc]), np.concatenate([doc_off, p.doc_offset]),
+                            np.concatenate([length, p.length]))
+  covered = np.bincount(doc, weights=length, minlength=doc_lens.size)
   if (covered != doc_lens).any():
     d = int(np.argmax(covered != doc_lens))
     raise ValueError(f"layout: document {d} has {int(doc_lens[d])} tokens but its shards cover "
                      f"{int(covered[d])}")
+  # Each document's shards follow each other from position 0 (with the sum above: every
+  # position exactly once).
+  order = np.lexsort((doc_off, doc))
+  d_, o_, l_ = doc[order], doc_off[order], length[order]
+  first = np.r_[True, d_[1:] != d_[:-1]]
+  bad = np.where(first, o_ != 0, o_ != np.r_[0, (o_ + l_)[:-1]])
+  if bad.any():
+    raise ValueError(f"layout: the shards of document {int(d_[np.argmax(bad)])} do not cover its "
+                     "positions in order (a gap or an overlap)")
 
 
 def initial_tasks(layout: Layout, validate: bool = True) -> Tasks:

@@ -2,20 +2,21 @@
 
 DESIGN.md §1 "Ping-pong execution". Each nano-batch gets its own plan, and the dispatch of one
 overlaps the compute of the other; for that to hide communication both halves must cost the same:
-equal tokens (the linear layers and memory) and about equal Σl² (core attention).
+equal tokens (the linear layers and memory) and about equal attention (Σl²).
 
-Greedy: documents in descending length go whole to the half with the smaller Σl² that has room
-for them, else whole to the other half. Only a document that fits in neither half is *cut*: a
-prefix fills one half and the suffix goes to the other **as its own document** (its positions
-restart at 0 and it does not attend to the prefix: `NanoSplit.cut_pairs` query-key pairs are
-lost). The cut point is the one, of the two that fill a half, that loses fewer pairs. At most
-one document per micro-batch is cut (after the cut one half is full and everything else goes
-to the other), usually a short one near the end of the greedy order; a document longer than a
-half is always cut (`attention.pingpong_max_drop` makes the trainer run such a step as one
-stream instead). `NanoSplit.source` records the original document and offset of every piece,
-for a caller that prefers to keep the original RoPE positions. Halves get ceil(total/2) and
-floor(total/2) tokens (exactly equal when the total is even, which it is for N buffers of an
-even length).
+Greedy: documents in descending length go whole to the half with the smaller attention area
+that has room for them, else whole to the other half. Only a document that fits in neither half
+is *cut*: its prefix fills the rest of Ping (half 0) and its suffix goes to Pong (half 1). At
+most one document per micro-batch is cut (after the cut Ping is full and everything else goes to
+Pong): a document longer than a half, or a short one near the end of the greedy order.
+
+The cut loses nothing. Pong's layout keeps the suffix as the same document from position x on
+(its RoPE positions continue) and records the prefix's shards in Ping's buffers as `prior`
+shards (`Layout.prior`); Pong's attention reads the prefix's K/V rows from Ping's rows of the
+same layer, which exist before Pong's attention runs (the model projects both streams first).
+Pong never needs anything of a later stream, so Ping's dispatch still overlaps Pong's compute.
+Halves get ceil(total/2) and floor(total/2) tokens (exactly equal when the total is even, which
+it is for N buffers of an even length).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from distca_jax.data.packing import Layout, pack
 
 @dataclasses.dataclass(frozen=True)
 class NanoSplit:
-  """Two nano-batches. lens[i]: document lengths of half i (0 = Ping, 1 = Pong), in original
-  document order; source[i]: [len(lens[i]), 2] int64 (original document id, offset in it)."""
+  """Two nano-batches. lens[i]: document pieces of half i (0 = Ping, 1 = Pong), in original
+  document order; source[i]: [len(lens[i]), 2] int64 (original document id, offset in it). A
+  piece with offset x > 0 (only ever in Pong) is the suffix of a document whose first x
+  positions are Ping's."""
 
   lens: tuple[np.ndarray, np.ndarray]
   source: tuple[np.ndarray, np.ndarray]
@@ -40,21 +43,27 @@ class NanoSplit:
     return int(self.lens[0].sum()), int(self.lens[1].sum())
 
   @property
-  def cut_pairs(self) -> int:
-    """Query-key pairs of causal attention the split loses: a document cut at x keeps its
-    suffix's l - x queries from the x keys of its prefix."""
-    pieces = np.concatenate(self.source)
-    cut = pieces[pieces[:, 1] > 0]  # suffixes: (document, offset x)
-    lens = np.concatenate(self.lens)[pieces[:, 1] > 0]
-    return int(np.sum(cut[:, 1] * lens))
+  def cut(self) -> tuple[int, int] | None:
+    """(original document, prefix length x) of the document cut between Ping and Pong, or None."""
+    off = self.source[1][:, 1]
+    if not (off > 0).any():
+      return None
+    j = int(np.argmax(off > 0))
+    return int(self.source[1][j, 0]), int(off[j])
 
   @property
-  def sum_sq(self) -> tuple[float, float]:
-    return tuple(float((x.astype(np.float64) ** 2).sum()) for x in self.lens)
+  def areas(self) -> tuple[float, float]:
+    """Causal attention area (query-key pairs, diagonal included) of each half: a suffix piece's
+    queries see its prefix's keys too."""
+    out = []
+    for lens, src in zip(self.lens, self.source):
+      lo, hi = src[:, 1].astype(np.float64), (src[:, 1] + lens).astype(np.float64)
+      out.append(float(((hi - lo) * (hi + lo + 1) / 2).sum()))
+    return tuple(out)
 
 
 def split_pingpong(doc_lens) -> NanoSplit:
-  """Greedy equal-token, balanced-Σl² split of one micro-batch's documents (lengths >= 1)."""
+  """Greedy equal-token, balanced-attention split of one micro-batch's documents (lengths >= 1)."""
   lens = np.asarray(doc_lens, np.int64).reshape(-1)
   if lens.size and lens.min() < 1:
     raise ValueError(f"split_pingpong: document lengths must be >= 1, found {int(lens.min())}")
@@ -72,15 +81,14 @@ def split_pingpong(doc_lens) -> NanoSplit:
       room[h] -= l
       sq[h] += float(l) ** 2
       continue
-    # Fits in neither: cut. The prefix fills half h (x = room[h] rows) and the suffix goes to
-    # the other; of the two halves to fill, the one whose cut loses fewer pairs x * (l - x).
-    h = min((0, 1), key=lambda i: room[i] * (l - room[i]))
-    x = room[h]
-    for half, offset, n in ((h, 0, x), (1 - h, x, l - x)):
-      if n:
-        pieces[half].append((g, offset, n))
-        room[half] -= n
-        sq[half] += float(n) ** 2
+    # Fits in neither: the prefix fills Ping (x >= 1 rows: Pong alone would have room otherwise)
+    # and the suffix, whose queries also see the prefix, goes to Pong.
+    x = room[0]
+    pieces[0].append((g, 0, x))
+    pieces[1].append((g, x, l - x))
+    room = [0, room[1] - (l - x)]
+    sq[0] += float(x) ** 2
+    sq[1] += float(l) ** 2 - float(x) ** 2
   out_lens, out_src = [], []
   for h in (0, 1):
     p = sorted(pieces[h])
@@ -93,10 +101,38 @@ def pingpong_layouts(doc_lens, num_buffers: int, buffer_len: int) -> tuple[Layou
   """Ping and Pong layouts over `num_buffers` buffers of `buffer_len // 2` tokens each.
 
   The micro-batch (at most num_buffers * buffer_len tokens) is split by `split_pingpong` and each
-  half packed in order (`data.packing.pack`). Raises ValueError if buffer_len is odd.
+  half packed in order (`data.packing.pack`). Pong's layout always has `prior` shards (none when
+  nothing was cut), so both halves of every step have one shape. Raises ValueError if buffer_len
+  is odd.
   """
   if buffer_len % 2:
     raise ValueError(f"pingpong_layouts: buffer_len must be even, got {buffer_len}")
   split = split_pingpong(doc_lens)
   half = buffer_len // 2
-  return pack(split.lens[0], num_buffers, half), pack(split.lens[1], num_buffers, half), split
+  ping = pack(split.lens[0], num_buffers, half)
+  pong = pack(split.lens[1], num_buffers, half)
+  return ping, with_prior(pong, ping, split), split
+
+
+def with_prior(pong: Layout, ping: Layout, split: NanoSplit) -> Layout:
+  """Pong's layout (packed from `split.lens[1]`) with the cut document whole: its length the
+  original's, its shards' positions from the cut on, and the prefix's shards in Ping's buffers
+  as `prior` shards."""
+  empty = np.zeros(0, np.int64)
+  doc_lens, doc_offset = pong.doc_lens.copy(), pong.doc_offset.copy()
+  prior = dict(buffer=empty, buffer_offset=empty, doc=empty, doc_offset=empty, length=empty)
+  cut = split.cut
+  if cut is not None:
+    g, x = cut
+    j = int(np.flatnonzero((split.source[1][:, 0] == g))[0])  # the suffix, in Pong's numbering
+    i = int(np.flatnonzero((split.source[0][:, 0] == g))[0])  # the prefix, in Ping's
+    doc_lens[j] += x
+    doc_offset[pong.doc == j] += x
+    mine = ping.doc == i
+    prior = dict(buffer=ping.buffer[mine], buffer_offset=ping.buffer_offset[mine],
+                 doc=np.full(int(mine.sum()), j, np.int64), doc_offset=ping.doc_offset[mine],
+                 length=ping.length[mine])
+  return dataclasses.replace(
+      pong, doc_lens=doc_lens, doc_offset=doc_offset,
+      prior=Layout(num_buffers=pong.num_buffers, buffer_len=pong.buffer_len, doc_lens=doc_lens,
+                   **prior))

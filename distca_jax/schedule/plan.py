@@ -233,6 +233,10 @@ def build_arrays(tasks: Tasks, layout: Layout, caps: Capacities) -> PlanArrays:
 
   Raises CapacityError naming the capacity that is too small.
   """
+  if layout.prior is not None:
+    raise ValueError("build_arrays: these reference arrays read K/V rows from the layout's own "
+                     "buffers only; a ping-pong layout with prior shards is laid out by "
+                     "dispatch.build_dispatch")
   n, t = layout.num_buffers, layout.buffer_len
   req = requirements(tasks, layout)
   for k in ("cq", "ckv", "skv", "ctask"):

@@ -265,7 +265,8 @@ class KVRequests:
   Pairs p (one per (server, document) with a task there): pair_server, pair_doc, pair_need
   (server needs document rows [0, pair_need)). Pieces k (one per pair and layout shard that
   overlaps the needed prefix): piece_pair, piece_src (device holding the rows), piece_src_off
-  (first buffer row), piece_doc_off (first document position), piece_rows.
+  (first K/V row of the device: its buffer row, or T + row for a ping-pong `prior` shard),
+  piece_doc_off (first document position), piece_rows.
   """
 
   pair_server: np.ndarray
@@ -289,23 +290,31 @@ def kv_requests(tasks: Tasks, layout: Layout) -> KVRequests:
   pair_need = np.maximum.reduceat(tasks.q_hi[order], starts) if key.size else np.zeros(0, np.int64)
   pair_server = pair_key // max(num_docs, 1)
   pair_doc = pair_key % max(num_docs, 1)
-  # Layout shards grouped by document in position order.
-  s_order = np.lexsort((layout.doc_offset, layout.doc))
-  s_doc = layout.doc[s_order]
+  # Layout shards grouped by document in position order; a ping-pong Pong's prior shards (held
+  # in Ping's buffer on the same device) are its K/V rows T + r.
+  sh_doc, sh_doc_off, sh_len, sh_buf, sh_row = (layout.doc, layout.doc_offset, layout.length,
+                                                layout.buffer, layout.buffer_offset)
+  if layout.prior is not None:
+    p = layout.prior
+    sh_doc, sh_doc_off, sh_len, sh_buf = (np.concatenate([a, b]) for a, b in (
+        (sh_doc, p.doc), (sh_doc_off, p.doc_offset), (sh_len, p.length), (sh_buf, p.buffer)))
+    sh_row = np.concatenate([sh_row, layout.buffer_len + p.buffer_offset])
+  s_order = np.lexsort((sh_doc_off, sh_doc))
+  s_doc = sh_doc[s_order]
   first = np.searchsorted(s_doc, np.arange(num_docs))
   count = np.bincount(s_doc, minlength=num_docs)
   reps = count[pair_doc]
   piece_pair = np.repeat(np.arange(pair_doc.size), reps)
   within = np.arange(piece_pair.size) - np.repeat(np.cumsum(reps) - reps, reps)
   shard = s_order[first[pair_doc][piece_pair] + within]
-  d_off = layout.doc_offset[shard]
+  d_off = sh_doc_off[shard]
   need = pair_need[piece_pair]
   keep = d_off < need
   piece_pair, shard, d_off = piece_pair[keep], shard[keep], d_off[keep]
-  rows = np.minimum(d_off + layout.length[shard], pair_need[piece_pair]) - d_off
+  rows = np.minimum(d_off + sh_len[shard], pair_need[piece_pair]) - d_off
   return KVRequests(pair_server=pair_server, pair_doc=pair_doc, pair_need=pair_need,
-                    piece_pair=piece_pair, piece_src=np.asarray(layout.buffer[shard], np.int64),
-                    piece_src_off=np.asarray(layout.buffer_offset[shard], np.int64),
+                    piece_pair=piece_pair, piece_src=np.asarray(sh_buf[shard], np.int64),
+                    piece_src_off=np.asarray(sh_row[shard], np.int64),
                     piece_doc_off=np.asarray(d_off, np.int64), piece_rows=np.asarray(rows, np.int64))
 
 

@@ -85,11 +85,8 @@ class SimConfig:
   cp_sizes: tuple = (0,)
   # Fraction of the baselines' CP KV all-gather hidden under compute.
   cp_overlap: float = 0.5
-  # CAD runs Ping and Pong nano-batches, one plan each (false: one plan per micro-batch); as in
-  # training, a batch whose split would lose more than `pingpong_max_drop` of its causal pairs
-  # (a document longer than half the batch, cut) runs as one plan.
+  # CAD runs Ping and Pong nano-batches, one plan each (false: one plan per micro-batch).
   pingpong: bool = True
-  pingpong_max_drop: float = 0.001
   # Fraction of CAD's dispatch traffic that ping-pong can hide at most (1: all of it when the
   # other nano-batch's compute is long enough).
   pingpong_overlap: float = 1.0
@@ -228,7 +225,7 @@ def validate(c: SimConfig) -> None:
   for name in ("cad_fixed_overhead", "cad_ms_per_gb"):
     if getattr(c, name) < 0:
       raise ConfigError(f"{name}: must be >= 0, got {getattr(c, name)}")
-  for name in ("cp_overlap", "pingpong_overlap", "pingpong_max_drop"):
+  for name in ("cp_overlap", "pingpong_overlap"):
     if not 0 <= getattr(c, name) <= 1:
       raise ConfigError(f"{name}: must be in [0, 1], got {getattr(c, name)}")
   h = c.hardware

@@ -51,7 +51,7 @@ from distca_jax.data.doclens import LengthSampler, load_lengths
 from distca_jax.data.packing import pack
 from distca_jax.models.presets import PRESETS
 from distca_jax.schedule.baselines import SystemLoad, colocated, per_document_cp, wlb_packing
-from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable, range_area
+from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
@@ -174,7 +174,7 @@ class Simulator:
     # The calibrated costs beyond the model (SimConfig.cad_fixed_overhead, cad_ms_per_gb).
     extra = (cfg.cad_fixed_overhead * tokens * self.lin_ms_per_token
              + cfg.cad_ms_per_gb * sum(x[5] for x in per) / 1e9)
-    if len(per) == 2:  # ping-pong (a step whose split would cut a long document runs one)
+    if len(per) == 2:  # ping-pong
       comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
       ov = cfg.pingpong_overlap
       exposed = sum(np.maximum(per[i][3] - ov * comp[1 - i], (1 - ov) * per[i][3]) for i in (0, 1))
@@ -256,16 +256,9 @@ class Simulator:
     cfg, n, t = self.cfg, self.ranks, self.t
     # CAD: with ping-pong, one plan per nano-batch (equal tokens, balanced Σl², half buffers);
     # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
-    # As training does (attention.pingpong_max_drop): a batch whose split would lose more of its
-    # causal pairs than that (a document longer than half the batch) runs as one stream.
-    halves, split = (layout,), None
-    if cfg.pingpong:
-      ping, pong, split = pingpong_layouts(lens, n, t)
-      total = float(np.sum(range_area(0, np.asarray(lens, np.float64))))
-      if split.cut_pairs <= cfg.pingpong_max_drop * total:
-        halves = (ping, pong)
-      else:
-        split = None
+    # A document cut between the two is exact: Pong's plan reads its prefix's K/V from Ping's
+    # rows (`Layout.prior`), and its cost and traffic count them.
+    halves = pingpong_layouts(lens, n, t)[:2] if cfg.pingpong else (layout,)
     per = []
     shards = 0
     for k, lay in enumerate(halves):
@@ -287,17 +280,6 @@ class Simulator:
                                   f"{Path(p.distribution).stem}_b{step}{tag}.json")
     area_after = sum(x[0].stats.load_after for x in per)
     attn_ms = sum(x[1] for x in per)
-    if split is not None:
-      # The document cut between Ping and Pong runs as two documents, so the suffix's queries do
-      # not attend to the prefix. Charge that missing work to the suffix's first rank (left
-      # unbalanced: conservative) so CAD is not credited with attention it skipped.
-      for h in (0, 1):
-        for j in np.flatnonzero(split.source[h][:, 1] > 0).tolist():
-          a, lq = int(split.source[h][j, 1]), int(split.lens[h][j])
-          lay = halves[h]
-          rank = int(lay.buffer[np.flatnonzero((lay.doc == j) & (lay.doc_offset == 0))[0]])
-          attn_ms[rank] += float(self.kernel.fwdbwd_ms(lq, a + lq) - self.kernel.fwdbwd_ms(lq, lq))
-          area_after[rank] += float(range_area(a, a + lq) - range_area(0, lq))
     return self._cad_result(cfg, per, area_after, attn_ms, shards), area_after
 
   def _cp_sizes(self):

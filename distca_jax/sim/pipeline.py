@@ -50,7 +50,7 @@ import numpy as np
 
 from distca_jax.data.packing import Layout, pack
 from distca_jax.schedule.baselines import colocated, per_document_cp, wlb_packing
-from distca_jax.schedule.cost import CommModel, range_area
+from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
@@ -81,7 +81,9 @@ def side_by_side(parts: list[Layout | None], num_buffers: int, buffer_len: int) 
   """One layout of len(parts) × num_buffers buffers: part k in buffers k·num_buffers onwards,
   None = num_buffers empty buffers. Documents are renumbered in buffer order (part k's document j
   becomes base[k] + j). Returns (layout, base)."""
-  cols = {k: [] for k in ("doc_lens", "buffer", "buffer_offset", "doc", "doc_offset", "length")}
+  names = ("buffer", "buffer_offset", "doc", "doc_offset", "length")
+  cols = {k: [] for k in ("doc_lens",) + names}
+  prior = {k: [] for k in names}  # ping-pong Pong halves: their prior shards, moved alike
   base, docs = [], 0
   for k, lay in enumerate(parts):
     base.append(docs)
@@ -91,13 +93,20 @@ def side_by_side(parts: list[Layout | None], num_buffers: int, buffer_len: int) 
       raise ValueError(f"side_by_side: part {k} has {lay.num_buffers} buffers of {lay.buffer_len}, "
                        f"expected {num_buffers} of {buffer_len}")
     cols["doc_lens"].append(np.asarray(lay.doc_lens, np.int64))
-    cols["buffer"].append(lay.buffer + k * num_buffers)
-    cols["doc"].append(lay.doc + docs)
-    for name in ("buffer_offset", "doc_offset", "length"):
-      cols[name].append(getattr(lay, name))
+    for src, out in ((lay, cols), (lay.prior, prior)):
+      if src is None:
+        continue
+      out["buffer"].append(src.buffer + k * num_buffers)
+      out["doc"].append(src.doc + docs)
+      for name in ("buffer_offset", "doc_offset", "length"):
+        out[name].append(getattr(src, name))
     docs += int(np.asarray(lay.doc_lens).size)
-  cat = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in cols.items()}
-  return Layout(num_buffers=num_buffers * len(parts), buffer_len=buffer_len, **cat), base
+  cat = lambda c: {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in c.items()}
+  cols = cat(cols)
+  shape = dict(num_buffers=num_buffers * len(parts), buffer_len=buffer_len)
+  has_prior = any(lay is not None and lay.prior is not None for lay in parts)
+  return Layout(**shape, **cols, prior=Layout(**shape, doc_lens=cols["doc_lens"], **cat(prior))
+                if has_prior else None), base
 
 
 @dataclasses.dataclass
@@ -109,7 +118,6 @@ class _MicroBatch:
   col_pair_bytes: np.ndarray
   pdc: object  # SystemLoad
   halves: tuple  # CAD nano-batch layouts (Ping, Pong) or (whole,)
-  split: object  # NanoSplit or None
 
 
 class PipelineSimulator(Simulator):
@@ -143,11 +151,10 @@ class PipelineSimulator(Simulator):
     trc = traffic(initial_tasks(layout), layout, self.comm, pairwise=True)
     pdc = per_document_cp(lens, dp, t, self.comm, kernel=self.kernel)
     if cfg.pingpong:
-      ping, pong, split = pingpong_layouts(lens, dp, t)
-      halves = (ping, pong)
+      halves = pingpong_layouts(lens, dp, t)[:2]
     else:
-      halves, split = (layout,), None
-    return _MicroBatch(lens, col, trc.pair_bytes, pdc, halves, split)
+      halves = (layout,)
+    return _MicroBatch(lens, col, trc.pair_bytes, pdc, halves)
 
   def _wlb_step(self, mbs) -> dict:
     """cp -> per micro-batch SystemLoad [DP] of WLB packing over all DP × M buffers of the step."""
@@ -227,19 +234,6 @@ class PipelineSimulator(Simulator):
                                   f"{Path(p.distribution).stem}_b{step}_t{tick}{tag}.json")
     area_after = sum(x[0].stats.load_after for x in per)
     attn_ms = sum(x[1] for x in per)
-    if cfg.pingpong:
-      # The ping-pong cut, as in the 3D model: the suffix's missing prefix attention is charged to
-      # the suffix's first rank, unbalanced.
-      for h in (0, 1):
-        lay, base = lays[h]
-        for s, m in pairs:
-          split = mbs[m].split
-          for j in np.flatnonzero(split.source[h][:, 1] > 0).tolist():
-            a, lq = int(split.source[h][j, 1]), int(split.lens[h][j])
-            g = base[s] + j
-            rank = int(lay.buffer[np.flatnonzero((lay.doc == g) & (lay.doc_offset == 0))[0]])
-            attn_ms[rank] += float(self.kernel.fwdbwd_ms(lq, a + lq) - self.kernel.fwdbwd_ms(lq, lq))
-            area_after[rank] += float(range_area(a, a + lq) - range_area(0, lq))
     res = self._cad_result(cfg, per, area_after, attn_ms, shards)
     tokens = sum(x[2] for x in per)
     if not active.all():  # memory is held by the active stages only

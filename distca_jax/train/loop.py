@@ -259,10 +259,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
         record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)
       if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
         record["cad_predicted_saving"] = ctx.predicted_saving
-        # Streams (1: ping-pong off, or its split would have cut a long document) and the share
-        # of the step's attention pairs the split lost.
-        record["nano_batches"] = len(ctx.batches)
-        record["pingpong_dropped"] = ctx.pingpong_dropped
+        record["nano_batches"] = len(ctx.batches)  # streams: 2 with ping-pong
         # Rows per exchanged block (query, K/V): the run's capacities, what the exchange sends.
         record["exchange_q_rows"] = ctx.capacities["c"]
         record["exchange_kv_rows"] = ctx.capacities["ckv"]
