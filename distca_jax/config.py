@@ -111,7 +111,9 @@ class AttentionConfig:
   # Ping-pong: two nano-batches of half the tokens each, so one's exchange overlaps the other's
   # compute. Equal halves cut at most one document per step in two; the second half's attention
   # reads the first half's K/V rows of its prefix, so the step computes exactly what one stream
-  # would. `false`: every step one stream (the single-stream ablation).
+  # would. A step whose split cuts a document longer than half the step runs whichever of one
+  # or two streams the gate's model predicts saves more (unequal halves balance worse).
+  # `false`: every step one stream (the single-stream ablation).
   pingpong: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); `shifted`, one

@@ -14,6 +14,7 @@ from distca_jax.data.packing import pack
 from distca_jax.models.presets import PRESETS
 from distca_jax.schedule.baselines import colocated, per_document_cp, wlb_packing
 from distca_jax.schedule.cost import AnalyticKernel, CommModel, range_area
+from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.planner import balance
 from distca_jax.sim.config import load_sim_config
 from distca_jax.sim.engine import Point, Simulator
@@ -181,18 +182,24 @@ def test_one_rank_cad_equals_colocated(tmp_path):
 
 def test_simulator_charges_a_cut_document_whole(tmp_path):
   """A document longer than half the batch is cut between Ping and Pong; Pong's plan reads the
-  prefix's K/V rows, so CAD's scheduled attention is the batch's whole causal area (the suffix
-  skips nothing), as with one plan, while its traffic is the two plans'."""
+  prefix's K/V rows, so the two plans' scheduled attention is the batch's whole causal area (the
+  suffix skips nothing), as one plan's is. As in training, such a batch runs whichever of the
+  two the model predicts faster."""
   path = tmp_path / "lens.json"
   path.write_text(json.dumps([5 * 131072] + [2000] * 200))  # one document of 5 of 8 ranks' tokens
   base = ["gpus=[8]", "tensor_parallel=1", "batches=1", f"distributions=[{path}]"]
-  point = Point("llama3_8b", 8, 131072, str(path))
-  run = lambda *extra: Simulator(load_sim_config(None, base + list(extra)), point).batch(0)
-  (res, loads), (single, single_loads) = run(), run("pingpong=false")
-  total = float(loads["before"].sum())  # the sampled batch's causal area, colocated
-  assert float(loads["after"].sum()) == pytest.approx(total, rel=1e-12)
-  assert float(single_loads["after"].sum()) == pytest.approx(total, rel=1e-12)
-  assert res["cad"].bytes_per_layer != single["cad"].bytes_per_layer
+  sim = Simulator(load_sim_config(None, base), Point("llama3_8b", 8, 131072, str(path)))
+  lens = sim.sampler.sample(8 * 131072, 0)
+  ping, pong, split = pingpong_layouts(lens, 8, 131072)
+  assert split.cut is not None and lens[split.cut[0]] > 4 * 131072
+  (two, two_after), (one, one_after) = (sim._cad_streams(h, 0, None)
+                                        for h in ((ping, pong), (pack(lens, 8, 131072),)))
+  total = float(np.sum(range_area(0, lens.astype(np.float64))))
+  assert float(two_after.sum()) == pytest.approx(total, rel=1e-12)
+  assert float(one_after.sum()) == pytest.approx(total, rel=1e-12)
+  assert two.bytes_per_layer != one.bytes_per_layer
+  res, _ = sim.batch(0)
+  assert res["cad"].iter_s == min(one.iter_s, two.iter_s)
 
 
 def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):

@@ -257,8 +257,20 @@ class Simulator:
     # CAD: with ping-pong, one plan per nano-batch (equal tokens, balanced Σl², half buffers);
     # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
     # A document cut between the two is exact: Pong's plan reads its prefix's K/V from Ping's
-    # rows (`Layout.prior`), and its cost and traffic count them.
-    halves = pingpong_layouts(lens, n, t)[:2] if cfg.pingpong else (layout,)
+    # rows (`Layout.prior`), and its cost and traffic count them. As in training, a split that
+    # cuts a document longer than half the batch is also tried as one plan, and the faster runs.
+    if not cfg.pingpong:
+      return self._cad_streams((layout,), step, dump_dir)
+    ping, pong, split = pingpong_layouts(lens, n, t)
+    two = self._cad_streams((ping, pong), step, dump_dir)
+    if split.cut is None or int(np.asarray(lens)[split.cut[0]]) <= n * t // 2:
+      return two
+    one = self._cad_streams((layout,), step, None)
+    return one if one[0].iter_s < two[0].iter_s else two
+
+  def _cad_streams(self, halves, step, dump_dir):
+    """CAD's result with one plan per layout of `halves` (Ping and Pong, or the whole batch)."""
+    cfg, n = self.cfg, self.ranks
     per = []
     shards = 0
     for k, lay in enumerate(halves):
