@@ -282,7 +282,8 @@ def _rows_selector(n: int, devices):
   return slice(int(d[0]), int(d[-1]) + 1) if d.size and d[-1] - d[0] + 1 == d.size else d
 
 
-def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch | None = None) -> None:
+def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch | None = None,
+                  prior_batch: Batch | None = None) -> None:
   """Refuses a plan that does not belong to `layout` or breaks its own capacities.
 
   Follows every row through the plan, vectorised: each real token's output must come from a
@@ -293,7 +294,9 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   send and receive: the outputs of those homes, the tasks of those servers, the blocks they send
   and receive (each process checks the devices it feeds, `build_dispatch(devices=...)` fills only
   those). `batch`: the Batch packed by `layout`, whose segment ids and positions are then not
-  computed again. Raises PlanMismatchError naming what is wrong.
+  computed again. `prior_batch` (ping-pong's Pong): Ping's Batch, whose rows the layout's prior
+  shards name; each must hold the position the shard says. Raises PlanMismatchError naming what
+  is wrong.
   """
   N, T = layout.num_buffers, layout.buffer_len
   p = plan
@@ -317,8 +320,15 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   TKV = layout.kv_rows  # K/V rows: the buffer's, then (ping-pong's Pong) the prior buffer's
   seg_kv, pos_kv = seg, pos
   if layout.prior is not None:
-    seg_kv = np.concatenate([seg, layout.prior.segment_ids()], axis=1)
-    pos_kv = np.concatenate([pos, layout.prior.positions()], axis=1)
+    prior_seg, prior_pos = layout.prior.segment_ids(), layout.prior.positions()
+    named = prior_seg != PAD_SEGMENT
+    if prior_batch is not None and (prior_batch.positions.shape != (N, T)
+                                    or (prior_batch.segment_ids[named] == PAD_SEGMENT).any()
+                                    or (prior_batch.positions[named] != prior_pos[named]).any()):
+      raise PlanMismatchError("plan does not match the batch: the rows of the earlier stream that "
+                              "its prior shards name hold other positions")
+    seg_kv = np.concatenate([seg, prior_seg], axis=1)
+    pos_kv = np.concatenate([pos, prior_pos], axis=1)
   if not np.array_equal(rows_of(p.return_valid), real[D]):
     i, r = np.argwhere(rows_of(p.return_valid) != real[D])[0]
     raise PlanMismatchError(f"plan does not match the batch: device {D[i]} row {r} is "
@@ -564,8 +574,9 @@ def dispatch_for_plans(plans, layouts, devices=None, batches=None, shapes: StepS
   dispatch = [dataclasses.replace(build_dispatch(p.tasks, l, devices=devices, kv=kv, **sizes),
                                   shift_q=_shifts(caps, "q"), shift_kv=_shifts(caps, "kv"))
               for p, l, kv in zip(plans, layouts, kvs)]
-  for d, l, b in zip(dispatch, layouts, batches or [None] * len(plans)):
-    validate_plan(d, l, devices, b)
+  batches = batches or [None] * len(plans)
+  for i, (d, l, b) in enumerate(zip(dispatch, layouts, batches)):
+    validate_plan(d, l, devices, b, batches[i - 1] if l.prior is not None and i else None)
   return dispatch
 
 
@@ -911,8 +922,9 @@ def make_distca_attention(attention_config, mesh: Mesh):
     kv_rows = ctx.server_kv_inv.shape[-1] - N * ctx.send_kv_idx.shape[-1]
     if kv_rows != T:
       if prior_kv is None or kv_rows != 2 * T:
+        have = T if prior_kv is None else 2 * T
         raise ValueError(f"distca attention: the plan reads {kv_rows} K/V rows per device, the "
-                         f"stream has {T}{'' if prior_kv is None else ' and an earlier stream ' + str(T)}")
+                         f"stream (with an earlier stream's, if given) has {have}")
       k = jnp.concatenate([k, prior_kv[0]], axis=1)
       v = jnp.concatenate([v, prior_kv[1]], axis=1)
     return sharded(q, k, v, ctx)

@@ -505,6 +505,21 @@ def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
           "same sign on 1 of 1") in out
 
 
+def test_pong_plan_is_checked_against_its_ping():
+  """Pong's plan reads its cut document's prefix from Ping's rows: checked against the Ping it was
+  split with it passes, against a Ping whose rows hold other positions it is refused."""
+  from distca_jax.models.presets import resolve
+
+  cfg = small_config("mesh.data=2", f"data.tokens_per_device={T}", "attention.impl=distca")
+  ping, pong = dispatch.split_pingpong_batch(_layout_batch("span_all", 2, seed=2, T=T))
+  assert pong.layout.prior.num_shards
+  _, plan = dispatch.plan_for_layout(cfg.attention, pong.layout, resolve(cfg.model))
+  dispatch.validate_plan(plan, pong.layout, batch=pong, prior_batch=ping)
+  shifted = dataclasses.replace(ping, positions=np.roll(ping.positions, 1, axis=1))
+  with pytest.raises(dispatch.PlanMismatchError, match="earlier stream"):
+    dispatch.validate_plan(plan, pong.layout, batch=pong, prior_batch=shifted)
+
+
 def test_plan_for_another_batch_is_refused():
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
                      "attention.pingpong=false")
