@@ -638,8 +638,10 @@ class StepContext:
 
 def host_context(attention_config, batch: Batch, shape, devices=None,
                  shapes: StepShapes | None = None):
-  """Splits the batch into nano-batches (if ping-pong) and plans each; runs on the host, in the
-  trainer's prefetch thread, one step ahead of the devices. `devices`: the rows this process
+  """Splits the batch into nano-batches (if ping-pong; a split that cuts a document longer than
+  half the step is also planned as one stream, and the step runs the option predicted to save
+  more) and plans each; runs on the host, in the trainer's prefetch thread, one step ahead of
+  the devices. `devices`: the rows this process
   builds and checks (`dispatch_for_plans`). `shapes`: the run's `StepShapes` (a trainer passes
   one, so its steps compile only when a capacity grows); without it each step takes the buckets
   it needs.
