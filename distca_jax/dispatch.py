@@ -697,10 +697,10 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
 
 
 def _cuts_long_document(pong: Layout) -> bool:
-  """Whether the ping-pong split behind Pong's layout cut a document longer than half the step
-  (one that fits in neither half even alone)."""
+  """Whether the ping-pong split behind Pong's layout cut a document longer than half the step's
+  tokens (Pong holds the smaller half)."""
   prior = pong.prior
-  return bool(prior.num_shards) and int(pong.doc_lens[prior.doc[0]]) > pong.num_buffers * pong.buffer_len
+  return bool(prior.num_shards) and int(pong.doc_lens[prior.doc[0]]) > int(pong.length.sum())
 
 
 def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
