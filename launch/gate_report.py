@@ -7,7 +7,9 @@ Reads each run's per-step log lines (`step N: ... step_s=... compile_count=... c
 with `train.progress=false`), keeps the steps on which neither run compiled, and prints the
 run-level speedup (sum of colocated step times over the sum of distca's), the same over the steps
 the gate gave CAD and over those it kept colocated, and how often each happened; then, over the
-steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one.
+steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one; and
+how long the two runs' losses agree (same batches, same initialisation: the same function, until
+bf16 rounding, which the optimizer carries on, sets them apart).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import sys
 import numpy as np
 
 LINE = re.compile(r"^step (\d+): (.*)$")
+# Logged losses carry four significant digits.
+LOSS_TOLERANCE = 1e-3
 
 
 def read(path: str) -> dict[int, dict[str, float]]:
@@ -63,6 +67,15 @@ def main(argv=None) -> int:
           f"{pairs[:, 1].mean():+.1%}; error RMS {np.sqrt(np.mean(err ** 2)):.1%}, at most "
           f"{np.abs(err).max():.1%}; same sign on {int(np.sum(np.sign(pairs[:, 0]) == np.sign(pairs[:, 1])))} "
           f"of {len(pairs)}")
+  steps = sorted(s for s in col.keys() & cad.keys() if "loss" in col[s] and "loss" in cad[s])
+  rel = [abs(cad[s]["loss"] - col[s]["loss"]) / max(abs(col[s]["loss"]), 1e-30) for s in steps]
+  apart = [s for s, r in zip(steps, rel) if r > LOSS_TOLERANCE]
+  if steps and not apart:
+    print(f"\nlosses within {LOSS_TOLERANCE:.1%} of each other on all {len(steps)} steps")
+  elif steps:
+    print(f"\nlosses within {LOSS_TOLERANCE:.1%} of each other up to step {apart[0] - 1}; first "
+          f"apart at step {apart[0]} ({rel[steps.index(apart[0])]:.2%}), apart on {len(apart)} of "
+          f"{len(steps)} steps")
   return 0
 
 

@@ -37,7 +37,8 @@
 #   gaterun  all GPUs: launch/train.py for G_STEPS (24) sampled steps of G_DIST (pretrain), once
 #          colocated and once distca with its gate, G_TOKENS (65536) per device; per-step logs in
 #          $OUT/gaterun_<impl>.log, compared step by step by launch/gate_report.py; G_EXTRA: more
-#          overrides for both runs (e.g. data.elongate_factor=2)
+#          overrides for both runs (e.g. data.elongate_factor=2); learning rate 3e-4 (runs until
+#          2026-11-27 used the default 3e-3, whose loss spikes parted the two runs' losses early)
 # Logs and tables go to $OUT (or ./gpu_out).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -136,7 +137,7 @@ for suite in "$@"; do
            for impl in colocated distca; do  # the same sampled batches, one run per attention
              timeout -k 10 ${G_TIMEOUT:-280} python3 -P launch/train.py model.preset=llama3_8b model.layers=2 \
                data.tokens_per_device=${G_TOKENS:-65536} data.length_scale=1 data.distribution=${G_DIST:-pretrain} \
-               mesh.data=$n attention.impl=$impl train.steps=${G_STEPS:-24} train.progress=false \
+               mesh.data=$n attention.impl=$impl train.steps=${G_STEPS:-24} train.progress=false optim.lr=3e-4 \
                train.tensorboard=false checkpoint.every=0 train.out_dir="/tmp/gaterun_$impl" ${G_EXTRA:-} 2>&1 \
                | grep -v -i warn > "$OUT/gaterun_$impl.log"; tail -6 "$OUT/gaterun_$impl.log"
            done

@@ -503,6 +503,11 @@ def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
   # Step 2: predicted 40%, measured 1 - 1/2 = 50%.
   assert ("predicted saving +40.0% on average, measured +50.0%; error RMS 10.0%, at most 10.0%; "
           "same sign on 1 of 1") in out
+  assert "losses within 0.1% of each other on all 5 steps" in out
+  (tmp_path / "d.log").write_text("\n".join(cad[:3] + [cad[3].replace("loss=1", "loss=1.01"), cad[4]]))
+  assert launch_script("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
+  assert ("losses within 0.1% of each other up to step 3; first apart at step 4 (1.00%), apart "
+          "on 1 of 5 steps") in capsys.readouterr().out
 
 
 def test_pong_plan_is_checked_against_its_ping():
