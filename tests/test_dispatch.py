@@ -207,6 +207,23 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)
 
 
+def test_pingpong_training_run_is_colocated_s():
+  """A ping-pong CAD run (gate off: CAD on every step, two streams wherever the split allows)
+  trains exactly colocated's losses step after step, the documents the split cuts included."""
+  from distca_jax.train import loop
+
+  common = ["mesh.data=2", "data.tokens_per_device=512", "data.distribution=prolong",
+            "model.layers=1", "train.steps=3", "optim.warmup_steps=0", "train.imbalance_after=false"]
+  src = loop.make_source(small_config(*common), 2)
+  assert any(split_pingpong(src.batch(i).layout.doc_lens).cut for i in range(3))
+  colo = loop.run(small_config(*common), devices=jax.devices()[:2], log=lambda *a: None)
+  lines = []
+  dist = loop.run(small_config(*common, "attention.impl=distca", "attention.gate=false"),
+                  devices=jax.devices()[:2], log=lines.append)
+  assert any(" nano_batches=2 " in l + " " for l in lines if l.startswith("step "))
+  np.testing.assert_allclose(dist.losses, colo.losses, rtol=1e-5)
+
+
 def test_logged_imbalance_is_the_batch_s():
   """A CAD step logs the imbalance of the batch as loaded (what colocated attention runs), not
   of its ping-pong halves, which the split alone often evens out: a colocated and a distca run
