@@ -1,0 +1,54 @@
+"""The step benchmark (`launch/bench_train.py`) runs end to end on the CPU, every suite a GPU
+session uses, so a crash shows here rather than on lent device time; and what its rows say."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(tmp_path, *args: str, tokens: int = 512) -> tuple[list[dict], str]:
+  """bench_train.py in its own process (it turns on a compilation cache of its own) on two
+  simulated devices: its JSON rows and its printed output. `args`: options, then overrides."""
+  out = tmp_path / "bench.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", DISTCA_CPU_DEVICES="2")
+  env.pop("XLA_FLAGS", None)  # the conftest's 8 devices; the script sets its own
+  proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_train.py"), "--warmup", "1",
+                         "--steps", "1", "--json", str(out), *args, f"data.tokens_per_device={tokens}"],
+                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
+  return json.loads(out.read_text()), proc.stdout
+
+
+def test_cad_suite(tmp_path):
+  """Colocated, distca and the single-stream ablation on a sampled and a skewed batch: every
+  row ran, the distca rows report the batch's own imbalance before scheduling (colocated's) and
+  the streams they ran, and every variant computes the same loss."""
+  rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", "pretrain", "skewed",
+                   "--pingpong-ablation", "skewed", "mesh.data=2", "model.layers=1",
+                   "attention.gate=false", tokens=2048)  # skewed: [2048] + [2048]
+  by = {(r["batch"], r["variant"]): r for r in rows}
+  assert set(by) == {("pretrain", "colocated"), ("pretrain", "distca"), ("skewed", "colocated"),
+                     ("skewed", "distca"), ("skewed", "distca-single")}
+  for batch in ("pretrain", "skewed"):
+    colocated = by[batch, "colocated"]
+    for (b, name), r in by.items():
+      if b != batch or name == "colocated":
+        continue
+      assert r["cad_ran"] and r["streams"] == (1 if name == "distca-single" else 2), (b, name)
+      assert r["imbalance"][0] == pytest.approx(colocated["imbalance"][0], rel=1e-9), (b, name)
+      assert r["loss"] == pytest.approx(colocated["loss"], rel=1e-3), (b, name)
+
+
+def test_pipeline_suite(tmp_path):
+  """Two pipeline stages, colocated and distca attention: both rows run."""
+  rows, _ = _bench(tmp_path, "--suite", "pp", "--batches", "skewed", "--microbatches", "2",
+                   "model.layers=2")
+  assert [r["variant"] for r in rows] == ["pp2-colocated", "pp2-distca"]
+  assert rows[1]["imbalance"][1] < rows[1]["imbalance"][0]  # the scheduler balanced the ticks
