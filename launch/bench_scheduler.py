@@ -139,14 +139,15 @@ def main(argv=None):
 
 def _trainer_batch(dist: str, n: int, t: int):
   """(config, model shape, batch 0) of the trainer's CAD job on `n` devices of `t` tokens
-  (llama3_8b, the paper's elongation for t)."""
+  (llama3_8b, the paper's elongation for t), the gate off: the CAD host path on every batch."""
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
 
   config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
                               "data.length_scale=1", f"data.elongate_factor={max(1, t // 65536)}",
-                              "attention.impl=distca", f"mesh.data={n}", f"data.distribution={dist}"])
+                              "attention.impl=distca", "attention.gate=false",
+                              "attention.min_imbalance=1", f"mesh.data={n}", f"data.distribution={dist}"])
   shape = resolve(config.model)
   return config, shape, synthetic_from_config(config.data, shape.vocab_size, n).batch(0)
 

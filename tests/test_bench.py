@@ -52,3 +52,21 @@ def test_pipeline_suite(tmp_path):
                    "model.layers=2")
   assert [r["variant"] for r in rows] == ["pp2-colocated", "pp2-distca"]
   assert rows[1]["imbalance"][1] < rows[1]["imbalance"][0]  # the scheduler balanced the ticks
+
+
+def test_scheduler_bench_modes(capsys):
+  """bench_scheduler.py's three modes on small sizes: the planner table, the trainer's host path
+  per step (the gate off, so every batch takes the CAD path) and the exchange's pair usage."""
+  from helpers import launch_script
+
+  bench = launch_script("bench_scheduler")
+  bench.main(["--devices", "16", "--tokens", "16384", "--batches", "1", "--repeats", "1",
+              "--arrays-devices", "4", "--dist", "prolong"])
+  assert "make_plan with dispatch arrays, 4 devices x 16384 tokens" in capsys.readouterr().out
+  bench.main(["--tokens", "16384", "--step-devices", "4", "--local-devices", "2"])
+  out = capsys.readouterr().out.splitlines()  # pretrain's batch here the gate would run colocated
+  assert [l.split("|")[1].strip() for l in out if l.startswith("| pretrain | 4 |")
+          or l.startswith("| prolong | 4 |")] == ["pretrain", "prolong"]
+  bench.main(["--tokens", "16384", "--pairs", "4", "--dist", "prolong"])
+  rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| prolong | 4 |")]
+  assert {l.split("|")[3].strip() for l in rows} == {"ping", "pong"}
