@@ -106,3 +106,61 @@ def test_profile_cli_end_to_end(tmp_path, capsys):
   assert Path(load["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   out = capsys.readouterr().out
   assert "median" in out and "p90" in out and "per-phase" in out and "attention_load.png" in out
+
+
+def test_overlap_report_counts_communication_beside_compute(tmp_path, capsys):
+  """launch/overlap_report.py on a small Perfetto trace: per GPU, the NCCL time covered by
+  compute kernels running at the same time (on another stream); host events do not count."""
+  import gzip
+
+  from helpers import launch_script
+
+  meta = lambda pid, name: {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+  ev = lambda pid, name, ts, dur: {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": ts, "dur": dur}
+  events = [meta(1, "/device:GPU:0"), meta(2, "/device:GPU:1"), meta(3, "/host:CPU"),
+            ev(1, "ncclDevKernel_SendRecv", 0, 10), ev(1, "ncclDevKernel_SendRecv", 8, 4),
+            ev(1, "fusion_12", 5, 15), ev(1, "gemm", 30, 5),  # comm [0, 12], compute from 5: 7
+            ev(2, "ncclKernel_AllToAll", 0, 4), ev(2, "gemm", 10, 5),
+            ev(3, "ncclDevKernel_SendRecv", 0, 100)]
+  path = tmp_path / "trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  rows = launch_script("overlap_report").report(str(path))
+  assert [r["device"] for r in rows] == ["/device:GPU:0", "/device:GPU:1"]
+  assert rows[0]["comm_ms"] == pytest.approx(0.012) and rows[0]["comm_overlapped_ms"] == pytest.approx(0.007)
+  assert rows[0]["compute_ms"] == pytest.approx(0.020)
+  assert rows[1]["overlap"] == 0.0
+  assert launch_script("overlap_report").main([str(path)]) == 0
+  assert "| /device:GPU:0 | 0.01 | 0.01 | 58% | 0.02 |" in capsys.readouterr().out
+
+
+_DUMP = """
+import os, sys
+os.environ["XLA_FLAGS"] = f"--xla_dump_to={sys.argv[1]} --xla_dump_hlo_module_re=.*big_step.*"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+
+def big_step(x):  # one 4 MiB temporary live while a second is made from it
+  with jax.named_scope("wide"):
+    y = jnp.sin(jnp.tile(x, (4, 1)))
+  return (jnp.cos(y) * y).sum()
+
+jax.jit(big_step)(jnp.ones((256, 1024))).block_until_ready()
+"""
+
+
+def test_xla_buffers_names_the_buffers_at_the_peak(tmp_path, capsys):
+  """launch/xla_buffers.py on a real XLA dump (CPU): a peak at least the step's largest
+  temporary, and that buffer listed with the JAX name scope of the op that made it."""
+  import subprocess
+  import sys
+
+  from helpers import launch_script
+
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  subprocess.run([sys.executable, "-c", _DUMP, str(tmp_path)], check=True, env=env, timeout=120)
+  assert launch_script("xla_buffers").main([str(tmp_path), "--top", "3"]) == 0
+  out = capsys.readouterr().out
+  peak = float(out.split(" peak ")[1].split(" GiB")[0])
+  assert peak >= 4 / 1024  # the [1024, 1024] f32 temporary: 4 MiB
+  assert "wide" in out
