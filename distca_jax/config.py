@@ -112,9 +112,13 @@ class AttentionConfig:
   # compute. Equal halves cut at most one document per step in two; the second half's attention
   # reads the first half's K/V rows of its prefix, so the step computes exactly what one stream
   # would. A step whose split cuts a document longer than half the step runs whichever of one
-  # or two streams the gate's model predicts saves more (unequal halves balance worse).
-  # `false`: every step one stream (the single-stream ablation).
+  # or two streams the gate's model predicts saves more (unequal halves balance worse), unless
+  # `pingpong_allow_single` is false: one stream holds twice the rows per exchange and kernel
+  # call (+4.8 GiB of XLA temporaries on the Llama-3-8B shape at 64K per device), which a run
+  # sized to two streams' memory may not have. `false`: every step one stream (the
+  # single-stream ablation).
   pingpong: bool = True
+  pingpong_allow_single: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); `shifted`, one
   # ppermute per shift k (block d -> d + k), each shift's blocks at that shift's largest rather

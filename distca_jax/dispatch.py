@@ -671,11 +671,12 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   # gives halves of unequal attention (Ping all prefix, Pong the suffix over the whole prefix),
   # each balanced on its own: such a step is planned both ways and runs the one predicted to
   # save more (2 x H100, a 104K-token document in 2 x 64K: one stream 1.134x colocated, two
-  # 1.096x; predicted +12.6% / +10.3%).
+  # 1.096x; predicted +12.6% / +10.3%), unless `attention.pingpong_allow_single` is off.
   options = [(batch,)]
   if attention_config.pingpong:
     halves = split_pingpong_batch(batch)
-    options = [halves] + ([(batch,)] if _cuts_long_document(halves[1].layout) else [])
+    single = attention_config.pingpong_allow_single and _cuts_long_document(halves[1].layout)
+    options = [halves] + ([(batch,)] if single else [])
   shifted = attention_config.exchange == "shifted"
   best = None
   for batches in options:

@@ -117,6 +117,16 @@ def test_distca_equals_colocated_on_same_batch(gate):
   assert tree_rel_err(dist[1], colo[1]) <= 1e-5
 
 
+def test_pingpong_single_stream_can_be_refused(monkeypatch):
+  """attention.pingpong_allow_single=false: a step whose split cuts a long document runs two
+  streams even where one is predicted to save more (one stream needs more memory)."""
+  _prefer_streams(monkeypatch, 1)
+  batch = _layout_batch("span_all", 2, seed=2, T=T)
+  base = ["mesh.data=2", f"data.tokens_per_device={T}", "model.layers=1", "attention.impl=distca"]
+  assert len(_run(small_config(*base), batch, 2)[4].batches) == 1
+  assert len(_run(small_config(*base, "attention.pingpong_allow_single=false"), batch, 2)[4].batches) == 2
+
+
 @pytest.mark.parametrize("streams", [2, 1])
 def test_pingpong_cuts_a_long_document_exactly(monkeypatch, streams):
   """A document longer than half the batch cannot go whole into either ping-pong half: its

@@ -85,8 +85,11 @@ class SimConfig:
   cp_sizes: tuple = (0,)
   # Fraction of the baselines' CP KV all-gather hidden under compute.
   cp_overlap: float = 0.5
-  # CAD runs Ping and Pong nano-batches, one plan each (false: one plan per micro-batch).
+  # CAD runs Ping and Pong nano-batches, one plan each (false: one plan per micro-batch); as in
+  # training (attention.pingpong_allow_single), a batch whose split cuts a document longer than
+  # half the batch runs as one plan where that is faster, unless `pingpong_allow_single` is off.
   pingpong: bool = True
+  pingpong_allow_single: bool = True
   # Fraction of CAD's dispatch traffic that ping-pong can hide at most (1: all of it when the
   # other nano-batch's compute is long enough).
   pingpong_overlap: float = 1.0

@@ -263,7 +263,8 @@ class Simulator:
       return self._cad_streams((layout,), step, dump_dir)
     ping, pong, split = pingpong_layouts(lens, n, t)
     two = self._cad_streams((ping, pong), step, dump_dir)
-    if split.cut is None or int(np.asarray(lens)[split.cut[0]]) <= split.tokens[1]:
+    if (not cfg.pingpong_allow_single or split.cut is None
+        or int(np.asarray(lens)[split.cut[0]]) <= split.tokens[1]):
       return two
     one = self._cad_streams((layout,), step, None)
     return one if one[0].iter_s < two[0].iter_s else two
