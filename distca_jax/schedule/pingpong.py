@@ -124,8 +124,8 @@ def with_prior(pong: Layout, ping: Layout, split: NanoSplit) -> Layout:
   cut = split.cut
   if cut is not None:
     g, x = cut
-    j = int(np.flatnonzero((split.source[1][:, 0] == g))[0])  # the suffix, in Pong's numbering
-    i = int(np.flatnonzero((split.source[0][:, 0] == g))[0])  # the prefix, in Ping's
+    j = int(np.flatnonzero(split.source[1][:, 0] == g)[0])  # the suffix, in Pong's numbering
+    i = int(np.flatnonzero(split.source[0][:, 0] == g)[0])  # the prefix, in Ping's
     doc_lens[j] += x
     doc_offset[pong.doc == j] += x
     mine = ping.doc == i
