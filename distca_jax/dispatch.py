@@ -131,13 +131,6 @@ class DispatchPlan:
 # ----------------------------------------------------------------------------- host side
 
 
-def exchange_rows(tasks: Tasks, layout: Layout, kv=None) -> tuple[int, int]:
-  """Most query rows, and most K/V rows, one device sends to one other device under `tasks`
-  (`kv`: their `kv_requests`, when already at hand)."""
-  q, k = pair_rows(tasks, layout, kv)
-  return int(q.max(initial=0)), int(k.max(initial=0))
-
-
 def build_dispatch(tasks: Tasks, layout: Layout, skv: int, ctask: int, c: int | None = None,
                    ckv: int | None = None, devices=None, kv=None) -> DispatchPlan:
   """The dispatch arrays of a task placement (`DispatchPlan`), straight from the scheduler's
@@ -617,6 +610,9 @@ class StepContext:
   # What the gate's cost model predicts the step saves (`metrics.predicted_cad_saving`, with
   # the exchange at the capacities the step runs with), whether or not the gate is on.
   predicted_saving: float = float("nan")
+  # Per device, the batch's attention area as loaded (what colocated attention runs), before
+  # any split; None: the nano-batches' own loads stand in for it.
+  load_before: np.ndarray | None = None
 
   @property
   def capacities(self) -> dict[str, int]:
@@ -628,9 +624,11 @@ class StepContext:
                 **{f"kv{k}": c for k, c in enumerate(d.shift_kv, 1)})
 
   def imbalance(self) -> tuple[float, float]:
-    """Attention-area imbalance (max/mean over servers) before and after scheduling, summed
-    over nano-batches."""
-    before = sum(p.stats.load_before for p in self.plans)
+    """Attention-area imbalance (max/mean over servers) before scheduling (the batch as loaded,
+    not its ping-pong halves, which the split alone often evens out) and after (the plans'
+    loads, summed over nano-batches)."""
+    before = (sum(p.stats.load_before for p in self.plans) if self.load_before is None
+              else self.load_before)
     after = sum(p.stats.load_after for p in self.plans)
     ratio = lambda x: float(np.max(x) / np.mean(x)) if np.mean(x) > 0 else 1.0
     return ratio(before), ratio(after)
@@ -641,10 +639,9 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   """Splits the batch into nano-batches (if ping-pong; a split that cuts a document longer than
   half the step is also planned as one stream, and the step runs the option predicted to save
   more) and plans each; runs on the host, in the trainer's prefetch thread, one step ahead of
-  the devices. `devices`: the rows this process
-  builds and checks (`dispatch_for_plans`). `shapes`: the run's `StepShapes` (a trainer passes
-  one, so its steps compile only when a capacity grows); without it each step takes the buckets
-  it needs.
+  the devices. `devices`: the rows this process builds and checks (`dispatch_for_plans`).
+  `shapes`: the run's `StepShapes` (a trainer passes one, so its steps compile only when a
+  capacity grows); without it each step takes the buckets it needs.
 
   The gate (`attention.gate`): a batch whose plans are predicted to save less than
   `attention.min_gain` of the step, net of the exchange (`metrics.predicted_cad_saving`, from the
@@ -661,7 +658,8 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   layout = batch.layout
   colocated = lambda: colocated_contexts([layout], shapes=shapes)[0]
   min_imbalance = attention_config.min_imbalance_for(pipelined=False)
-  if metrics.imbalance(metrics.attention_load_per_device(layout)) < min_imbalance:
+  load = metrics.attention_load_per_device(layout)
+  if metrics.imbalance(load) < min_imbalance:
     return colocated()
   gate = attention_config.gate
   if gate and metrics.predicted_cad_gain(shape, layout, exchange=True,
@@ -694,7 +692,8 @@ def host_context(attention_config, batch: Batch, shape, devices=None,
   if gate and saving < attention_config.min_gain:
     return colocated()
   dispatch = dispatch_for_plans(plans, layouts, devices, batches, shapes, kvs, shifted, caps)
-  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving)
+  return StepContext(batches=batches, plans=plans, dispatch=tuple(dispatch), predicted_saving=saving,
+                     load_before=load)
 
 
 def _cuts_long_document(pong: Layout) -> bool:

@@ -80,7 +80,6 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   from distca_jax import dispatch
   from distca_jax import mesh as mesh_lib
   from distca_jax import pipeline
-  from distca_jax.train import metrics as metrics_lib
   from distca_jax.train.step import Trainer
 
   mesh = mesh_lib.make_mesh(config.mesh)
@@ -139,10 +138,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
       mem["top_ops_ms"] = phases["top_ops_ms"]
   imb = ctx.imbalance() if hasattr(ctx, "imbalance") else None
   if isinstance(ctx, dispatch.StepContext):
-    # Before: the batch as loaded (what colocated attention runs, as train.py logs it), not the
-    # ping-pong halves', which the split alone often evens out; after: the plans'. And the
-    # streams the step ran (one where two unequal halves were predicted slower).
-    imb = (metrics_lib.imbalance(metrics_lib.attention_load_per_device(batch.layout)), imb[1])
+    # The streams the step ran (one where two unequal halves were predicted slower).
     mem.update(streams=len(ctx.batches))
   loss = float(m["loss"])
   del state

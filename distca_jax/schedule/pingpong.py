@@ -5,8 +5,9 @@ overlaps the compute of the other; for that to hide communication both halves mu
 equal tokens (the linear layers and memory) and about equal attention (Σl²).
 
 Greedy: documents in descending length go whole to the half with the smaller Σl² (a cut
-document's suffix counted with the keys it sees) that has room for them, else whole to the other half. Only a document that fits in neither half
-is *cut*: its prefix fills the rest of Ping (half 0) and its suffix goes to Pong (half 1). At
+document's suffix counted with the keys it sees) that has room for them, else whole to the
+other half. Only a document that fits in neither half is *cut*: its prefix fills the rest of
+Ping (half 0) and its suffix goes to Pong (half 1). At
 most one document per micro-batch is cut (after the cut Ping is full and everything else goes to
 Pong): a document longer than a half, or a short one near the end of the greedy order.
 
