@@ -52,9 +52,10 @@ def median_ms(fn, *args, warmup=2, iters=7):
   return float(np.median(times))
 
 
-def fwd_fwdbwd_ms(attn, q, k, v, do, *extra, fwd_only=False):
-  """(fwd ms, fwd+bwd ms) of `attn(q, k, v, *extra) -> O`, each jitted; `extra` (a task table)
-  travels as an argument, not as a constant of the program."""
+def timer(attn, q, k, v, do, *extra, fwd_only=False):
+  """`run(warmup) -> (fwd ms, fwd+bwd ms)` of `attn(q, k, v, *extra) -> O`, each jitted once
+  (a later run reuses the executables); `extra` (a task table) travels as an argument, not as a
+  constant of the program."""
   fwd = jax.jit(attn)
 
   @jax.jit
@@ -62,8 +63,16 @@ def fwd_fwdbwd_ms(attn, q, k, v, do, *extra, fwd_only=False):
     _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, *e), q, k, v)
     return vjp(do)
 
-  fms = median_ms(fwd, q, k, v, *extra)
-  return fms, (float("nan") if fwd_only else median_ms(fwdbwd, q, k, v, do, *extra))
+  def run(warmup=2):
+    fms = median_ms(fwd, q, k, v, *extra, warmup=warmup)
+    return fms, (float("nan") if fwd_only else
+                 median_ms(fwdbwd, q, k, v, do, *extra, warmup=warmup))
+  return run
+
+
+def fwd_fwdbwd_ms(attn, q, k, v, do, *extra, fwd_only=False):
+  """(fwd ms, fwd+bwd ms) of `attn(q, k, v, *extra) -> O` (`timer`, run once)."""
+  return timer(attn, q, k, v, do, *extra, fwd_only=fwd_only)()
 
 
 def fwd_flops(area):
@@ -105,6 +114,11 @@ def inputs(T, S, seed=0):
 def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
   """(fwd ms, fwd+bwd ms) of one fused batch; `attn(q, k, v, tasks) -> (O, LSE)` overrides the
   backend (config tuning)."""
+  return backend_timer(backend, tasks, T, S, attn, fwd_only)()
+
+
+def backend_timer(backend, tasks, T, S, attn=None, fwd_only=False):
+  """`time_backend` as a `timer`: compiled once, run as often as asked."""
   if attn is None and backend.startswith("cudnn/"):  # cuDNN forward, backward after the slash
     from distca_jax.kernels import cudnn
     attn = lambda q, k, v, t: cudnn.attention(q, k, v, t, backward=backend.split("/")[1])
@@ -116,8 +130,7 @@ def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
     attn = lambda q, k, v, t: kernels.attention(q, k, v, t, backend=backend)
   q, k, v, do = inputs(T, S)
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  return fwd_fwdbwd_ms(lambda q, k, v, t: attn(q, k, v, t)[0], q, k, v, do, tasks,
-                       fwd_only=fwd_only)
+  return timer(lambda q, k, v, t: attn(q, k, v, t)[0], q, k, v, do, tasks, fwd_only=fwd_only)
 
 
 def tune_configs(backend, head_dim):
@@ -190,10 +203,15 @@ def best_config(tried):
 
 def time_dense_cudnn(T):
   """cuDNN dense causal attention, one sequence of T tokens: (fwd ms, fwd+bwd ms)."""
+  return dense_timer(T)()
+
+
+def dense_timer(T):
+  """`time_dense_cudnn` as a `timer`."""
   q, k, v, do = inputs(T, T, seed=1)
   attn = lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
                                                       implementation="cudnn")[0]
-  return fwd_fwdbwd_ms(attn, q, k, v, do)
+  return timer(attn, q, k, v, do)
 
 
 def dense_equivalent(area):
@@ -219,6 +237,9 @@ def main():
   ap.add_argument("--tune", default="",
                   help="comma list of backends (pallas, triton) whose tune_configs() to time on "
                        "the first batch")
+  ap.add_argument("--rounds", type=int, default=1,
+                  help="time each batch's backends and its dense baseline this many times, in "
+                       "rotating order, and report medians over rounds")
   ap.add_argument("--head-dim", type=int, default=D)
   ap.add_argument("--heads", default=f"{H},{K}", help="query heads, KV heads")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -234,11 +255,11 @@ def main():
   results = {"device": device, "jax": jax.__version__, "batches": [], "dense": {}}
 
   from distca_jax.data.doclens import LengthSampler, load_lengths
-  dense_cache = {}
+  dense_cache, dense_ms = {}, {}  # T -> timer; T -> (fwd ms, fwd+bwd ms) last measured
 
   def dense(T):
     if T not in dense_cache:
-      dense_cache[T] = time_dense_cudnn(T)
+      dense_cache[T] = dense_timer(T)
     return dense_cache[T]
 
   print(f"{'batch':24s} {'backend':8s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'f+b TF/s':>9s} "
@@ -252,13 +273,7 @@ def main():
       area = float(kernels.causal_area(tasks).sum())
       f = fwd_flops(area)
       Teq = dense_equivalent(area)
-      try:
-        dfwd, dfb = dense(Teq)
-        f_eq = fwd_flops(Teq * (Teq + 1) / 2)
-        d_tf = (f_eq / dfwd / 1e9, 3.5 * f_eq / dfb / 1e9)
-      except Exception as e:  # noqa: BLE001 (report and go on)
-        print(f"dense cudnn T={Teq}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        d_tf = (float("nan"), float("nan"))
+      f_eq = fwd_flops(Teq * (Teq + 1) / 2)
       name = f"{ds}-{ctx // 1024}K({len(lens)}docs)"
       for tb in (t for t in args.tune.split(",") if t):
         mod = __import__(f"distca_jax.kernels.{tb}", fromlist=["attention"])
@@ -288,28 +303,55 @@ def main():
           print(f"tune {tb} d={D}: using {best}", flush=True)
           results.setdefault("tuned", {})[tb] = dict(best._asdict(), head_dim=D)
       args.tune = ""  # first batch only
+      # Every backend and the dense baseline compiled once, then timed `--rounds` times in
+      # rotating order; medians over rounds (clocks drift over a run: the first of several
+      # backends timed once each was up to 5% faster in the same process, H100).
+      runs, times = {}, {}
       for b in backends:
         if over():
           break
         try:
-          fms, fbms = time_backend(b, tasks, T, S)
+          runs[b] = backend_timer(b, tasks, T, S)
+          times[b] = [runs[b]()]
         except Exception as e:  # noqa: BLE001
           print(f"{name:24s} {b:8s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-          continue
+          runs.pop(b, None)
+      try:
+        runs["dense"] = dense(Teq)
+        times["dense"] = [runs["dense"]()]
+      except Exception as e:  # noqa: BLE001 (report and go on)
+        print(f"dense cudnn T={Teq}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        runs.pop("dense", None)
+      for r in range(1, args.rounds):
+        if over():
+          break
+        names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
+        for n in names:
+          times[n].append(runs[n](warmup=1))
+      med = lambda n, i: float(np.median([t[i] for t in times[n]]))
+      d_tf = (float("nan"), float("nan"))
+      if "dense" in times:
+        dense_ms[Teq] = med("dense", 0), med("dense", 1)
+        d_tf = (f_eq / dense_ms[Teq][0] / 1e9, 3.5 * f_eq / dense_ms[Teq][1] / 1e9)
+      for b in (b for b in backends if b in times):
+        fms, fbms = med(b, 0), med(b, 1)
         bms = max(fbms - fms, 1e-6)
         tf = (f / fms / 1e9, 2.5 * f / bms / 1e9, 3.5 * f / fbms / 1e9)
+        spread = [3.5 * f / t[1] / 1e9 for t in times[b]]
         print(f"{name:24s} {b:8s} {tf[0]:9.1f} {tf[1]:9.1f} {tf[2]:9.1f} {d_tf[0]:8.1f} "
-              f"{d_tf[1]:9.1f} {tf[2] / d_tf[1]:9.2f}", flush=True)
+              f"{d_tf[1]:9.1f} {tf[2] / d_tf[1]:9.2f}"
+              + (f"  (f+b over {len(spread)} rounds {min(spread):.1f}-{max(spread):.1f})"
+                 if len(spread) > 1 else ""), flush=True)
         results["batches"].append(dict(
             dataset=ds, context=ctx, docs=len(lens), tasks=int((np.asarray(tasks.q_len) > 0).sum()),
             area=area, backend=b, fwd_ms=fms, fwdbwd_ms=fbms, fwd_tflops=tf[0], bwd_tflops=tf[1],
             fwdbwd_tflops=tf[2], dense_T=Teq, dense_fwd_tflops=d_tf[0],
-            dense_fwdbwd_tflops=d_tf[1]))
+            dense_fwdbwd_tflops=d_tf[1], rounds=len(times[b])))
       with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
         json.dump(results, fh, indent=1)
 
   try:
-    dfwd, dfb = dense(16384)
+    dfwd, dfb = dense_ms[16384] = dense(16384)()
     f16 = fwd_flops(16384 * 16385 / 2)
     print(f"cuDNN dense causal T=16384: fwd {f16 / dfwd / 1e9:.1f} TF/s, "
           f"f+b {3.5 * f16 / dfb / 1e9:.1f} TF/s", flush=True)
@@ -343,7 +385,7 @@ def main():
             f"f+b {fbms / n:9.4f} ms {3.5 * f / fbms / 1e9:6.1f}", flush=True)
       with open(os.path.join(args.out, f"{card}.json"), "w") as fh:
         json.dump(table, fh, indent=1)
-  results["dense"] = {str(t): dict(fwd_ms=a, fwdbwd_ms=b) for t, (a, b) in dense_cache.items()}
+  results["dense"] = {str(t): dict(fwd_ms=a, fwdbwd_ms=b) for t, (a, b) in dense_ms.items()}
   with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
     json.dump(results, fh, indent=1)
   print(f"done in {time.time() - t_start:.0f} s", flush=True)

@@ -17,6 +17,9 @@
 #   ncu    1 GPU: Nsight Compute (full set, clocks left alone) on one launch of the dense one-kernel
 #          backward (fused_bwd) and of the task-table one (ca_tasks_bwd) on the probe's batch, and of
 #          each mosaic:KEY=VALUE variant in N_VARIANTS; reports, details and per-SASS-line counters to $OUT
+#   ncub   1 GPU: Nsight Compute (launch, occupancy, warp-state and SM-activity sections) on the first
+#          N_KERNEL (default ca_tasks_bwd) launch of bench_kernels.py's N_BACKEND (mosaic) on each
+#          batch of N_BATCHES (prolong pretrain) at N_CTX (65536) tokens: text reports to $OUT
 #   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
@@ -112,6 +115,14 @@ for suite in "$@"; do
          for v in ${N_VARIANTS:-}; do profile "tasks_$v" ca_tasks_bwd "--rows ours --backends mosaic:$v"; done
          (cd "$OUT" && tar czf ncu.tgz ncu_* && rm -f ncu_*)  # one file back (the tool caps the count)
          unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
+    ncub) for b in ${N_BATCHES:-prolong pretrain}; do
+           CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${N_TIMEOUT:-150} ncu --clock-control none \
+             --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+             --section SchedulerStats --metrics sm__cycles_active.avg,sm__cycles_active.min,sm__cycles_active.max,sm__cycles_elapsed.max \
+             -k "regex:${N_KERNEL:-ca_tasks_bwd}" -c 1 python3 -P launch/bench_kernels.py --backends ${N_BACKEND:-mosaic} \
+             --datasets $b --contexts ${N_CTX:-65536} --sweep= --budget-s 60 > "$OUT/ncub_$b.txt" 2>&1
+           grep -v -i warn "$OUT/ncub_$b.txt" | sed -n '/==PROF== Disconnected/,$p' | grep -v "^ *$" | cut -c1-110 | head -90
+         done ;;
     ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
            # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
            # hang costs only its own R_TIMEOUT (SIGKILL 10 s later: a hung NCCL process that

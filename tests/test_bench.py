@@ -70,3 +70,26 @@ def test_scheduler_bench_modes(capsys):
   bench.main(["--tokens", "16384", "--pairs", "4", "--dist", "prolong"])
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| prolong | 4 |")]
   assert {l.split("|")[3].strip() for l in rows} == {"ping", "pong"}
+
+
+def test_bench_kernels_rounds(tmp_path):
+  """bench_kernels.py on the CPU (the reference and Pallas backends; no cuDNN here, so no dense
+  baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--backends",
+                         "reference,pallas", "--contexts", "1024", "--datasets", "pretrain,prolong",
+                         "--sweep", "128", "--table-backend", "reference", "--rounds", "2",
+                         "--heads", "2,1", "--head-dim", "16",
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                        env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
+  rows = json.loads((tmp_path / "bench_kernels.json").read_text())["batches"]
+  assert sorted((r["dataset"], r["backend"]) for r in rows) == [
+      ("pretrain", "pallas"), ("pretrain", "reference"), ("prolong", "pallas"),
+      ("prolong", "reference")]
+  assert all(r["rounds"] == 2 and r["fwdbwd_ms"] > r["fwd_ms"] > 0 for r in rows), rows
+  table, = (json.loads(p.read_text()) for p in tmp_path.glob("*.json")
+            if p.name != "bench_kernels.json")
+  assert table["q"] == [128] and table["fwdbwd_ms"][0][0] > 0
