@@ -70,14 +70,9 @@ class Options(NamedTuple):
   memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the rest
                               # and still spill ~250 bytes): 24 +1.7% over 40, 56 -20% (H100);
                               # 32 ran past a 300 s limit once (not understood: not offered)
-  mask: str = "range"  # the backward's element mask: "range", each query row's key range as two
-                       # row vectors (any table); "end", one row vector and one per key
-                       # (`key_reach`), exact on tables whose KV ranges starting apart do not
-                       # overlap, with "range" run in their place where they do
-  fwd_heavy_first: bool = False  # forward CTAs in descending order of their key blocks (the
-                                 # longest first, so the short ones fill the launch's tail)
-  repeat: int = 1  # probe, timing only: each backward CTA walks its tile list `repeat` times, so
-                   # dQ, dK and dV come out `repeat` times too (time = fixed + repeat x steps)
+  fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
+                                # short ones fill the launch's tail: +2.6-3% forward on ProLong
+                                # 64K, none on Pretrain (H100)
 
 
 def parse_options(spec: str) -> Options:
@@ -124,42 +119,10 @@ def visit_lists(tasks: TaskTable, num_q_rows: int, num_kv_rows: int):
   return tiles.astype(jnp.int32), jnp.sum(vis, axis=1, dtype=jnp.int32), sch.row_lo, sch.row_hi
 
 
-def key_reach(tasks: TaskTable, num_kv_rows: int):
-  """The one-vector element mask of the backward: per key row k, `reach[k] = e_k - k`, where e_k
-  is the largest end of a KV range that holds k (k itself, so reach 0, for a key no live task
-  reads); and whether the mask below is exact for this table.
-
-  Query row j (visible keys [lo_j, hi_j)) sees key k iff `(hi_j - 1 - k) <u reach[k]`, that is
-  k < hi_j <= e_k. Keys of j's own range have e_k >= hi_j (j's task holds them). Keys before
-  lo_j need e_k <= lo_j: true unless a KV range that starts before lo_j ends after it, i.e. two
-  tasks' KV ranges overlap without starting at the same row. The scheduler's tables never do
-  (every shard of a document reads one copy of its prefix from the same row); `exact` is that
-  check, and where it fails the caller uses the two-vector mask. jnp, traceable, O(C + S)."""
-  t = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
-  S = num_kv_rows
-  live = (t.q_len > 0) & (t.kv_len > 0)
-  start = jnp.where(live, jnp.minimum(t.kv_start, S), S)
-  # end_before[k]: the largest end of a live KV range starting at or before row k.
-  end_before = lax.cummax(jnp.zeros((S + 1,), jnp.int32).at[start].max(
-      jnp.where(live, t.kv_start + t.kv_len, 0))[:S], axis=0)
-  keys = jnp.arange(S, dtype=jnp.int32)
-  reach = jnp.maximum(end_before - keys, 0)
-  # Exact iff no live range starting before a live task's start ends past it.
-  before = jnp.where(start > 0, end_before[jnp.clip(start - 1, 0, S - 1)], 0)
-  exact = jnp.all(~live | (before <= t.kv_start))
-  return reach, exact
-
-
 def _row_ranges(row_lo, row_hi):
   """[2, T] int32: each row's visible key range as start and length, the length clamped at 0
   (the kernels' unsigned compare would read a negative one as every key)."""
   return jnp.stack([row_lo, jnp.maximum(row_hi - row_lo, 0)])
-
-
-def _row_last_keys(row_lo, row_hi):
-  """[1, T] int32: each row's last visible key (hi - 1), -1 for a row that sees nothing (the
-  unsigned compare of `key_reach` then never passes)."""
-  return jnp.where(row_hi > row_lo, row_hi - 1, -1)[None]
 
 
 def _visible(keys, lo, length):
@@ -168,11 +131,10 @@ def _visible(keys, lo, length):
   return u32(keys - lo) < u32(length)
 
 
-def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count, dq_ref, *,
-            heads: int, scale: float, end_mask: bool, opts: Options):
+def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref, *, heads: int,
+            scale: float, opts: Options):
   """The kernel over the first count[kb] tiles of each key block's list: adds dQ into the float32
-  Ref, returns dK and dV. The element mask: `end_mask`, bounds [1, T] (`_row_last_keys`) and
-  reach [S] (`key_reach`); else bounds [2, T] (`_row_ranges`) and reach unused."""
+  Ref, returns dK and dV."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -190,21 +152,16 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count
   tiles32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
   row_layout = plgpu.Layout.WGMMA.reduce(0)  # per query row of a transposed [keys, rows] tile
-  key_layout = plgpu.Layout.WGMMA.reduce(1)  # per key of it
-  nb = bounds_BxT.shape[0]
 
-  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, reach_ref, tiles_ref, count_ref,
-           dq_ref, dk_ref, dv_ref, smem, bars):
+  def body(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, tiles_ref, count_ref, dq_ref,
+           dk_ref, dv_ref, smem, bars):
     kh = lax.axis_index("kv_head")
     kb = lax.axis_index("kv_block")
     wg = lax.axis_index("wg")
-    k_smem2, v_smem2, ds_smem, out_smem, reach_smem = smem
+    k_smem2, v_smem2, ds_smem, out_smem = smem
     kv_bar, ds_bar, end_bar = bars
     key0 = kb * (WGS * BLOCK_KV) + wg * BLOCK_KV
-    if opts.repeat == 1:
-      qb_of = lambda s: tiles_ref[kb, lax.div(s, G)]
-    else:
-      qb_of = lambda s: tiles_ref[kb, lax.div(lax.rem(s, count_ref[kb] * G), G)]
+    qb_of = lambda s: tiles_ref[kb, lax.div(s, G)]
     h_of = lambda s: kh * G + lax.rem(s, G)
 
     def compute(run):
@@ -212,9 +169,6 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count
       keys = pl.ds(key0, BLOCK_KV)
       plgpu.copy_gmem_to_smem(k_ref.at[keys, kh], k_smem, kv_bar.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[keys, kh], v_smem, kv_bar.at[WGS + wg])
-      if end_mask:
-        plgpu.copy_gmem_to_smem(reach_ref.at[keys], reach_smem.at[wg], kv_bar.at[2 * WGS + wg])
-        plgpu.barrier_wait(kv_bar.at[2 * WGS + wg])
       plgpu.barrier_wait(kv_bar.at[wg])
       plgpu.barrier_wait(kv_bar.at[WGS + wg])
       dk, dv = run((zeros((BLOCK_KV, D)), zeros((BLOCK_KV, D))))
@@ -246,18 +200,12 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count
       # unsigned compare per element, and the scale and LSE as one FMA before the select (two
       # compares and a separate multiply cost 10% of the backward, H100).
       tile = lambda x: lax.broadcast_in_dim(x, (BLOCK_KV, BLOCK_Q), [1])
+      lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
+      length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
+      plgpu.barrier_arrive(bound_done)
       col = key0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, BLOCK_Q), 0,
                                           layout=plgpu.Layout.WGMMA)
-      if end_mask:  # k < hi_j <= e_k: one row vector, and the keys' reach (2 values a thread)
-        last = plgpu.load(bound_smem.at[0], (), layout=row_layout)
-        plgpu.barrier_arrive(bound_done)
-        reach = plgpu.load(reach_smem.at[wg], (), layout=key_layout)
-        seen = _visible(tile(last), col, lax.broadcast_in_dim(reach, (BLOCK_KV, BLOCK_Q), [0]))
-      else:
-        lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
-        length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
-        plgpu.barrier_arrive(bound_done)
-        seen = _visible(col, tile(lo), tile(length))
+      seen = _visible(col, tile(lo), tile(length))
       lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
       p = jnp.exp2(jnp.where(seen, st * scale2 - tile(lse2), -jnp.inf))
 
@@ -307,7 +255,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count
       return dk, dv
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        step, grid=(count_ref[kb] * G * opts.repeat,), max_concurrent_steps=opts.stages,
+        step, grid=(count_ref[kb] * G,), max_concurrent_steps=opts.stages,
         num_compute_wgs=WGS, memory_registers=opts.memory_registers, wg_axis="wg",
         manual_consumed_barriers=True,
         compute_context=compute,
@@ -315,7 +263,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count
             plgpu.BlockSpec((BLOCK_Q, D), lambda s: (qb_of(s), h_of(s)), transforms=tiles16),
             plgpu.BlockSpec((BLOCK_Q, D), lambda s: (qb_of(s), h_of(s)), transforms=tiles16),
             plgpu.BlockSpec((2, BLOCK_Q), lambda s: (h_of(s), qb_of(s))),
-            plgpu.BlockSpec((nb, BLOCK_Q), lambda s: (0, qb_of(s))),
+            plgpu.BlockSpec((2, BLOCK_Q), lambda s: (0, qb_of(s))),
         ])
     pipeline(q_ref, do_ref, stats_ref, bounds_ref)
 
@@ -324,9 +272,8 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # V
       plgpu.SMEM((2, WGS, BLOCK_KV, BLOCK_Q), dtype, transforms=tiles16),  # dSᵀ by step parity
       plgpu.SMEM((WGS, BLOCK_Q, dq_cols), jnp.float32, transforms=tiles32),  # dQ reduce staging
-      plgpu.SMEM((WGS, BLOCK_KV), jnp.int32),                              # the keys' reach
   )
-  bars = (plgpu.Barrier(num_barriers=3 * WGS), plgpu.Barrier(num_arrivals=WGS, num_barriers=2),
+  bars = (plgpu.Barrier(num_barriers=2 * WGS), plgpu.Barrier(num_arrivals=WGS, num_barriers=2),
           plgpu.Barrier(num_arrivals=WGS))
   grid, names = ((nk, K), ("kv_block", "kv_head")) if opts.kv_major else (
       (K, nk), ("kv_head", "kv_block"))
@@ -337,7 +284,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count
 
   return pl.kernel(kernel_body, out_type=[jax.ShapeDtypeStruct(k.shape, dtype)] * 2, mesh=mesh,
                    compiler_params=plgpu.CompilerParams(approx_math=True), name="ca_tasks_bwd")(
-      q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_BxT, reach_S, tiles, count, dq_ref)
+      q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref)
 
 
 FWD_BLOCK_Q = 64    # query rows per compute warpgroup (a CTA: WGS * FWD_BLOCK_Q rows of one head)
@@ -345,7 +292,7 @@ FWD_BLOCK_KV = 128  # key rows per step
 FWD_STAGES = 2      # key blocks in flight
 
 
-def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_first: bool = False):
+def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_first: bool = True):
   """O [T, H, D] and natural-log LSE [T, H] (float32; -inf and O = 0 for rows that see nothing)
   from one Mosaic GPU kernel, after JAX's `attention_mgpu` forward (FA3's two compute warpgroups
   taking turns at the tensor cores, a memory warpgroup streaming K and V).
@@ -548,30 +495,17 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
                         - dlse_TxH.astype(f32), Tp).T
   tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp)
   # Inputs as the kernel's TMA tiles read them: Q and dO [T, H * D] (a tile is 64 rows of one
-  # head), LSE and delta interleaved per head [2H, T], the rows' key ranges ([2, T] as start and
-  # length, or [1, T] as the last key with the keys' reach).
+  # head), LSE and delta interleaved per head [2H, T], the rows' key ranges [2, T] as start and
+  # length.
   args = (_pad_rows(q_TxHxD, Tp).reshape(Tp, H * D), _pad_rows(k_SxKxD, Sp),
           _pad_rows(v_SxKxD, Sp), _pad_rows(do_TxHxD, Tp).reshape(Tp, H * D),
-          jnp.stack([lse2_HxT, delta_HxT], axis=1).reshape(2 * H, Tp))
-
-  reach, exact = key_reach(tasks, Sp)
-
-  def launch(end_mask: bool):
-    bounds = _row_last_keys(row_lo, row_hi) if end_mask else _row_ranges(row_lo, row_hi)
-    # dQ is reduced into a float32 buffer, so it starts as zeros (a Ref operand is aliased in
-    # and out of the kernel).
-    dq = jax.new_ref(zeros_after(do_TxHxD, (Tp, H, D)))
-    dk, dv = _launch(*args, bounds, reach, tiles, count, dq, heads=H, scale=float(scale),
-                     end_mask=end_mask, opts=opts)
-    return dq[...], dk, dv
-
-  if opts.mask == "end":  # both kernels compile; the table picks one at run time
-    dq, dk, dv = lax.cond(exact, lambda: launch(True), lambda: launch(False))
-  elif opts.mask == "range":
-    dq, dk, dv = launch(False)
-  else:
-    raise ValueError(f"mosaic option mask={opts.mask!r}: choose range or end")
-  return dq[:T].astype(q_TxHxD.dtype), dk[:S], dv[:S]
+          jnp.stack([lse2_HxT, delta_HxT], axis=1).reshape(2 * H, Tp),
+          _row_ranges(row_lo, row_hi), tiles)
+  # dQ is reduced into a float32 buffer, so it starts as zeros (a Ref operand is aliased in and
+  # out of the kernel).
+  dq = jax.new_ref(zeros_after(do_TxHxD, (Tp, H, D)))
+  dk, dv = _launch(*args, count, dq, heads=H, scale=float(scale), opts=opts)
+  return dq[...][:T].astype(q_TxHxD.dtype), dk[:S], dv[:S]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
