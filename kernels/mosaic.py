@@ -267,6 +267,11 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
         ])
     pipeline(q_ref, do_ref, stats_ref, bounds_ref)
 
+  # 194 KiB with the pipeline's Q / dO / statistics buffers (d = 128): under the 196 KiB carve-out
+  # less the driver's 1 KiB, with ~0.9 KiB to spare. The compute warpgroups' spilled registers
+  # live in the L1 the carve-out leaves (60 KiB; 99.8% hits): 512 bytes more moved the card to the
+  # 228 KiB carve-out and cost 20% (H100, Nsight Compute); a test keeps the line. Halving dS and
+  # the dQ staging (164 KiB carve-out) bought nothing and its extra barrier cost 6%.
   smem = (
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # K
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # V

@@ -17,9 +17,10 @@
 #   ncu    1 GPU: Nsight Compute (full set, clocks left alone) on one launch of the dense one-kernel
 #          backward (fused_bwd) and of the task-table one (ca_tasks_bwd) on the probe's batch, and of
 #          each mosaic:KEY=VALUE variant in N_VARIANTS; reports, details and per-SASS-line counters to $OUT
-#   ncub   1 GPU: Nsight Compute (launch, occupancy, warp-state and SM-activity sections) on the first
-#          N_KERNEL (default ca_tasks_bwd) launch of bench_kernels.py's N_BACKEND (mosaic) on each
-#          batch of N_BATCHES (prolong pretrain) at N_CTX (65536) tokens: text reports to $OUT
+#   ncub   1 GPU: Nsight Compute (launch, occupancy, warp-state, memory and SM-activity sections) on
+#          the first N_KERNEL (default ca_tasks_bwd) launch of each of bench_kernels.py's N_BACKENDS
+#          (mosaic) on each batch of N_BATCHES (prolong pretrain) at N_CTX (65536) tokens: text
+#          reports to $OUT, the key lines printed
 #   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
@@ -116,12 +117,16 @@ for suite in "$@"; do
          (cd "$OUT" && tar czf ncu.tgz ncu_* && rm -f ncu_*)  # one file back (the tool caps the count)
          unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
     ncub) for b in ${N_BATCHES:-prolong pretrain}; do
-           CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${N_TIMEOUT:-150} ncu --clock-control none \
-             --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-             --section SchedulerStats --metrics sm__cycles_active.avg,sm__cycles_active.min,sm__cycles_active.max,sm__cycles_elapsed.max \
-             -k "regex:${N_KERNEL:-ca_tasks_bwd}" -c 1 python3 -P launch/bench_kernels.py --backends ${N_BACKEND:-mosaic} \
-             --datasets $b --contexts ${N_CTX:-65536} --sweep= --budget-s 60 > "$OUT/ncub_$b.txt" 2>&1
-           grep -v -i warn "$OUT/ncub_$b.txt" | sed -n '/==PROF== Disconnected/,$p' | grep -v "^ *$" | cut -c1-110 | head -90
+           for be in ${N_BACKENDS:-mosaic}; do
+             f="$OUT/ncub_${b}_${be//[:=+]/_}.txt"
+             CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${N_TIMEOUT:-150} ncu --clock-control none \
+               --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+               --section SchedulerStats --section MemoryWorkloadAnalysis \
+               --metrics sm__cycles_active.avg,sm__cycles_elapsed.max,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_hit.sum \
+               -k "regex:${N_KERNEL:-ca_tasks_bwd}" -c 1 python3 -P launch/bench_kernels.py --backends $be \
+               --datasets $b --contexts ${N_CTX:-65536} --sweep= --budget-s 60 > "$f" 2>&1
+             echo "== $b $be"; grep -E "Duration|Shared Memory Configuration|Dynamic Shared|L1/TEX Hit|L2 Hit|hit_rate|local_op|Registers Per|stalled|Warp Cycles Per Issued" "$f" | cut -c1-120
+           done
          done ;;
     ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
            # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
