@@ -93,3 +93,23 @@ def test_bench_kernels_rounds(tmp_path):
   table, = (json.loads(p.read_text()) for p in tmp_path.glob("*.json")
             if p.name != "bench_kernels.json")
   assert table["q"] == [128] and table["fwdbwd_ms"][0][0] > 0
+
+
+def test_ab_mosaic_versions():
+  """ab_mosaic.py's NAME=SPEC arguments: an Options spec of the package's kernel, or another
+  kernel file imported beside the package's (its relative imports resolve); a bad option is an
+  error before anything runs."""
+  sys.path.insert(0, str(ROOT / "launch"))
+  try:
+    import ab_mosaic
+  finally:
+    sys.path.remove(str(ROOT / "launch"))
+  from distca_jax.kernels import mosaic
+  assert callable(ab_mosaic.load_version("now", ""))
+  assert callable(ab_mosaic.load_version("three", "stages=3"))
+  other = ROOT / "kernels" / "mosaic.py"
+  assert callable(ab_mosaic.load_version("old", f"@{other}:memory_registers=40"))
+  old = sys.modules["distca_jax.kernels._ab_old"]
+  assert old is not mosaic and old.Options is not mosaic.Options
+  with pytest.raises(ValueError, match="choose from"):
+    ab_mosaic.load_version("bad", "no_such_option=1")

@@ -1,0 +1,84 @@
+"""A/B of Mosaic GPU kernel versions on the sampled batches, in one process.
+
+    python3 launch/ab_mosaic.py now= end=mask=end old=@/tmp/mosaic_old.py --rounds 5
+
+Each argument is NAME=SPEC: SPEC is a `kernels.mosaic.Options` spec ("key=value+key=value", empty
+for the defaults), or @FILE[:SPEC], another version of the kernel module (e.g. `git show
+REV:kernels/mosaic.py > FILE`), imported beside the package's so its relative imports resolve.
+Every version is compiled once per batch, then timed `--rounds` times in rotating order (clocks
+drift over a run: the spread is printed), medians reported, forward / backward / f+b TF/s as
+bench_kernels.py counts them. Needs a Hopper GPU; same PYTHONPATH setup as bench_kernels.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_kernels as bk  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from distca_jax import kernels  # noqa: E402
+from distca_jax.data.doclens import LengthSampler, load_lengths  # noqa: E402
+from distca_jax.kernels import mosaic  # noqa: E402
+
+
+def load_version(name: str, spec: str):
+  """`attn(q, k, v, tasks) -> O` for one NAME=SPEC argument."""
+  module, opts = mosaic, spec
+  if spec.startswith("@"):
+    path, _, opts = spec[1:].partition(":")
+    mod_name = f"distca_jax.kernels._ab_{name}"
+    loader = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[mod_name] = module
+    loader.loader.exec_module(module)
+  config = module.parse_options(opts)
+  return lambda q, k, v, t: module.attention(q, k, v, t, config=config)[0]
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("versions", nargs="+", help="NAME=SPEC (see the module docstring)")
+  ap.add_argument("--datasets", default="pretrain,prolong")
+  ap.add_argument("--context", type=int, default=65536)
+  ap.add_argument("--rounds", type=int, default=5)
+  args = ap.parse_args()
+  versions = {}
+  for arg in args.versions:
+    name, sep, spec = arg.partition("=")
+    if not sep or not name:
+      ap.error(f"{arg!r}: give NAME=SPEC")
+    versions[name] = load_version(name, spec)
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, H={bk.H} K={bk.K} d={bk.D}",
+        flush=True)
+  for ds in (d for d in args.datasets.split(",") if d):
+    lens = LengthSampler(load_lengths(ds), full_context_replacement=(ds == "prolong"),
+                         seed=1).sample(args.context, step=0)
+    tasks, T, S = bk.doc_layout(lens, 8192)
+    f = bk.fwd_flops(float(kernels.causal_area(tasks).sum()))
+    q, k, v, do = bk.inputs(T, S)
+    table = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+    runs = {n: bk.timer(a, q, k, v, do, table) for n, a in versions.items()}
+    times = {n: [] for n in runs}
+    for r in range(args.rounds):
+      names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
+      for n in names:
+        times[n].append(runs[n](warmup=2 if r == 0 else 1))
+    for n, ts in times.items():
+      fms, fbms = (float(np.median([t[i] for t in ts])) for i in (0, 1))
+      bwd = [2.5 * f / (t[1] - t[0]) / 1e9 for t in ts]
+      print(f"{ds}-{args.context // 1024}K {n:10s} fwd {f / fms / 1e9:6.1f}  bwd "
+            f"{2.5 * f / (fbms - fms) / 1e9:6.1f}  f+b {3.5 * f / fbms / 1e9:6.1f} TF/s  "
+            f"(bwd by round {' '.join(f'{b:.0f}' for b in bwd)})", flush=True)
+
+
+if __name__ == "__main__":
+  main()
