@@ -26,12 +26,12 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
-# section Kernels). Kernel alone, head dim 128, same run: mosaic (Mosaic GPU forward and
-# one-kernel backward) 460 / 381 TF/s forward+backward on the Pretrain / ProLong 64K batches,
-# triton 407 / 343 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
-# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: no training step
-# has yet compared the two on a batch where attention matters (the one tried was ~3% attention),
-# and mosaic compiles slower as layers grow; name `mosaic` to use it. `auto` takes the first one
+# section Kernels). Kernel alone, head dim 128, same process: mosaic (Mosaic GPU forward and
+# one-kernel backward) 438 / 372 TF/s forward+backward on the Pretrain / ProLong 64K batches,
+# triton 381 / 341 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
+# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: in a training step
+# on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within 0.4% of each other, and mosaic
+# compiles slower as layers grow; name `mosaic` to use it. `auto` takes the first one
 # that is installed and runs the call's head dim, dtype and GPU (`unsupported`). On CPU only the
 # reference is fast enough to matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
