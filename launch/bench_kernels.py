@@ -322,7 +322,7 @@ def main():
       except Exception as e:  # noqa: BLE001 (report and go on)
         print(f"dense cudnn T={Teq}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         runs.pop("dense", None)
-      for r in range(1, args.rounds):
+      for r in range(1, args.rounds if runs else 1):
         if over():
           break
         names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]

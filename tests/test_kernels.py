@@ -394,6 +394,21 @@ def test_mosaic_visit_lists(seed):
   assert seen_any
 
 
+def _export_mosaic_backward(head_dim):
+  """The mosaic backward on the GPU-sized table, lowered for CUDA (no GPU needed)."""
+  from jax import export
+  from distca_jax.kernels import mosaic
+  tasks, T, S, H, K, _ = case_gpu_sizes()
+  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  f = jax.jit(lambda q, k, v, o, lse, do, dlse: mosaic.backward_from_stats(
+      q, k, v, tasks, o, lse, do, dlse, 0.1))
+  d = head_dim
+  return export.export(f, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d),
+                                              bf16(T, H, d), f32(T, H), bf16(T, H, d), f32(T, H))
+
+
 def test_mosaic_lowers_for_cuda():
   """The Mosaic GPU backward and forward trace and lower for CUDA on this machine (no GPU
   needed): their layouts, transforms, barriers and pipelines are checked up to the PTX
@@ -404,14 +419,8 @@ def test_mosaic_lowers_for_cuda():
   tasks, T, S, H, K, _ = case_gpu_sizes()
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   for d in (64, 128):
-    f = jax.jit(lambda q, k, v, o, lse, do, dlse: mosaic.backward_from_stats(
-        q, k, v, tasks, o, lse, do, dlse, 0.1))
-    exported = export.export(f, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d),
-                                                    bf16(T, H, d), f32(T, H), bf16(T, H, d),
-                                                    f32(T, H))
-    assert "mosaic_gpu" in exported.mlir_module()
+    assert "mosaic_gpu" in _export_mosaic_backward(d).mlir_module()
   for d, heavy_first in ((64, True), (128, True), (128, False)):  # the forward
     fwd = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, tasks, 0.1, heavy_first))
     exported = export.export(fwd, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d))
@@ -425,9 +434,7 @@ def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
   which gets what shared memory leaves: 512 bytes more moved the card to the 228 KiB carve-out
   and cost 20% of the backward (H100, Nsight Compute: 12.99 vs 16.32 ms on ProLong 64K)."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-  from jax import export
   from jax._src.pallas.mosaic_gpu import lowering
-  from distca_jax.kernels import mosaic
   if not hasattr(lowering, "_estimate_resources"):
     pytest.skip("this JAX's Mosaic GPU lowering has no resource estimate to read")
   seen = []
@@ -439,16 +446,9 @@ def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
     return rs
 
   monkeypatch.setattr(lowering, "_estimate_resources", record)
-  tasks, T, S, H, K, _ = case_gpu_sizes()
-  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   for d in (64, 128):
     seen.clear()
-    f = jax.jit(lambda q, k, v, o, lse, do, dlse: mosaic.backward_from_stats(
-        q, k, v, tasks, o, lse, do, dlse, 0.1))
-    export.export(f, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d),
-                                         bf16(T, H, d), f32(T, H), bf16(T, H, d), f32(T, H))
+    _export_mosaic_backward(d)
     assert seen, "the lowering estimated nothing"
     assert 64 * 1024 < max(seen) <= (196 - 1) * 1024, (d, max(seen))
 
