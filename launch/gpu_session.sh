@@ -20,7 +20,7 @@
 #   ncub   1 GPU: Nsight Compute (launch, occupancy, warp-state, memory and SM-activity sections) on
 #          the first N_KERNEL (default ca_tasks_bwd) launch of each of bench_kernels.py's N_BACKENDS
 #          (mosaic) on each batch of N_BATCHES (prolong pretrain) at N_CTX (65536) tokens: text
-#          reports to $OUT, the key lines printed; N_EXTRA: more ncu options
+#          reports to $OUT, the key lines printed; N_METRICS: more metrics, N_EXTRA: more ncu options
 #   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
@@ -122,7 +122,7 @@ for suite in "$@"; do
              CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${N_TIMEOUT:-150} ncu --clock-control none \
                --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
                --section SchedulerStats --section MemoryWorkloadAnalysis \
-               --metrics sm__cycles_active.avg,sm__cycles_elapsed.max,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_hit.sum \
+               --metrics sm__cycles_active.avg,sm__cycles_elapsed.max,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_hit.sum${N_METRICS:+,$N_METRICS} \
                ${N_EXTRA:-} -k "regex:${N_KERNEL:-ca_tasks_bwd}" -c 1 python3 -P launch/bench_kernels.py --backends $be \
                --datasets $b --contexts ${N_CTX:-65536} --sweep= --budget-s 60 > "$f" 2>&1
              echo "== $b $be"; grep -E "Duration|Shared Memory Configuration|Dynamic Shared|L1/TEX Hit|L2 Hit|hit_rate|local_op|Registers Per|stalled|Warp Cycles Per Issued" "$f" | cut -c1-120
