@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .blocks import cdiv, query_schedule
-from .pallas import _pad_rows
+from .pallas import _pad_rows, row_delta
 from .tasks import TaskTable
 
 LOG2E = math.log2(math.e)
@@ -499,8 +499,7 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   f32 = jnp.float32
   lse_HxT = _pad_rows(lse_TxH, Tp).T
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0).astype(f32)
-  delta_HxT = _pad_rows(jnp.sum(do_TxHxD.astype(f32) * o_TxHxD.astype(f32), -1)
-                        - dlse_TxH.astype(f32), Tp).T
+  delta_HxT = _pad_rows(row_delta(do_TxHxD, o_TxHxD) - dlse_TxH.astype(f32), Tp).T
   tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp)
   # Inputs as the kernel's TMA tiles read them: Q and dO [T, H * D] (a tile is 64 rows of one
   # head), LSE and delta interleaved per head [2H, T], the rows' key ranges [2, T] as start and

@@ -266,8 +266,7 @@ def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse
   S, K, _ = k_SxKxD.shape
   G = H // K
   # The LSE cotangent enters as a shift of delta: dS = P * (dP - (rowsum(dO*O) - dLSE)).
-  delta_HxT = (jnp.sum(do_TxHxD.astype(jnp.float32) * o_TxHxD.astype(jnp.float32), axis=-1).T
-               - dlse_HxT)
+  delta_HxT = row_delta(do_TxHxD, o_TxHxD).T - dlse_HxT
   # Rows that see nothing have LSE -inf; 0 keeps (-inf) - LSE from becoming NaN.
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0)
 
@@ -331,6 +330,15 @@ def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse
 
 
 # --------------------------------------------------------------------------------- interface
+
+
+def row_delta(do_TxHxD, o_TxHxD):
+  """rowsum(dO * O) per query row and head, float32 [T, H], in a pass of its own. Left to fuse
+  with the [H, T] transpose and the statistics around it, XLA read dO and O in the transposed
+  order at ~0.6 TB/s: 1.7 ms beside a 13 ms attention backward on ProLong 64K, 0.35 ms this way
+  (H100 profile)."""
+  f32 = jnp.float32
+  return jax.lax.optimization_barrier(jnp.sum(do_TxHxD.astype(f32) * o_TxHxD.astype(f32), -1))
 
 
 def _pad_rows(x, rows):

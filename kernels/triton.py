@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .blocks import key_task_ranges, query_schedule
-from .pallas import Config, _pad_rows, _padded, from_stats, gpu_config
+from .pallas import Config, _pad_rows, _padded, from_stats, gpu_config, row_delta
 from .tasks import TaskTable
 
 LOG2E = math.log2(math.e)
@@ -285,7 +285,7 @@ def _backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg: Config):
   T, H, D = q.shape
   S, K, _ = k.shape
   jt = _jt()
-  delta_HxT = (jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).T - dlse_HxT)
+  delta_HxT = row_delta(do, o).T - dlse_HxT
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0)
   if not cfg.fused_bwd:
     bq, bk = cfg.block_q_dq, cfg.block_k_dq

@@ -44,12 +44,44 @@ def load_version(name: str, spec: str):
   return lambda q, k, v, t: module.attention(q, k, v, t, config=config)[0]
 
 
+def kernel_table(label, attn, q, k, v, do, table, calls=3, top=12):
+  """GPU time per forward+backward call of the kernels `attn` runs, from a profiler trace: the
+  attention kernels, and the XLA work around them (layout, statistics, dQ's float32 buffer)."""
+  import collections
+  import glob
+  import tempfile
+  import overlap_report
+
+  @jax.jit
+  def fwdbwd(q, k, v, do, t):
+    _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, t), q, k, v)
+    return vjp(do)
+
+  jax.block_until_ready(fwdbwd(q, k, v, do, table))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(fwdbwd(q, k, v, do, table))
+    path, = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+    per_name = collections.Counter()
+    for _, ev in overlap_report.gpu_events(path):
+      per_name[ev["name"][:60]] += float(ev["dur"]) / 1e3 / calls
+  total = sum(per_name.values())
+  lines = [f"{label}: GPU kernels {total:.2f} ms per forward+backward call"]
+  lines += [f"  {ms:8.3f} ms  {name}" for name, ms in per_name.most_common(top)]
+  return "\n".join(lines)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("versions", nargs="+", help="NAME=SPEC (see the module docstring)")
   ap.add_argument("--datasets", default="pretrain,prolong")
   ap.add_argument("--context", type=int, default=65536)
   ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--trace", action="store_true",
+                  help="also profile 3 forward+backward calls of each version and print the GPU "
+                       "time per call of its top kernels (what the backward spends outside the "
+                       "attention kernels)")
   args = ap.parse_args()
   versions = {}
   for arg in args.versions:
@@ -72,6 +104,10 @@ def main():
       names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
       for n in names:
         times[n].append(runs[n](warmup=2 if r == 0 else 1))
+    if args.trace:
+      for n in runs:
+        print(kernel_table(f"{ds}-{args.context // 1024}K {n}", versions[n], q, k, v, do, table),
+              flush=True)
     for n, ts in times.items():
       fms, fbms = (float(np.median([t[i] for t in ts])) for i in (0, 1))
       bwd = [2.5 * f / (t[1] - t[0]) / 1e9 for t in ts]

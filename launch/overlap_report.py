@@ -41,7 +41,8 @@ def _covered(a, b_union):
   return total
 
 
-def report(path: str) -> list[dict]:
+def gpu_events(path: str):
+  """(device process name, event) for every complete event of a GPU process in a trace."""
   with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -49,13 +50,17 @@ def report(path: str) -> list[dict]:
   for ev in events:
     if ev.get("ph") == "M" and ev.get("name") == "process_name":
       names[ev["pid"]] = ev["args"].get("name", "")
-  per_dev = collections.defaultdict(lambda: {"comm": [], "compute": []})
   for ev in events:
     if ev.get("ph") != "X" or "dur" not in ev:
       continue
     proc = names.get(ev["pid"], "")
-    if "/device:GPU" not in proc and "GPU" not in proc:
-      continue
+    if "/device:GPU" in proc or "GPU" in proc:
+      yield proc, ev
+
+
+def report(path: str) -> list[dict]:
+  per_dev = collections.defaultdict(lambda: {"comm": [], "compute": []})
+  for proc, ev in gpu_events(path):
     name = ev.get("name", "").lower()
     kind = "comm" if ("nccl" in name or "all_to_all" in name or "alltoall" in name
                       or "sendrecv" in name) else "compute"
