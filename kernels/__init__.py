@@ -27,8 +27,8 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
 # section Kernels). Kernel alone, head dim 128, same process: mosaic (Mosaic GPU forward and
-# one-kernel backward) 438 / 372 TF/s forward+backward on the Pretrain / ProLong 64K batches,
-# triton 381 / 341 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
+# one-kernel backward) 453 / 398 TF/s forward+backward on the Pretrain / ProLong 64K batches,
+# triton 393 / 341 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
 # within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: in a training step
 # on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within 0.4% of each other, and mosaic
 # compiles slower as layers grow; name `mosaic` to use it. `auto` takes the first one

@@ -10,9 +10,10 @@ Why: our Triton and Pallas backwards run two kernels (dQ over key blocks; dK/dV 
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
 cost more than they save (docs/PERFORMANCE.md, Kernels). Here each tile's dQ share goes to shared
 memory and the TMA unit adds it into a float32 dQ in global memory (`cp.reduce.async.bulk`): one
-bulk operation per tile, off the math warps. H100, head dim 128, same process: backward ~400 TF/s
-against the Triton pair's ~350 on the Pretrain batches; with the Mosaic forward, forward+backward
-0.80x dense cuDNN against the Triton pair's 0.70-0.72x (ProLong 0.74-0.77x against 0.68-0.71x);
+bulk operation per tile, off the math warps. H100, head dim 128, same process: backward 400-420
+TF/s against the Triton pair's 350-365 on the Pretrain batches; with the Mosaic forward,
+forward+backward 0.80-0.85x dense cuDNN against the Triton pair's 0.70-0.73x (ProLong 0.73-0.77x
+against 0.65-0.71x);
 at head dim 64 0.92x against 0.86x on Pretrain (PERFORMANCE.md). Its shared memory must stay
 under the 196 KiB carve-out: the spills live in the L1 that leaves (see `_launch`).
 
