@@ -1,6 +1,6 @@
 """A/B of Mosaic GPU kernel versions on the sampled batches, in one process.
 
-    python3 launch/ab_mosaic.py now= end=mask=end old=@/tmp/mosaic_old.py --rounds 5
+    python3 launch/ab_mosaic.py now= regs40=memory_registers=40 old=@/tmp/mosaic_old.py --trace
 
 Each argument is NAME=SPEC: SPEC is a `kernels.mosaic.Options` spec ("key=value+key=value", empty
 for the defaults), or @FILE[:SPEC], another version of the kernel module (e.g. `git show
@@ -13,14 +13,18 @@ bench_kernels.py counts them. Needs a Hopper GPU; same PYTHONPATH setup as bench
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import importlib.util
 import os
 import sys
+import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
+import overlap_report  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -47,10 +51,6 @@ def load_version(name: str, spec: str):
 def kernel_table(label, attn, q, k, v, do, table, calls=3, top=12):
   """GPU time per forward+backward call of the kernels `attn` runs, from a profiler trace: the
   attention kernels, and the XLA work around them (layout, statistics, dQ's float32 buffer)."""
-  import collections
-  import glob
-  import tempfile
-  import overlap_report
 
   @jax.jit
   def fwdbwd(q, k, v, do, t):

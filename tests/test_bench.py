@@ -113,3 +113,18 @@ def test_ab_mosaic_versions():
   assert old is not mosaic and old.Options is not mosaic.Options
   with pytest.raises(ValueError, match="choose from"):
     ab_mosaic.load_version("bad", "no_such_option=1")
+
+
+def test_ab_mosaic_trace_plumbing():
+  """ab_mosaic.py --trace's table: a profiler trace of forward+backward calls is written, found
+  and read (on the CPU there are no GPU kernels in it, so the table is empty)."""
+  import jax.numpy as jnp
+  sys.path.insert(0, str(ROOT / "launch"))
+  try:
+    import ab_mosaic
+  finally:
+    sys.path.remove(str(ROOT / "launch"))
+  q = jnp.ones((8, 2, 4))
+  out = ab_mosaic.kernel_table("cpu", lambda q, k, v, t: q * k * v * t, q, q, q, q,
+                               jnp.float32(2.0), calls=2)
+  assert out.splitlines() == ["cpu: GPU kernels 0.00 ms per forward+backward call"]
