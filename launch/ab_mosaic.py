@@ -13,18 +13,14 @@ bench_kernels.py counts them. Needs a Hopper GPU; same PYTHONPATH setup as bench
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import importlib.util
 import os
 import sys
-import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
-import overlap_report  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -49,23 +45,16 @@ def load_version(name: str, spec: str):
 
 
 def kernel_table(label, attn, q, k, v, do, table, calls=3, top=12):
-  """GPU time per forward+backward call of the kernels `attn` runs, from a profiler trace: the
-  attention kernels, and the XLA work around them (layout, statistics, dQ's float32 buffer)."""
+  """GPU time per forward+backward call of the kernels `attn` runs, from a profiler trace
+  (`bench_kernels.gpu_kernel_ms`): the attention kernels, and the XLA work around them (layout,
+  statistics, dQ's float32 buffer)."""
 
   @jax.jit
   def fwdbwd(q, k, v, do, t):
     _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, t), q, k, v)
     return vjp(do)
 
-  jax.block_until_ready(fwdbwd(q, k, v, do, table))
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      for _ in range(calls):
-        jax.block_until_ready(fwdbwd(q, k, v, do, table))
-    path, = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
-    per_name = collections.Counter()
-    for _, ev in overlap_report.gpu_events(path):
-      per_name[ev["name"][:60]] += float(ev["dur"]) / 1e3 / calls
+  per_name = bk.gpu_kernel_ms(fwdbwd, q, k, v, do, table, calls=calls)
   total = sum(per_name.values())
   lines = [f"{label}: GPU kernels {total:.2f} ms per forward+backward call"]
   lines += [f"  {ms:8.3f} ms  {name}" for name, ms in per_name.most_common(top)]

@@ -26,9 +26,13 @@ block_until_ready.
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
 import math
 import os
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -67,7 +71,34 @@ def timer(attn, q, k, v, do, *extra, fwd_only=False):
     fms = median_ms(fwd, q, k, v, *extra, warmup=warmup)
     return fms, (float("nan") if fwd_only else
                  median_ms(fwdbwd, q, k, v, do, *extra, warmup=warmup))
+
+  # GPU time instead of wall time: (fwd ms, fwd+bwd ms) summed over the kernels of a call.
+  run.gpu = lambda: (sum(gpu_kernel_ms(fwd, q, k, v, *extra).values()),
+                     float("nan") if fwd_only else
+                     sum(gpu_kernel_ms(fwdbwd, q, k, v, do, *extra).values()))
+  run.fwdbwd = lambda: gpu_kernel_ms(fwdbwd, q, k, v, do, *extra)
   return run
+
+
+def gpu_kernel_ms(fn, *args, calls=3) -> collections.Counter:
+  """GPU time per call of each kernel (and copy) `fn(*args)` runs, from a profiler trace of
+  `calls` calls after one untraced call: what the device spent, without the host's dispatch and
+  synchronisation that wall time per call also holds. Empty where no GPU ran (CPU)."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  if here not in sys.path:  # `python -P` leaves the script's folder off the path
+    sys.path.insert(0, here)
+  import overlap_report
+
+  jax.block_until_ready(fn(*args))
+  per_name = collections.Counter()
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    path, = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+    for _, ev in overlap_report.gpu_events(path):
+      per_name[ev["name"][:60]] += float(ev["dur"]) / 1e3 / calls
+  return per_name
 
 
 def fwd_fwdbwd_ms(attn, q, k, v, do, *extra, fwd_only=False):
@@ -240,6 +271,9 @@ def main():
   ap.add_argument("--rounds", type=int, default=1,
                   help="time each batch's backends and its dense baseline this many times, in "
                        "rotating order, and report medians over rounds")
+  ap.add_argument("--gpu-time", action="store_true",
+                  help="also time each batch's backends and dense baseline by the GPU time in a "
+                       "profiler trace (no host dispatch or sync), and report ratios by it")
   ap.add_argument("--head-dim", type=int, default=D)
   ap.add_argument("--heads", default=f"{H},{K}", help="query heads, KV heads")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -333,6 +367,14 @@ def main():
       if "dense" in times:
         dense_ms[Teq] = med("dense", 0), med("dense", 1)
         d_tf = (f_eq / dense_ms[Teq][0] / 1e9, 3.5 * f_eq / dense_ms[Teq][1] / 1e9)
+      gpu = {n: runs[n].gpu() for n in runs} if args.gpu_time else {}
+      if gpu and not all(g[0] > 0 for g in gpu.values()):
+        print(f"{name:24s} no GPU kernels in the profiler trace: no GPU times", flush=True)
+        gpu = {}
+      if "dense" in gpu:
+        d_gpu = (f_eq / gpu["dense"][0] / 1e9, 3.5 * f_eq / gpu["dense"][1] / 1e9)
+        print(f"{name:24s} dense cuDNN by GPU time: fwd {d_gpu[0]:.1f} f+b {d_gpu[1]:.1f} TF/s",
+              flush=True)
       for b in (b for b in backends if b in times):
         fms, fbms = med(b, 0), med(b, 1)
         bms = max(fbms - fms, 1e-6)
@@ -342,11 +384,20 @@ def main():
               f"{d_tf[1]:9.1f} {tf[2] / d_tf[1]:9.2f}"
               + (f"  (f+b over {len(spread)} rounds {min(spread):.1f}-{max(spread):.1f})"
                  if len(spread) > 1 else ""), flush=True)
-        results["batches"].append(dict(
+        row = dict(
             dataset=ds, context=ctx, docs=len(lens), tasks=int((np.asarray(tasks.q_len) > 0).sum()),
             area=area, backend=b, fwd_ms=fms, fwdbwd_ms=fbms, fwd_tflops=tf[0], bwd_tflops=tf[1],
             fwdbwd_tflops=tf[2], dense_T=Teq, dense_fwd_tflops=d_tf[0],
-            dense_fwdbwd_tflops=d_tf[1], rounds=len(times[b])))
+            dense_fwdbwd_tflops=d_tf[1], rounds=len(times[b]))
+        if b in gpu:
+          row.update(gpu_fwd_ms=gpu[b][0], gpu_fwdbwd_ms=gpu[b][1])
+          g_tf = 3.5 * f / gpu[b][1] / 1e9
+          line = f"{name:24s} {b:8s} by GPU time: fwd {f / gpu[b][0] / 1e9:.1f} f+b {g_tf:.1f} TF/s"
+          if "dense" in gpu:
+            row.update(dense_gpu_fwd_ms=gpu["dense"][0], dense_gpu_fwdbwd_ms=gpu["dense"][1])
+            line += f", {g_tf / d_gpu[1]:.2f}x dense"
+          print(line, flush=True)
+        results["batches"].append(row)
       with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
         json.dump(results, fh, indent=1)
 

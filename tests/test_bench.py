@@ -74,7 +74,9 @@ def test_scheduler_bench_modes(capsys):
 
 def test_bench_kernels_rounds(tmp_path):
   """bench_kernels.py on the CPU (the reference and Pallas backends; no cuDNN here, so no dense
-  baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table."""
+  baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table;
+  then `--gpu-time`'s profiler trace written and read (no GPU kernels in it here), run with
+  `python -P` as the GPU sessions run it."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--backends",
@@ -93,6 +95,13 @@ def test_bench_kernels_rounds(tmp_path):
   table, = (json.loads(p.read_text()) for p in tmp_path.glob("*.json")
             if p.name != "bench_kernels.json")
   assert table["q"] == [128] and table["fwdbwd_ms"][0][0] > 0
+  proc = subprocess.run([sys.executable, "-P", str(ROOT / "launch" / "bench_kernels.py"),
+                         "--backends", "reference", "--contexts", "1024", "--datasets", "pretrain",
+                         "--sweep=", "--gpu-time", "--heads", "2,1", "--head-dim", "16", "--out",
+                         str(tmp_path)], capture_output=True, text=True, timeout=600, env=env,
+                        cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "no GPU kernels in the profiler trace" in proc.stdout  # --gpu-time's trace, on a CPU
 
 
 def test_ab_mosaic_versions():
