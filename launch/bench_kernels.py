@@ -76,7 +76,6 @@ def timer(attn, q, k, v, do, *extra, fwd_only=False):
   run.gpu = lambda: (sum(gpu_kernel_ms(fwd, q, k, v, *extra).values()),
                      float("nan") if fwd_only else
                      sum(gpu_kernel_ms(fwdbwd, q, k, v, do, *extra).values()))
-  run.fwdbwd = lambda: gpu_kernel_ms(fwdbwd, q, k, v, do, *extra)
   return run
 
 
