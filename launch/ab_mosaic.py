@@ -26,7 +26,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from distca_jax import kernels  # noqa: E402
-from distca_jax.data.doclens import LengthSampler, load_lengths  # noqa: E402
 from distca_jax.kernels import mosaic  # noqa: E402
 
 
@@ -44,19 +43,12 @@ def load_version(name: str, spec: str):
   return lambda q, k, v, t: module.attention(q, k, v, t, config=config)[0]
 
 
-def kernel_table(label, attn, q, k, v, do, table, calls=3, top=12):
-  """GPU time per forward+backward call of the kernels `attn` runs, from a profiler trace
-  (`bench_kernels.gpu_kernel_ms`): the attention kernels, and the XLA work around them (layout,
-  statistics, dQ's float32 buffer)."""
-
-  @jax.jit
-  def fwdbwd(q, k, v, do, t):
-    _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, t), q, k, v)
-    return vjp(do)
-
-  per_name = bk.gpu_kernel_ms(fwdbwd, q, k, v, do, table, calls=calls)
-  total = sum(per_name.values())
-  lines = [f"{label}: GPU kernels {total:.2f} ms per forward+backward call"]
+def kernel_table(label: str, run, top: int = 12) -> str:
+  """GPU time per forward+backward call of the kernels a `bench_kernels.timer` runs, from a
+  profiler trace: the attention kernels, and the XLA work around them (layout, statistics, dQ's
+  float32 buffer)."""
+  per_name = run.fwdbwd_kernels()
+  lines = [f"{label}: GPU kernels {sum(per_name.values()):.2f} ms per forward+backward call"]
   lines += [f"  {ms:8.3f} ms  {name}" for name, ms in per_name.most_common(top)]
   return "\n".join(lines)
 
@@ -81,22 +73,15 @@ def main():
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, H={bk.H} K={bk.K} d={bk.D}",
         flush=True)
   for ds in (d for d in args.datasets.split(",") if d):
-    lens = LengthSampler(load_lengths(ds), full_context_replacement=(ds == "prolong"),
-                         seed=1).sample(args.context, step=0)
-    tasks, T, S = bk.doc_layout(lens, 8192)
+    _, tasks, T, S = bk.sampled_batch(ds, args.context)
     f = bk.fwd_flops(float(kernels.causal_area(tasks).sum()))
     q, k, v, do = bk.inputs(T, S)
     table = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
     runs = {n: bk.timer(a, q, k, v, do, table) for n, a in versions.items()}
-    times = {n: [] for n in runs}
-    for r in range(args.rounds):
-      names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
-      for n in names:
-        times[n].append(runs[n](warmup=2 if r == 0 else 1))
+    times = bk.time_in_rounds(runs, args.rounds)
     if args.trace:
-      for n in runs:
-        print(kernel_table(f"{ds}-{args.context // 1024}K {n}", versions[n], q, k, v, do, table),
-              flush=True)
+      for n, run in runs.items():
+        print(kernel_table(f"{ds}-{args.context // 1024}K {n}", run), flush=True)
     for n, ts in times.items():
       fms, fbms = (float(np.median([t[i] for t in ts])) for i in (0, 1))
       bwd = [2.5 * f / (t[1] - t[0]) / 1e9 for t in ts]

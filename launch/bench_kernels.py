@@ -72,11 +72,36 @@ def timer(attn, q, k, v, do, *extra, fwd_only=False):
     return fms, (float("nan") if fwd_only else
                  median_ms(fwdbwd, q, k, v, do, *extra, warmup=warmup))
 
-  # GPU time instead of wall time: (fwd ms, fwd+bwd ms) summed over the kernels of a call.
+  # GPU time instead of wall time: per kernel of a forward+backward call (`gpu_kernel_ms`), and
+  # (fwd ms, fwd+bwd ms) summed over the kernels of a call.
+  run.fwdbwd_kernels = lambda: gpu_kernel_ms(fwdbwd, q, k, v, do, *extra)
   run.gpu = lambda: (sum(gpu_kernel_ms(fwd, q, k, v, *extra).values()),
-                     float("nan") if fwd_only else
-                     sum(gpu_kernel_ms(fwdbwd, q, k, v, do, *extra).values()))
+                     float("nan") if fwd_only else sum(run.fwdbwd_kernels().values()))
   return run
+
+
+def sampled_batch(dataset: str, context: int, max_shard: int = 8192):
+  """The benchmark's batch of a length distribution: (document lengths, task table, T, S) of
+  step 0 of the sampler (seed 1) filling `context` tokens, laid out by `doc_layout`."""
+  from distca_jax.data.doclens import LengthSampler, load_lengths
+  lens = LengthSampler(load_lengths(dataset), full_context_replacement=(dataset == "prolong"),
+                       seed=1).sample(context, step=0)
+  return (lens, *doc_layout(lens, max_shard))
+
+
+def time_in_rounds(runs: dict, rounds: int, times: dict | None = None, stop=lambda: False):
+  """Runs every timer of `runs` (name -> `timer`) `rounds` times in rotating order, appending
+  (fwd ms, fwd+bwd ms) to `times[name]` (rounds already in `times` count: their first call
+  compiled and warmed up); returns `times`. Clocks drift over a run: the first of several
+  backends timed once each was up to 5% faster in the same process (H100)."""
+  times = {n: [] for n in runs} if times is None else times
+  for r in range(min((len(t) for t in times.values()), default=0), rounds if runs else 0):
+    if stop():
+      break
+    names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
+    for n in names:
+      times[n].append(runs[n](warmup=1 if times[n] else 2))
+  return times
 
 
 def gpu_kernel_ms(fn, *args, calls=3) -> collections.Counter:
@@ -287,7 +312,6 @@ def main():
   backends = [b for b in args.backends.split(",") if b]
   results = {"device": device, "jax": jax.__version__, "batches": [], "dense": {}}
 
-  from distca_jax.data.doclens import LengthSampler, load_lengths
   dense_cache, dense_ms = {}, {}  # T -> timer; T -> (fwd ms, fwd+bwd ms) last measured
 
   def dense(T):
@@ -299,10 +323,7 @@ def main():
         f"{'dense f':>8s} {'dense f+b':>9s} {'ratio f+b':>9s}", flush=True)
   for ds in (d for d in args.datasets.split(",") if d):
     for ctx in (int(c) for c in args.contexts.split(",")):
-      sampler = LengthSampler(load_lengths(ds), full_context_replacement=(ds == "prolong"),
-                              seed=1)
-      lens = sampler.sample(ctx, step=0)
-      tasks, T, S = doc_layout(lens, args.max_shard)
+      lens, tasks, T, S = sampled_batch(ds, ctx, args.max_shard)
       area = float(kernels.causal_area(tasks).sum())
       f = fwd_flops(area)
       Teq = dense_equivalent(area)
@@ -337,8 +358,7 @@ def main():
           results.setdefault("tuned", {})[tb] = dict(best._asdict(), head_dim=D)
       args.tune = ""  # first batch only
       # Every backend and the dense baseline compiled once, then timed `--rounds` times in
-      # rotating order; medians over rounds (clocks drift over a run: the first of several
-      # backends timed once each was up to 5% faster in the same process, H100).
+      # rotating order (`time_in_rounds`); medians over rounds.
       runs, times = {}, {}
       for b in backends:
         if over():
@@ -355,12 +375,7 @@ def main():
       except Exception as e:  # noqa: BLE001 (report and go on)
         print(f"dense cudnn T={Teq}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         runs.pop("dense", None)
-      for r in range(1, args.rounds if runs else 1):
-        if over():
-          break
-        names = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
-        for n in names:
-          times[n].append(runs[n](warmup=1))
+      time_in_rounds(runs, args.rounds, times, stop=over)
       med = lambda n, i: float(np.median([t[i] for t in times[n]]))
       d_tf = (float("nan"), float("nan"))
       if "dense" in times:

@@ -134,6 +134,6 @@ def test_ab_mosaic_trace_plumbing():
   finally:
     sys.path.remove(str(ROOT / "launch"))
   q = jnp.ones((8, 2, 4))
-  out = ab_mosaic.kernel_table("cpu", lambda q, k, v, t: q * k * v * t, q, q, q, q,
-                               jnp.float32(2.0), calls=2)
+  run = ab_mosaic.bk.timer(lambda q, k, v, t: q * k * v * t, q, q, q, q, jnp.float32(2.0))
+  out = ab_mosaic.kernel_table("cpu", run)
   assert out.splitlines() == ["cpu: GPU kernels 0.00 ms per forward+backward call"]
