@@ -75,8 +75,19 @@ def timer(attn, q, k, v, do, *extra, fwd_only=False):
   # GPU time instead of wall time: per kernel of a forward+backward call (`gpu_kernel_ms`), and
   # (fwd ms, fwd+bwd ms) summed over the kernels of a call.
   run.fwdbwd_kernels = lambda: gpu_kernel_ms(fwdbwd, q, k, v, do, *extra)
-  run.gpu = lambda: (sum(gpu_kernel_ms(fwd, q, k, v, *extra).values()),
-                     float("nan") if fwd_only else sum(run.fwdbwd_kernels().values()))
+
+  def gpu():
+    """{"busy": (fwd, f+b), "span": (fwd, f+b), "queued": (fwd, f+b)} in ms per call: summed
+    GPU kernel time, GPU span and queued wall time (`gpu_profile`, `queued_ms`)."""
+    fk, fspan = gpu_profile(fwd, q, k, v, *extra)
+    bk, bspan = (collections.Counter(), float("nan")) if fwd_only else gpu_profile(
+        fwdbwd, q, k, v, do, *extra)
+    return {"busy": (sum(fk.values()), sum(bk.values()) if bk else float("nan")),
+            "span": (fspan, bspan),
+            "queued": (queued_ms(fwd, q, k, v, *extra),
+                       float("nan") if fwd_only else queued_ms(fwdbwd, q, k, v, do, *extra))}
+
+  run.gpu = gpu
   return run
 
 
@@ -105,9 +116,17 @@ def time_in_rounds(runs: dict, rounds: int, times: dict | None = None, stop=lamb
 
 
 def gpu_kernel_ms(fn, *args, calls=3) -> collections.Counter:
-  """GPU time per call of each kernel (and copy) `fn(*args)` runs, from a profiler trace of
-  `calls` calls after one untraced call: what the device spent, without the host's dispatch and
-  synchronisation that wall time per call also holds. Empty where no GPU ran (CPU)."""
+  """GPU time per call of each kernel (and copy) `fn(*args)` runs (`gpu_profile`)."""
+  return gpu_profile(fn, *args, calls=calls)[0]
+
+
+def gpu_profile(fn, *args, calls=3) -> tuple[collections.Counter, float]:
+  """(GPU time per call of each kernel and copy `fn(*args)` runs, GPU span per call in ms) from
+  a profiler trace of `calls` calls after one untraced call, each call ended by
+  block_until_ready: what the device spent, without the host's dispatch and synchronisation
+  that wall time per call also holds. The span runs from a call's first kernel start to its last
+  kernel end (median over calls, found as the `calls` groups the trace's widest gaps part): span
+  minus the summed time is the GPU idling inside a call. Empty and nan where no GPU ran (CPU)."""
   here = os.path.dirname(os.path.abspath(__file__))
   if here not in sys.path:  # `python -P` leaves the script's folder off the path
     sys.path.insert(0, here)
@@ -115,6 +134,7 @@ def gpu_kernel_ms(fn, *args, calls=3) -> collections.Counter:
 
   jax.block_until_ready(fn(*args))
   per_name = collections.Counter()
+  spans = []
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
       for _ in range(calls):
@@ -122,7 +142,59 @@ def gpu_kernel_ms(fn, *args, calls=3) -> collections.Counter:
     path, = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
     for _, ev in overlap_report.gpu_events(path):
       per_name[ev["name"][:60]] += float(ev["dur"]) / 1e3 / calls
-  return per_name
+      spans.append((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])))
+  per_call = call_spans(spans, calls)
+  return per_name, float(np.median(per_call)) / 1e3 if per_call else float("nan")
+
+
+def call_spans(intervals, calls):
+  """Span (first start to last end) of each of `calls` sequential calls whose GPU intervals
+  (start, end) are given in any order, the calls told apart by the `calls - 1` widest idle gaps;
+  [] when there are fewer intervals than calls."""
+  iv = sorted(intervals)
+  if len(iv) < calls:
+    return []
+  reach = np.maximum.accumulate([e for _, e in iv])  # overlapping intervals: no gap inside
+  gaps = [(iv[i + 1][0] - reach[i], i) for i in range(len(iv) - 1)]
+  cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:calls - 1])
+  return [float(reach[b] - iv[a][0]) for a, b in zip([0] + [i + 1 for i in cuts],
+                                                     cuts + [len(iv) - 1])]
+
+
+def queued_ms(fn, *args, calls=8, repeats=3):
+  """Wall time per call with `calls` calls queued before one block_until_ready (median of
+  `repeats`): a training step's view of a kernel, which pays no host synchronisation between
+  its calls."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(calls)]
+    jax.block_until_ready(outs)
+    times.append((time.perf_counter() - t0) * 1e3 / calls)
+  return float(np.median(times))
+
+
+def print_views(batch, gpu, flops, wall):
+  """The `--gpu-time` table of one batch: per timer (backends and "dense"), forward and
+  forward+backward TF/s by wall time per call (`wall`: name -> (fwd ms, f+b ms)), by queued wall
+  time, by GPU span and by summed GPU kernel time (`gpu`: name -> `timer().gpu()`), and f+b as a
+  ratio of the dense baseline's by the same view. `flops`: name -> forward FLOPs."""
+  views = {n: {"wall": wall[n], **gpu[n]} for n in gpu}
+  cols = ("wall", "queued", "span", "busy")
+  print(f"{batch}: TF/s fwd / f+b by view" + ("; f+b vs dense by the same view"
+                                              if "dense" in views else ""), flush=True)
+  print(f"  {'timer':10s}" + "".join(f" {c:>22s}" for c in cols), flush=True)
+  for n, v in views.items():
+    cells = []
+    for c in cols:
+      fms, fbms = v[c]
+      cell = f"{flops[n] / fms / 1e9:6.1f} / {3.5 * flops[n] / fbms / 1e9:6.1f}"
+      if "dense" in views and n != "dense":
+        dfb = views["dense"][c][1]
+        cell += f" {(flops[n] / fbms) / (flops['dense'] / dfb):4.2f}x"
+      cells.append(cell)
+    print(f"  {n:10s}" + "".join(f" {c:>22s}" for c in cells), flush=True)
 
 
 def fwd_fwdbwd_ms(attn, q, k, v, do, *extra, fwd_only=False):
@@ -382,13 +454,12 @@ def main():
         dense_ms[Teq] = med("dense", 0), med("dense", 1)
         d_tf = (f_eq / dense_ms[Teq][0] / 1e9, 3.5 * f_eq / dense_ms[Teq][1] / 1e9)
       gpu = {n: runs[n].gpu() for n in runs} if args.gpu_time else {}
-      if gpu and not all(g[0] > 0 for g in gpu.values()):
+      if gpu and not all(g["busy"][0] > 0 for g in gpu.values()):
         print(f"{name:24s} no GPU kernels in the profiler trace: no GPU times", flush=True)
         gpu = {}
-      if "dense" in gpu:
-        d_gpu = (f_eq / gpu["dense"][0] / 1e9, 3.5 * f_eq / gpu["dense"][1] / 1e9)
-        print(f"{name:24s} dense cuDNN by GPU time: fwd {d_gpu[0]:.1f} f+b {d_gpu[1]:.1f} TF/s",
-              flush=True)
+      if gpu:
+        print_views(name, gpu, {n: (f_eq if n == "dense" else f) for n in gpu},
+                    {n: (med(n, 0), med(n, 1)) for n in gpu})
       for b in (b for b in backends if b in times):
         fms, fbms = med(b, 0), med(b, 1)
         bms = max(fbms - fms, 1e-6)
@@ -404,13 +475,11 @@ def main():
             fwdbwd_tflops=tf[2], dense_T=Teq, dense_fwd_tflops=d_tf[0],
             dense_fwdbwd_tflops=d_tf[1], rounds=len(times[b]))
         if b in gpu:
-          row.update(gpu_fwd_ms=gpu[b][0], gpu_fwdbwd_ms=gpu[b][1])
-          g_tf = 3.5 * f / gpu[b][1] / 1e9
-          line = f"{name:24s} {b:8s} by GPU time: fwd {f / gpu[b][0] / 1e9:.1f} f+b {g_tf:.1f} TF/s"
+          row.update({f"{view}_{part}_ms": gpu[b][view][i] for view in gpu[b]
+                      for i, part in enumerate(("fwd", "fwdbwd"))})
           if "dense" in gpu:
-            row.update(dense_gpu_fwd_ms=gpu["dense"][0], dense_gpu_fwdbwd_ms=gpu["dense"][1])
-            line += f", {g_tf / d_gpu[1]:.2f}x dense"
-          print(line, flush=True)
+            row.update({f"dense_{view}_{part}_ms": gpu["dense"][view][i] for view in gpu["dense"]
+                        for i, part in enumerate(("fwd", "fwdbwd"))})
         results["batches"].append(row)
       with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
         json.dump(results, fh, indent=1)

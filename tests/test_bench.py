@@ -104,6 +104,30 @@ def test_bench_kernels_rounds(tmp_path):
   assert "no GPU kernels in the profiler trace" in proc.stdout  # --gpu-time's trace, on a CPU
 
 
+def test_bench_kernels_call_spans_and_views(capsys):
+  """--gpu-time's pieces: the GPU span per call found from a trace's kernel intervals (calls
+  parted at the widest gaps, overlapping kernels inside a call), and its table of views with
+  ratios to the dense baseline by the same view."""
+  sys.path.insert(0, str(ROOT / "launch"))
+  try:
+    import bench_kernels
+  finally:
+    sys.path.remove(str(ROOT / "launch"))
+  # Three calls: [0, 10) with a kernel [2, 12) overlapping; [100, 105) + [106, 110); [300, 301).
+  intervals = [(106, 110), (0, 10), (300, 301), (2, 12), (100, 105)]
+  assert bench_kernels.call_spans(intervals, 3) == [12.0, 10.0, 1.0]
+  assert bench_kernels.call_spans(intervals, 1) == [301.0]
+  assert bench_kernels.call_spans(intervals[:2], 3) == []
+  gpu = {"ours": {"queued": (1.0, 4.0), "span": (1.0, 2.0), "busy": (0.5, 2.0)},
+         "dense": {"queued": (1.0, 2.0), "span": (1.0, 2.0), "busy": (0.5, 1.0)}}
+  bench_kernels.print_views("b", gpu, {"ours": 1e9, "dense": 2e9},
+                            {"ours": (1.0, 4.0), "dense": (1.0, 4.0)})
+  out = capsys.readouterr().out.splitlines()
+  ours, = (l for l in out if l.strip().startswith("ours"))
+  # f+b ratio to dense by view: wall (1/4)/(2/4), queued (1/4)/(2/2), span (1/2)/(2/2), busy (1/2)/(2/1)
+  assert [c for c in ours.split() if c.endswith("x")] == ["0.50x", "0.25x", "0.50x", "0.25x"]
+
+
 def test_ab_mosaic_versions():
   """ab_mosaic.py's NAME=SPEC arguments: an Options spec of the package's kernel, or another
   kernel file imported beside the package's (its relative imports resolve); a bad option is an
