@@ -72,6 +72,10 @@ class Options(NamedTuple):
   memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the rest
                               # and still spill ~250 bytes): 24 +1.7% over 40, 56 -20% (H100);
                               # 32 ran past a 300 s limit once (not understood: not offered)
+  kq_scores: bool = True  # the backward's score tile transposed, Sᵀ = K Qᵀ [keys, queries] (P and
+                         # dS feed dV and dK from registers; a query-row vector costs 16 registers
+                         # a thread); False: S = Q Kᵀ [queries, keys] (2 registers a row vector; P
+                         # and dS go to shared memory, sharing dS's buffer)
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -153,7 +157,11 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
   tiles16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   tiles32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-  row_layout = plgpu.Layout.WGMMA.reduce(0)  # per query row of a transposed [keys, rows] tile
+  kq = opts.kq_scores
+  # Per query row of the score tile: [keys, rows] (kq) or [rows, keys].
+  row_layout = plgpu.Layout.WGMMA.reduce(0 if kq else 1)
+  tile_shape = (BLOCK_KV, BLOCK_Q) if kq else (BLOCK_Q, BLOCK_KV)
+  tr = lambda ref: plgpu.transpose_ref(ref, (1, 0))
 
   def body(q_ref, k_ref, v_ref, do_ref, stats_ref, bounds_ref, tiles_ref, count_ref, dq_ref,
            dk_ref, dv_ref, smem, bars):
@@ -192,32 +200,38 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       s = idx[0]
       par = lax.rem(s, 2)
 
-      def s_t(acc):
-        plgpu.wgmma(acc, k_smem, plgpu.transpose_ref(q_smem, (1, 0)))
+      def s_mm(acc):  # Sᵀ = K Qᵀ, or S = Q Kᵀ
+        plgpu.wgmma(acc, *((k_smem, tr(q_smem)) if kq else (q_smem, tr(k_smem))))
         return acc[...]
 
-      st = pl.run_scoped(s_t, plgpu.ACC((BLOCK_KV, BLOCK_Q), jnp.float32))
+      st = pl.run_scoped(s_mm, plgpu.ACC(tile_shape, jnp.float32))
       # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile
       # needs no mask, and cheaper than branching (a lax.cond around it cost 28% in spills). One
       # unsigned compare per element, and the scale and LSE as one FMA before the select (two
       # compares and a separate multiply cost 10% of the backward, H100).
-      tile = lambda x: lax.broadcast_in_dim(x, (BLOCK_KV, BLOCK_Q), [1])
+      tile = lambda x: lax.broadcast_in_dim(x, tile_shape, [1 if kq else 0])
       lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
       length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
       plgpu.barrier_arrive(bound_done)
-      col = key0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, BLOCK_Q), 0,
+      col = key0 + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0 if kq else 1,
                                           layout=plgpu.Layout.WGMMA)
       seen = _visible(col, tile(lo), tile(length))
       lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
       p = jnp.exp2(jnp.where(seen, st * scale2 - tile(lse2), -jnp.inf))
+      if not kq:  # dV's A operand is Pᵀ, read transposed from dS's buffer (free until dS)
+        ds_smem.at[par, wg][...] = p.astype(dtype)
+        plgpu.commit_smem()
 
       def dv_dp(refs):
         dv_acc, dp_acc = refs
-        plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
-        plgpu.wgmma(dp_acc, v_smem, plgpu.transpose_ref(do_smem, (1, 0)))
+        if kq:
+          plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
+          plgpu.wgmma(dp_acc, v_smem, tr(do_smem))
+        else:
+          plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
+          plgpu.wgmma(dp_acc, do_smem, tr(v_smem))
 
-      dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv),
-                                    plgpu.ACC.init(zeros((BLOCK_KV, BLOCK_Q)))))
+      dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(tile_shape))))
       plgpu.barrier_arrive(do_done)
       delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
       plgpu.barrier_arrive(stat_done)
@@ -226,7 +240,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       plgpu.commit_smem()
 
       def dk_mm(acc):
-        plgpu.wgmma(acc, ds, q_smem)
+        plgpu.wgmma(acc, ds if kq else tr(ds_smem.at[par, wg]), q_smem)
 
       dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(q_done)
@@ -243,8 +257,8 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
 
           def dq_mm(acc):
             for src in range(WGS):
-              plgpu.wgmma(acc, plgpu.transpose_ref(ds_smem.at[par, src], (1, 0)),
-                          k_smem2.at[src, :, cols])
+              ds_src = ds_smem.at[par, src]  # [keys, rows] (kq) or [rows, keys]
+              plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_smem2.at[src, :, cols])
             return acc[...]
 
           dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, dq_cols), jnp.float32))
@@ -277,7 +291,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
   smem = (
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # K
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # V
-      plgpu.SMEM((2, WGS, BLOCK_KV, BLOCK_Q), dtype, transforms=tiles16),  # dSᵀ by step parity
+      plgpu.SMEM((2, WGS, *tile_shape), dtype, transforms=tiles16),  # dS(ᵀ) by step parity
       plgpu.SMEM((WGS, BLOCK_Q, dq_cols), jnp.float32, transforms=tiles32),  # dQ reduce staging
   )
   bars = (plgpu.Barrier(num_barriers=2 * WGS), plgpu.Barrier(num_arrivals=WGS, num_barriers=2),

@@ -315,7 +315,8 @@ def _check_config_grads(mod, cfg, case, head_dim, what):
 
 _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     dict(memory_registers=40), "forward_triton": dict(forward="triton"),
-                    "fwd_in_order": dict(fwd_heavy_first=False)}
+                    "fwd_in_order": dict(fwd_heavy_first=False),
+                    "qk_scores": dict(kq_scores=False)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
@@ -394,8 +395,9 @@ def test_mosaic_visit_lists(seed):
   assert seen_any
 
 
-def _export_mosaic_backward(head_dim):
-  """The mosaic backward on the GPU-sized table, lowered for CUDA (no GPU needed)."""
+def _export_mosaic_backward(head_dim, opts=None):
+  """The mosaic backward (`opts`: its Options) on the GPU-sized table, lowered for CUDA (no GPU
+  needed)."""
   from jax import export
   from distca_jax.kernels import mosaic
   tasks, T, S, H, K, _ = case_gpu_sizes()
@@ -403,7 +405,7 @@ def _export_mosaic_backward(head_dim):
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   f = jax.jit(lambda q, k, v, o, lse, do, dlse: mosaic.backward_from_stats(
-      q, k, v, tasks, o, lse, do, dlse, 0.1))
+      q, k, v, tasks, o, lse, do, dlse, 0.1, opts or mosaic.Options()))
   d = head_dim
   return export.export(f, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d),
                                               bf16(T, H, d), f32(T, H), bf16(T, H, d), f32(T, H))
@@ -420,7 +422,9 @@ def test_mosaic_lowers_for_cuda():
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   for d in (64, 128):
-    assert "mosaic_gpu" in _export_mosaic_backward(d).mlir_module()
+    for kq in (True, False):  # both score tiles
+      assert "mosaic_gpu" in _export_mosaic_backward(
+          d, mosaic.Options(kq_scores=kq)).mlir_module()
   for d, heavy_first in ((64, True), (128, True), (128, False)):  # the forward
     fwd = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, tasks, 0.1, heavy_first))
     exported = export.export(fwd, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d))
