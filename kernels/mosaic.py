@@ -76,6 +76,9 @@ class Options(NamedTuple):
                          # dS feed dV and dK from registers; a query-row vector costs 16 registers
                          # a thread); False: S = Q Kᵀ [queries, keys] (2 registers a row vector; P
                          # and dS go to shared memory, sharing dS's buffer)
+  step_descriptors: bool = False  # K's and V's wgmma descriptors made inside every step (from
+                                 # the warpgroup index through an optimization barrier) rather
+                                 # than hoisted out of the loop by LLVM, where ptxas spills them
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -195,7 +198,9 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
 
     def step(idx, q_smem, do_smem, stat_smem, bound_smem, q_done, do_done, stat_done, bound_done,
              carry):
-      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      # wg_s == wg; with step_descriptors LLVM cannot hoist what is computed from it.
+      wg_s = lax.optimization_barrier(wg) if opts.step_descriptors else wg
+      k_smem, v_smem = k_smem2.at[wg_s], v_smem2.at[wg_s]
       dk, dv = carry
       s = idx[0]
       par = lax.rem(s, 2)
@@ -258,7 +263,8 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
           def dq_mm(acc):
             for src in range(WGS):
               ds_src = ds_smem.at[par, src]  # [keys, rows] (kq) or [rows, keys]
-              plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_smem2.at[src, :, cols])
+              k_src = k_smem2.at[src + (wg_s - wg) if opts.step_descriptors else src]
+              plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_src.at[:, cols])
             return acc[...]
 
           dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, dq_cols), jnp.float32))
