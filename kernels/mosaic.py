@@ -72,13 +72,15 @@ class Options(NamedTuple):
   memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the rest
                               # and still spill ~250 bytes): 24 +1.7% over 40, 56 -20% (H100);
                               # 32 ran past a 300 s limit once (not understood: not offered)
-  kq_scores: bool = True  # the backward's score tile transposed, Sᵀ = K Qᵀ [keys, queries] (P and
-                         # dS feed dV and dK from registers; a query-row vector costs 16 registers
-                         # a thread); False: S = Q Kᵀ [queries, keys] (2 registers a row vector; P
-                         # and dS go to shared memory, sharing dS's buffer)
-  step_descriptors: bool = False  # K's and V's wgmma descriptors made inside every step (from
-                                 # the warpgroup index through an optimization barrier) rather
-                                 # than hoisted out of the loop by LLVM, where ptxas spills them
+  kq_scores: bool = False  # True: the backward's score tile transposed, Sᵀ = K Qᵀ [keys,
+                          # queries], P and dS feeding dV and dK from registers (16 registers a
+                          # thread per query-row vector); False: S = Q Kᵀ [queries, keys] (2
+                          # registers a row vector), P and dS through dS's shared-memory buffer:
+                          # +4-5% backward with step_descriptors (H100)
+  step_descriptors: bool = True  # K's and V's wgmma descriptors made inside every step (from
+                                 # the warpgroup index through an optimization barrier): hoisted
+                                 # out of the loop by LLVM, ptxas spilled them to local memory
+                                 # and reloaded them every step; +4% backward (H100)
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)

@@ -316,8 +316,8 @@ def _check_config_grads(mod, cfg, case, head_dim, what):
 _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     dict(memory_registers=40), "forward_triton": dict(forward="triton"),
                     "fwd_in_order": dict(fwd_heavy_first=False),
-                    "qk_scores": dict(kq_scores=False),
-                    "step_descriptors": dict(step_descriptors=True)}
+                    "kq_scores": dict(kq_scores=True),
+                    "hoisted_descriptors": dict(step_descriptors=False)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
@@ -425,9 +425,9 @@ def test_mosaic_lowers_for_cuda():
   for d in (64, 128):
     for kq in (True, False):  # both score tiles
       assert "mosaic_gpu" in _export_mosaic_backward(
-          d, mosaic.Options(kq_scores=kq, step_descriptors=not kq)).mlir_module()
+          d, mosaic.Options(kq_scores=kq)).mlir_module()
     assert "mosaic_gpu" in _export_mosaic_backward(
-        d, mosaic.Options(step_descriptors=True)).mlir_module()
+        d, mosaic.Options(step_descriptors=False)).mlir_module()
   for d, heavy_first in ((64, True), (128, True), (128, False)):  # the forward
     fwd = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, tasks, 0.1, heavy_first))
     exported = export.export(fwd, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d))
