@@ -81,6 +81,9 @@ class Options(NamedTuple):
                                  # the warpgroup index through an optimization barrier): hoisted
                                  # out of the loop by LLVM, ptxas spilled them to local memory
                                  # and reloaded them every step; +4% backward (H100)
+  sdp_together: bool = False  # (S = Q Kᵀ tile only) issue the S and dP matmuls together, then
+                              # compute dS while the dV matmul runs
+  dk_under_barrier: bool = False  # wait for the other warpgroup's dS while the dK matmul runs
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -207,11 +210,21 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       s = idx[0]
       par = lax.rem(s, 2)
 
-      def s_mm(acc):  # Sᵀ = K Qᵀ, or S = Q Kᵀ
-        plgpu.wgmma(acc, *((k_smem, tr(q_smem)) if kq else (q_smem, tr(k_smem))))
-        return acc[...]
+      together = opts.sdp_together and not kq
+      if together:  # S = Q Kᵀ and dP = dO Vᵀ in one go
 
-      st = pl.run_scoped(s_mm, plgpu.ACC(tile_shape, jnp.float32))
+        def s_dp(refs):
+          plgpu.wgmma(refs[0], q_smem, tr(k_smem))
+          plgpu.wgmma(refs[1], do_smem, tr(v_smem))
+
+        st, dp = pl.run_state(s_dp)((plgpu.ACC.init(zeros(tile_shape)),
+                                     plgpu.ACC.init(zeros(tile_shape))))
+      else:
+        def s_mm(acc):  # Sᵀ = K Qᵀ, or S = Q Kᵀ
+          plgpu.wgmma(acc, *((k_smem, tr(q_smem)) if kq else (q_smem, tr(k_smem))))
+          return acc[...]
+
+        st = pl.run_scoped(s_mm, plgpu.ACC(tile_shape, jnp.float32))
       # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile
       # needs no mask, and cheaper than branching (a lax.cond around it cost 28% in spills). One
       # unsigned compare per element, and the scale and LSE as one FMA before the select (two
@@ -229,32 +242,52 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
         ds_smem.at[par, wg][...] = p.astype(dtype)
         plgpu.commit_smem()
 
-      def dv_dp(refs):
-        dv_acc, dp_acc = refs
-        if kq:
-          plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
-          plgpu.wgmma(dp_acc, v_smem, tr(do_smem))
-        else:
-          plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
-          plgpu.wgmma(dp_acc, do_smem, tr(v_smem))
+      if together:  # dS while the dV matmul reads P; then dS takes P's place
 
-      dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(tile_shape))))
-      plgpu.barrier_arrive(do_done)
-      delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-      plgpu.barrier_arrive(stat_done)
-      ds = (p * (dp - tile(delta))).astype(dtype)
-      ds_smem.at[par, wg][...] = ds
-      plgpu.commit_smem()
+        def dv_ds(dv_acc):
+          plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
+          delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+          ds = (p * (dp - tile(delta))).astype(dtype)
+          plgpu.wgmma_wait(0)
+          ds_smem.at[par, wg][...] = ds
+          plgpu.commit_smem()
+
+        dv = pl.run_state(dv_ds)(plgpu.ACC.init(dv))
+        plgpu.barrier_arrive(do_done)
+        plgpu.barrier_arrive(stat_done)
+      else:
+        def dv_dp(refs):
+          dv_acc, dp_acc = refs
+          if kq:
+            plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
+            plgpu.wgmma(dp_acc, v_smem, tr(do_smem))
+          else:
+            plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
+            plgpu.wgmma(dp_acc, do_smem, tr(v_smem))
+
+        dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(tile_shape))))
+        plgpu.barrier_arrive(do_done)
+        delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+        plgpu.barrier_arrive(stat_done)
+        ds = (p * (dp - tile(delta))).astype(dtype)
+        ds_smem.at[par, wg][...] = ds
+        plgpu.commit_smem()
+
+      def both_ds():
+        # Both warpgroups' dS are in shared memory: dQ's columns from all WGS * BLOCK_KV keys
+        # (double-buffered by step parity, so one barrier per step suffices).
+        plgpu.barrier_arrive(ds_bar.at[par])
+        plgpu.barrier_wait(ds_bar.at[par])
 
       def dk_mm(acc):
         plgpu.wgmma(acc, ds if kq else tr(ds_smem.at[par, wg]), q_smem)
+        if opts.dk_under_barrier:
+          both_ds()
 
       dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(q_done)
-      # Both warpgroups' dSᵀ are in shared memory: dQ's columns from all WGS * BLOCK_KV keys
-      # (double-buffered by step parity, so one barrier per step suffices).
-      plgpu.barrier_arrive(ds_bar.at[par])
-      plgpu.barrier_wait(ds_bar.at[par])
+      if not opts.dk_under_barrier:
+        both_ds()
       rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
       for w in range(WGS):  # static column slices, one branch per warpgroup
 
