@@ -81,9 +81,12 @@ class Options(NamedTuple):
                                  # the warpgroup index through an optimization barrier): hoisted
                                  # out of the loop by LLVM, ptxas spilled them to local memory
                                  # and reloaded them every step; +4% backward (H100)
-  sdp_together: bool = False  # (S = Q Kᵀ tile only) issue the S and dP matmuls together, then
-                              # compute dS while the dV matmul runs
-  dk_under_barrier: bool = False  # wait for the other warpgroup's dS while the dK matmul runs
+  sdp_together: bool = True  # (S = Q Kᵀ tile only) issue the S and dP matmuls together, then
+                             # compute dS while the dV matmul runs
+  dk_under_barrier: bool = True  # wait for the other warpgroup's dS while the dK matmul runs:
+                                 # with sdp_together +15% backward on Pretrain 64K, +7% ProLong
+                                 # (H100, same process)
+  dq_under_dk: bool = False  # that barrier and dQ's matmul both while dK's matmul runs
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -279,36 +282,43 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
         plgpu.barrier_arrive(ds_bar.at[par])
         plgpu.barrier_wait(ds_bar.at[par])
 
+      def dq_part():  # this warpgroup's share of the tile's dQ, reduce-added to global memory
+        rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
+        for w in range(WGS):  # static column slices, one branch per warpgroup
+
+          @pl.when((wg == w) if split else ((wg == w) & (par == w)))
+          def _(w=w):
+            cols = pl.ds(w * dq_cols if split else 0, dq_cols)
+
+            def dq_mm(acc):
+              for src in range(WGS):
+                ds_src = ds_smem.at[par, src]  # [keys, rows] (kq) or [rows, keys]
+                k_src = k_smem2.at[src + (wg_s - wg) if opts.step_descriptors else src]
+                plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_src.at[:, cols])
+              return acc[...]
+
+            dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, dq_cols), jnp.float32))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
+            out_smem.at[w][...] = dq * scale
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[w], dq_ref.at[rows, h_of(s), cols],
+                                    reduction_op="add")
+
+      under = opts.dk_under_barrier or opts.dq_under_dk
+
       def dk_mm(acc):
         plgpu.wgmma(acc, ds if kq else tr(ds_smem.at[par, wg]), q_smem)
-        if opts.dk_under_barrier:
+        if under:
           both_ds()
+        if opts.dq_under_dk:
+          dq_part()
 
       dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(q_done)
-      if not opts.dk_under_barrier:
+      if not under:
         both_ds()
-      rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
-      for w in range(WGS):  # static column slices, one branch per warpgroup
-
-        @pl.when((wg == w) if split else ((wg == w) & (par == w)))
-        def _(w=w):
-          cols = pl.ds(w * dq_cols if split else 0, dq_cols)
-
-          def dq_mm(acc):
-            for src in range(WGS):
-              ds_src = ds_smem.at[par, src]  # [keys, rows] (kq) or [rows, keys]
-              k_src = k_smem2.at[src + (wg_s - wg) if opts.step_descriptors else src]
-              plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_src.at[:, cols])
-            return acc[...]
-
-          dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, dq_cols), jnp.float32))
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
-          out_smem.at[w][...] = dq * scale
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[w], dq_ref.at[rows, h_of(s), cols],
-                                  reduction_op="add")
-
+      if not opts.dq_under_dk:
+        dq_part()
       return dk, dv
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
