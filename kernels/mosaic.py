@@ -86,7 +86,6 @@ class Options(NamedTuple):
   dk_under_barrier: bool = True  # wait for the other warpgroup's dS while the dK matmul runs:
                                  # with sdp_together +15% backward on Pretrain 64K, +7% ProLong
                                  # (H100, same process)
-  dq_under_dk: bool = False  # that barrier and dQ's matmul both while dK's matmul runs
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -304,21 +303,16 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
             plgpu.copy_smem_to_gmem(out_smem.at[w], dq_ref.at[rows, h_of(s), cols],
                                     reduction_op="add")
 
-      under = opts.dk_under_barrier or opts.dq_under_dk
-
       def dk_mm(acc):
         plgpu.wgmma(acc, ds if kq else tr(ds_smem.at[par, wg]), q_smem)
-        if under:
+        if opts.dk_under_barrier:
           both_ds()
-        if opts.dq_under_dk:
-          dq_part()
 
       dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(q_done)
-      if not under:
+      if not opts.dk_under_barrier:
         both_ds()
-      if not opts.dq_under_dk:
-        dq_part()
+      dq_part()
       return dk, dv
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
