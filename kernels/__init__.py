@@ -26,14 +26,16 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
-# section Kernels). Kernel alone, head dim 128, same process: mosaic (Mosaic GPU forward and
-# one-kernel backward) 453 / 398 TF/s forward+backward on the Pretrain / ProLong 64K batches,
-# triton 393 / 341 (at 64: 394 / 325 against 370 / 325); cudnn (cuDNN forward + Triton backward)
+# section Kernels). Kernel alone, head dim 128, same process (2026-11-27): mosaic (Mosaic GPU
+# forward and one-kernel backward) 503 / 418 TF/s forward+backward on the Pretrain / ProLong 64K
+# batches (0.92x / 0.84x dense cuDNN), triton 397 / 337; cudnn (cuDNN forward + Triton backward)
 # within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: in a training step
-# on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within 0.4% of each other, and mosaic
-# compiles slower as layers grow; name `mosaic` to use it. `auto` takes the first one
-# that is installed and runs the call's head dim, dtype and GPU (`unsupported`). On CPU only the
-# reference is fast enough to matter (Pallas runs interpreted).
+# on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within 0.3% of each other (attention is
+# a few percent of that step), mosaic's compile grows with the layers (2.5x Triton's at 16), and
+# twice a 16-layer mosaic process ran past its limit without output, not understood; name
+# `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head dim,
+# dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas runs
+# interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
 
 log = logging.getLogger(__name__)

@@ -3,30 +3,29 @@
 
 The `mosaic` backend is this pair (no jax-triton needed); `Options(forward="triton")` puts our
 Triton forward before this backward, and the `cudnn` backend takes the backward as
-`backward="mosaic"`. The forward runs 14-26% faster than the Triton one at head dim 128 on the
-sampled batches (H100, same run; PERFORMANCE.md).
+`backward="mosaic"`. H100, head dim 128, same process (docs/PERFORMANCE.md): forward+backward
+0.90-0.92x dense cuDNN causal attention on the Pretrain batches and 0.81-0.84x on ProLong (by wall
+time per call; 0.88-0.90x and 0.84x by GPU time), against the Triton pair's 0.73x and 0.67-0.69x.
 
-Why: our Triton and Pallas backwards run two kernels (dQ over key blocks; dK/dV over query
+Why one kernel: our Triton and Pallas backwards run two (dQ over key blocks; dK/dV over query
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
 cost more than they save (docs/PERFORMANCE.md, Kernels). Here each tile's dQ share goes to shared
 memory and the TMA unit adds it into a float32 dQ in global memory (`cp.reduce.async.bulk`): one
-bulk operation per tile, off the math warps. H100, head dim 128, same process: backward 400-420
-TF/s against the Triton pair's 350-365 on the Pretrain batches; with the Mosaic forward,
-forward+backward 0.80-0.85x dense cuDNN against the Triton pair's 0.70-0.73x (ProLong 0.73-0.77x
-against 0.65-0.71x);
-at head dim 64 0.92x against 0.86x on Pretrain (PERFORMANCE.md). Its shared memory must stay
-under the 196 KiB carve-out: the spills live in the L1 that leaves (see `_launch`).
+bulk operation per tile, off the math warps.
 
 One CTA per (128 key rows, KV head). Two compute warpgroups each own 64 of the key rows (their dK
 and dV accumulators stay in registers and sum over the group's query heads and over every task
 that sees the keys); a memory warpgroup streams the 64-row query tiles that see the key block
 (Q, dO, LSE, delta and the rows' visible key ranges), one (tile, query head) per step, through
 Pallas' warp-specialised pipeline with a per-CTA step count. Per step each compute warpgroup
-computes, transposed as FA2/FA3's dK/dV loop does, Sᵀ = K Qᵀ, Pᵀ (masked to each row's key
-range), dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ and dK += dSᵀ Q, and stores dSᵀ to shared memory; once both
-have (an mbarrier of two arrivals, double-buffered by step parity), warpgroup w computes columns
-[D/2 · w, D/2 · (w+1)) of the tile's dQ = dS K over all 128 keys and reduce-adds them (at D = 64,
-where half a row is less than a swizzle tile, the warpgroups take whole steps' dQ in turn).
+issues S = Q Kᵀ and dP = dO Vᵀ together, masks P = exp(S − LSE) to each row's key range and
+stores it to shared memory, computes dS = P (dP − delta) while dV += Pᵀ dO runs, stores dS in P's
+place, and waits for the other warpgroup's dS while dK += dSᵀ Q runs (an mbarrier of two
+arrivals, double-buffered by step parity); then warpgroup w computes columns [D/2 · w,
+D/2 · (w+1)) of the tile's dQ = dS K over all 128 keys and reduce-adds them (at D = 64, where
+half a row is less than a swizzle tile, the warpgroups take whole steps' dQ in turn). K's and V's
+wgmma descriptors are made in every step: hoisted out of the loop, ptxas spilled them to local
+memory and reloaded them every step. The kernel spills nothing (ptxas, H100).
 
 The tiles a key block visits come from the query-side block schedule (`blocks.py`): query tile i
 sees key blocks [kb_lo, kb_hi) (the hull of its rows' ranges; every element is masked to its
@@ -37,8 +36,8 @@ once). The per-key-block lists are a dense [key blocks, query tiles] array: S ·
 Conventions as the other backends: O, natural-log LSE in; rows outside every task (LSE = -inf)
 get zero gradients. Head dims 64 and 128 (at 256 these tiles need more shared memory than a
 Hopper card has), bf16 or fp16, Hopper (wgmma, TMA). Costs a float32 [T, H, D] dQ buffer. The
-GPU tests compare it with the float64 oracle; on the CPU a test lowers it for CUDA, which checks
-everything up to PTX.
+GPU tests compare it with the float64 oracle; on the CPU a test lowers it for CUDA (layouts,
+transforms, barriers, pipelines; the PTX is made on the GPU).
 """
 
 from __future__ import annotations
@@ -69,8 +68,8 @@ class Options(NamedTuple):
   stages: int = STAGES
   kv_major: bool = True  # grid (key block, KV head): the KV heads of a key block side by side read
                          # the same query tiles; 2.6-3.6% faster than (KV head, key block), H100
-  memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the rest
-                              # and still spill ~250 bytes): 24 +1.7% over 40, 56 -20% (H100);
+  memory_registers: int = 24  # registers of the memory warpgroup (the compute ones share the
+                              # rest): 24 +1.7% over 40, 56 -20% (H100, when the kernel spilled);
                               # 32 ran past a 300 s limit once (not understood: not offered)
   kq_scores: bool = False  # True: the backward's score tile transposed, Sᵀ = K Qᵀ [keys,
                           # queries], P and dS feeding dV and dK from registers (16 registers a
@@ -329,14 +328,13 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
     pipeline(q_ref, do_ref, stats_ref, bounds_ref)
 
   # 194 KiB with the pipeline's Q / dO / statistics buffers (d = 128): under the 196 KiB carve-out
-  # less the driver's 1 KiB, with ~0.9 KiB to spare. The compute warpgroups' spilled registers
-  # live in the L1 the carve-out leaves (60 KiB; 99.8% hits): 512 bytes more moved the card to the
-  # 228 KiB carve-out and cost 20% (H100, Nsight Compute); a test keeps the line. Halving dS and
-  # the dQ staging (164 KiB carve-out) bought nothing and its extra barrier cost 6%.
+  # less the driver's 1 KiB, with ~0.9 KiB to spare; a test keeps the line. While the compute
+  # warpgroups spilled (before step_descriptors), the spills lived in the L1 the carve-out leaves
+  # and 512 bytes more (the 228 KiB carve-out) cost 20% (H100, Nsight Compute).
   smem = (
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # K
       plgpu.SMEM((WGS, BLOCK_KV, D), dtype, transforms=tiles16),           # V
-      plgpu.SMEM((2, WGS, *tile_shape), dtype, transforms=tiles16),  # dS(ᵀ) by step parity
+      plgpu.SMEM((2, WGS, *tile_shape), dtype, transforms=tiles16),  # P, then dS, by step parity
       plgpu.SMEM((WGS, BLOCK_Q, dq_cols), jnp.float32, transforms=tiles32),  # dQ reduce staging
   )
   bars = (plgpu.Barrier(num_barriers=2 * WGS), plgpu.Barrier(num_arrivals=WGS, num_barriers=2),
