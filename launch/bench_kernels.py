@@ -202,6 +202,16 @@ def fwd_fwdbwd_ms(attn, q, k, v, do, *extra, fwd_only=False):
   return timer(attn, q, k, v, do, *extra, fwd_only=fwd_only)()
 
 
+def tile_waste(tasks, T, block_q, block_k):
+  """Area of the (query tile, key block) pairs the kernels' block schedule visits over the real
+  causal area (1.0: no tile reaches past a row's keys)."""
+  from distca_jax.kernels.blocks import cdiv, query_schedule
+  sch = query_schedule(kernels.TaskTable(*(jnp.asarray(a) for a in tasks)),
+                       cdiv(T, block_q) * block_q, block_q, block_k)
+  visited = float(np.clip(np.asarray(sch.kb_hi) - np.asarray(sch.kb_lo), 0, None).sum())
+  return visited * block_q * block_k / float(kernels.causal_area(tasks).sum())
+
+
 def fwd_flops(area):
   return 4.0 * D * H * area
 
@@ -401,6 +411,10 @@ def main():
       Teq = dense_equivalent(area)
       f_eq = fwd_flops(Teq * (Teq + 1) / 2)
       name = f"{ds}-{ctx // 1024}K({len(lens)}docs)"
+      print(f"{name:24s} tiles visit {tile_waste(tasks, T, 128, 128):.3f}x the causal area "
+            f"(128 x 128 tiles; the dense baseline of T={Teq}: "
+            f"{(Teq // 128) * (Teq // 128 + 1) / 2 * 128 * 128 / (Teq * (Teq + 1) / 2):.3f}x)",
+            flush=True)
       for tb in (t for t in args.tune.split(",") if t):
         mod = __import__(f"distca_jax.kernels.{tb}", fromlist=["attention"])
         tried = []

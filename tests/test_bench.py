@@ -118,6 +118,12 @@ def test_bench_kernels_call_spans_and_views(capsys):
   assert bench_kernels.call_spans(intervals, 3) == [12.0, 10.0, 1.0]
   assert bench_kernels.call_spans(intervals, 1) == [301.0]
   assert bench_kernels.call_spans(intervals[:2], 3) == []
+  # One task of 256 queries over its 256-key prefix: 128 x 128 tiles visit 3 blocks (area
+  # 3 * 128²) of a causal area 256 * 257 / 2.
+  from distca_jax.kernels import make_task_table
+  tasks = make_task_table([0], [256], [0], [256], capacity=2)
+  assert bench_kernels.tile_waste(tasks, 256, 128, 128) == pytest.approx(
+      3 * 128 * 128 / (256 * 257 / 2))
   gpu = {"ours": {"queued": (1.0, 4.0), "span": (1.0, 2.0), "busy": (0.5, 2.0)},
          "dense": {"queued": (1.0, 2.0), "span": (1.0, 2.0), "busy": (0.5, 1.0)}}
   bench_kernels.print_views("b", gpu, {"ours": 1e9, "dense": 2e9},
