@@ -85,7 +85,6 @@ class Options(NamedTuple):
   dk_under_barrier: bool = True  # wait for the other warpgroup's dS while the dK matmul runs:
                                  # with sdp_together +15% backward on Pretrain 64K, +7% ProLong
                                  # (H100, same process)
-  s_before_dp: bool = False  # (with sdp_together) the softmax waits for S only, under dP's matmul
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -213,95 +212,67 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       par = lax.rem(s, 2)
 
       together = opts.sdp_together and not kq
-      s_first = together and opts.s_before_dp
+      if together:  # S = Q Kᵀ and dP = dO Vᵀ in one go
 
-      def probs(st):
-        # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile
-        # needs no mask, and cheaper than branching (a lax.cond around it cost 28% in spills). One
-        # unsigned compare per element, and the scale and LSE as one FMA before the select (two
-        # compares and a separate multiply cost 10% of the backward, H100).
-        tile = lambda x: lax.broadcast_in_dim(x, tile_shape, [1 if kq else 0])
-        lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
-        length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
-        plgpu.barrier_arrive(bound_done)
-        col = key0 + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0 if kq else 1,
-                                            layout=plgpu.Layout.WGMMA)
-        seen = _visible(col, tile(lo), tile(length))
-        lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
-        p = jnp.exp2(jnp.where(seen, st * scale2 - tile(lse2), -jnp.inf))
-        return p, tile
+        def s_dp(refs):
+          plgpu.wgmma(refs[0], q_smem, tr(k_smem))
+          plgpu.wgmma(refs[1], do_smem, tr(v_smem))
 
-      if s_first:  # one body: the softmax under dP's matmul, dS under dV's
+        st, dp = pl.run_state(s_dp)((plgpu.ACC.init(zeros(tile_shape)),
+                                     plgpu.ACC.init(zeros(tile_shape))))
+      else:
+        def s_mm(acc):  # Sᵀ = K Qᵀ, or S = Q Kᵀ
+          plgpu.wgmma(acc, *((k_smem, tr(q_smem)) if kq else (q_smem, tr(k_smem))))
+          return acc[...]
 
-        def sdp_dv(refs):
-          s_acc, dp_acc, dv_acc = refs
-          plgpu.wgmma(s_acc, q_smem, tr(k_smem))
-          plgpu.wgmma(dp_acc, do_smem, tr(v_smem))
-          p, tile = probs(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
-          ds_smem.at[par, wg][...] = p.astype(dtype)
-          plgpu.commit_smem()
+        st = pl.run_scoped(s_mm, plgpu.ACC(tile_shape, jnp.float32))
+      # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile
+      # needs no mask, and cheaper than branching (a lax.cond around it cost 28% in spills). One
+      # unsigned compare per element, and the scale and LSE as one FMA before the select (two
+      # compares and a separate multiply cost 10% of the backward, H100).
+      tile = lambda x: lax.broadcast_in_dim(x, tile_shape, [1 if kq else 0])
+      lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
+      length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
+      plgpu.barrier_arrive(bound_done)
+      col = key0 + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0 if kq else 1,
+                                          layout=plgpu.Layout.WGMMA)
+      seen = _visible(col, tile(lo), tile(length))
+      lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
+      p = jnp.exp2(jnp.where(seen, st * scale2 - tile(lse2), -jnp.inf))
+      if not kq:  # dV's A operand is Pᵀ, read transposed from dS's buffer (free until dS)
+        ds_smem.at[par, wg][...] = p.astype(dtype)
+        plgpu.commit_smem()
+
+      if together:  # dS while the dV matmul reads P; then dS takes P's place
+
+        def dv_ds(dv_acc):
           plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
-          dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
           delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
           ds = (p * (dp - tile(delta))).astype(dtype)
           plgpu.wgmma_wait(0)
           ds_smem.at[par, wg][...] = ds
           plgpu.commit_smem()
 
-        _, _, dv = pl.run_state(sdp_dv)((plgpu.ACC.init(zeros(tile_shape)),
-                                         plgpu.ACC.init(zeros(tile_shape)), plgpu.ACC.init(dv)))
+        dv = pl.run_state(dv_ds)(plgpu.ACC.init(dv))
         plgpu.barrier_arrive(do_done)
         plgpu.barrier_arrive(stat_done)
       else:
-        if together:  # S = Q Kᵀ and dP = dO Vᵀ in one go
-
-          def s_dp(refs):
-            plgpu.wgmma(refs[0], q_smem, tr(k_smem))
-            plgpu.wgmma(refs[1], do_smem, tr(v_smem))
-
-          st, dp = pl.run_state(s_dp)((plgpu.ACC.init(zeros(tile_shape)),
-                                       plgpu.ACC.init(zeros(tile_shape))))
-        else:
-          def s_mm(acc):  # Sᵀ = K Qᵀ, or S = Q Kᵀ
-            plgpu.wgmma(acc, *((k_smem, tr(q_smem)) if kq else (q_smem, tr(k_smem))))
-            return acc[...]
-
-          st = pl.run_scoped(s_mm, plgpu.ACC(tile_shape, jnp.float32))
-        p, tile = probs(st)
-        if not kq:  # dV's A operand is Pᵀ, read transposed from dS's buffer (free until dS)
-          ds_smem.at[par, wg][...] = p.astype(dtype)
-          plgpu.commit_smem()
-
-        if together:  # dS while the dV matmul reads P; then dS takes P's place
-
-          def dv_ds(dv_acc):
+        def dv_dp(refs):
+          dv_acc, dp_acc = refs
+          if kq:
+            plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
+            plgpu.wgmma(dp_acc, v_smem, tr(do_smem))
+          else:
             plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
-            delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-            ds = (p * (dp - tile(delta))).astype(dtype)
-            plgpu.wgmma_wait(0)
-            ds_smem.at[par, wg][...] = ds
-            plgpu.commit_smem()
+            plgpu.wgmma(dp_acc, do_smem, tr(v_smem))
 
-          dv = pl.run_state(dv_ds)(plgpu.ACC.init(dv))
-          plgpu.barrier_arrive(do_done)
-          plgpu.barrier_arrive(stat_done)
-        else:
-          def dv_dp(refs):
-            dv_acc, dp_acc = refs
-            if kq:
-              plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
-              plgpu.wgmma(dp_acc, v_smem, tr(do_smem))
-            else:
-              plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
-              plgpu.wgmma(dp_acc, do_smem, tr(v_smem))
-
-          dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(tile_shape))))
-          plgpu.barrier_arrive(do_done)
-          delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-          plgpu.barrier_arrive(stat_done)
-          ds = (p * (dp - tile(delta))).astype(dtype)
-          ds_smem.at[par, wg][...] = ds
-          plgpu.commit_smem()
+        dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(tile_shape))))
+        plgpu.barrier_arrive(do_done)
+        delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+        plgpu.barrier_arrive(stat_done)
+        ds = (p * (dp - tile(delta))).astype(dtype)
+        ds_smem.at[par, wg][...] = ds
+        plgpu.commit_smem()
 
       def both_ds():
         # Both warpgroups' dS are in shared memory: dQ's columns from all WGS * BLOCK_KV keys
