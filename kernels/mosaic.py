@@ -74,17 +74,18 @@ class Options(NamedTuple):
   kq_scores: bool = False  # True: the backward's score tile transposed, Sᵀ = K Qᵀ [keys,
                           # queries], P and dS feeding dV and dK from registers (16 registers a
                           # thread per query-row vector); False: S = Q Kᵀ [queries, keys] (2
-                          # registers a row vector), P and dS through dS's shared-memory buffer:
-                          # +4-5% backward with step_descriptors (H100)
+                          # registers a row vector), its S and dP matmuls issued together, P
+                          # and dS through dS's shared-memory buffer, dS computed under dV's
+                          # matmul: +4-5% backward with step_descriptors, +2-5% more for the
+                          # overlap (H100)
   step_descriptors: bool = True  # K's and V's wgmma descriptors made inside every step (from
                                  # the warpgroup index through an optimization barrier): hoisted
                                  # out of the loop by LLVM, ptxas spilled them to local memory
                                  # and reloaded them every step; +4% backward (H100)
-  sdp_together: bool = True  # (S = Q Kᵀ tile only) issue the S and dP matmuls together, then
-                             # compute dS while the dV matmul runs
   dk_under_barrier: bool = True  # wait for the other warpgroup's dS while the dK matmul runs:
-                                 # with sdp_together +15% backward on Pretrain 64K, +7% ProLong
-                                 # (H100, same process)
+                                 # +12% backward on Pretrain 64K, +5% ProLong (H100, same
+                                 # process; with the S = Q Kᵀ tile's S and dP matmuls issued
+                                 # together and dS under dV's, +15% / +7%)
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -211,8 +212,42 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       s = idx[0]
       par = lax.rem(s, 2)
 
-      together = opts.sdp_together and not kq
-      if together:  # S = Q Kᵀ and dP = dO Vᵀ in one go
+      # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile
+      # needs no mask, and cheaper than branching (a lax.cond around it cost 28% in spills). One
+      # unsigned compare per element, and the scale and LSE as one FMA before the select (two
+      # compares and a separate multiply cost 10% of the backward, H100).
+      tile = lambda x: lax.broadcast_in_dim(x, tile_shape, [1 if kq else 0])
+
+      def probs(st):
+        lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
+        length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
+        plgpu.barrier_arrive(bound_done)
+        col = key0 + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0 if kq else 1,
+                                            layout=plgpu.Layout.WGMMA)
+        seen = _visible(col, tile(lo), tile(length))
+        lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
+        return jnp.exp2(jnp.where(seen, st * scale2 - tile(lse2), -jnp.inf))
+
+      if kq:  # Sᵀ = K Qᵀ; Pᵀ and dSᵀ are the A operands of dV and dK, from registers
+
+        def s_mm(acc):
+          plgpu.wgmma(acc, k_smem, tr(q_smem))
+          return acc[...]
+
+        p = probs(pl.run_scoped(s_mm, plgpu.ACC(tile_shape, jnp.float32)))
+
+        def dv_dp(refs):
+          plgpu.wgmma(refs[0], p.astype(dtype), do_smem)
+          plgpu.wgmma(refs[1], v_smem, tr(do_smem))
+
+        dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(tile_shape))))
+        plgpu.barrier_arrive(do_done)
+        delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
+        plgpu.barrier_arrive(stat_done)
+        ds = (p * (dp - tile(delta))).astype(dtype)
+        ds_smem.at[par, wg][...] = ds
+        plgpu.commit_smem()
+      else:  # S = Q Kᵀ and dP = dO Vᵀ in one go; P and dS through shared memory
 
         def s_dp(refs):
           plgpu.wgmma(refs[0], q_smem, tr(k_smem))
@@ -220,32 +255,13 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
 
         st, dp = pl.run_state(s_dp)((plgpu.ACC.init(zeros(tile_shape)),
                                      plgpu.ACC.init(zeros(tile_shape))))
-      else:
-        def s_mm(acc):  # Sᵀ = K Qᵀ, or S = Q Kᵀ
-          plgpu.wgmma(acc, *((k_smem, tr(q_smem)) if kq else (q_smem, tr(k_smem))))
-          return acc[...]
-
-        st = pl.run_scoped(s_mm, plgpu.ACC(tile_shape, jnp.float32))
-      # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile
-      # needs no mask, and cheaper than branching (a lax.cond around it cost 28% in spills). One
-      # unsigned compare per element, and the scale and LSE as one FMA before the select (two
-      # compares and a separate multiply cost 10% of the backward, H100).
-      tile = lambda x: lax.broadcast_in_dim(x, tile_shape, [1 if kq else 0])
-      lo = plgpu.load(bound_smem.at[0], (), layout=row_layout)
-      length = plgpu.load(bound_smem.at[1], (), layout=row_layout)
-      plgpu.barrier_arrive(bound_done)
-      col = key0 + plgpu.broadcasted_iota(jnp.int32, tile_shape, 0 if kq else 1,
-                                          layout=plgpu.Layout.WGMMA)
-      seen = _visible(col, tile(lo), tile(length))
-      lse2 = plgpu.load(stat_smem.at[0], (), layout=row_layout)
-      p = jnp.exp2(jnp.where(seen, st * scale2 - tile(lse2), -jnp.inf))
-      if not kq:  # dV's A operand is Pᵀ, read transposed from dS's buffer (free until dS)
+        p = probs(st)
+        # dV's A operand is Pᵀ, read transposed from dS's buffer (the other warpgroup read this
+        # parity's dS two steps ago, before the barrier of the step between).
         ds_smem.at[par, wg][...] = p.astype(dtype)
         plgpu.commit_smem()
 
-      if together:  # dS while the dV matmul reads P; then dS takes P's place
-
-        def dv_ds(dv_acc):
+        def dv_ds(dv_acc):  # dS while dV's matmul reads P; then dS takes P's place
           plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
           delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
           ds = (p * (dp - tile(delta))).astype(dtype)
@@ -256,23 +272,6 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
         dv = pl.run_state(dv_ds)(plgpu.ACC.init(dv))
         plgpu.barrier_arrive(do_done)
         plgpu.barrier_arrive(stat_done)
-      else:
-        def dv_dp(refs):
-          dv_acc, dp_acc = refs
-          if kq:
-            plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
-            plgpu.wgmma(dp_acc, v_smem, tr(do_smem))
-          else:
-            plgpu.wgmma(dv_acc, tr(ds_smem.at[par, wg]), do_smem)
-            plgpu.wgmma(dp_acc, do_smem, tr(v_smem))
-
-        dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(tile_shape))))
-        plgpu.barrier_arrive(do_done)
-        delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
-        plgpu.barrier_arrive(stat_done)
-        ds = (p * (dp - tile(delta))).astype(dtype)
-        ds_smem.at[par, wg][...] = ds
-        plgpu.commit_smem()
 
       def both_ds():
         # Both warpgroups' dS are in shared memory: dQ's columns from all WGS * BLOCK_KV keys
