@@ -72,8 +72,8 @@ def timer(attn, q, k, v, do, *extra, fwd_only=False):
     return fms, (float("nan") if fwd_only else
                  median_ms(fwdbwd, q, k, v, do, *extra, warmup=warmup))
 
-  # GPU time instead of wall time: per kernel of a forward+backward call (`gpu_kernel_ms`), and
-  # (fwd ms, fwd+bwd ms) summed over the kernels of a call.
+  # Other views than wall time per call: GPU time per kernel of a forward+backward call
+  # (`gpu_kernel_ms`), and `gpu()` below.
   run.fwdbwd_kernels = lambda: gpu_kernel_ms(fwdbwd, q, k, v, do, *extra)
 
   def gpu():
