@@ -21,6 +21,10 @@
 #          the first N_KERNEL (default ca_tasks_bwd) launch of each of bench_kernels.py's N_BACKENDS
 #          (mosaic) on each batch of N_BATCHES (prolong pretrain) at N_CTX (65536) tokens: text
 #          reports to $OUT, the key lines printed; N_METRICS: more metrics, N_EXTRA: more ncu options
+#   kdump  1 GPU: one round of launch/ab_mosaic.py on Pretrain 64K (D_VERSIONS, default "now=")
+#          with Mosaic GPU's dumps on: each kernel's ptxas report (registers, spills) printed, its
+#          PTX to $OUT/ptx (assemble and read it on any machine: ptxas -arch=sm_90a -o k.cubin
+#          k.ptx; cuobjdump -sass k.cubin, cuobjdump from the nvidia-cuda-cuobjdump wheel)
 #   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
@@ -116,6 +120,13 @@ for suite in "$@"; do
          for v in ${N_VARIANTS:-}; do profile "tasks_$v" ca_tasks_bwd "--rows ours --backends mosaic:$v"; done
          (cd "$OUT" && tar czf ncu.tgz ncu_* && rm -f ncu_*)  # one file back (the tool caps the count)
          unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
+    kdump) rm -rf /tmp/mgpu_dump && mkdir -p /tmp/mgpu_dump "$OUT/ptx"
+           CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda MOSAIC_GPU_DUMP_TO=/tmp/mgpu_dump timeout -k 10 ${D_TIMEOUT:-240} \
+             python3 -P launch/ab_mosaic.py ${D_VERSIONS:-now=} --rounds 1 --datasets pretrain 2>&1 \
+             | grep "TF/s" | tee -a "$OUT/kdump.log"
+           for f in /tmp/mgpu_dump/*.ptxas; do echo "$(basename "$f" .ptxas): $(grep -h "spill stores" "$f")"; done \
+             | tee -a "$OUT/kdump.log"
+           cp /tmp/mgpu_dump/*.ptx "$OUT/ptx/" ;;
     ncub) for b in ${N_BATCHES:-prolong pretrain}; do
            for be in ${N_BACKENDS:-mosaic}; do
              f="$OUT/ncub_${b}_${be//[:=+]/_}.txt"
