@@ -8,6 +8,8 @@ REV:kernels/mosaic.py > FILE`), imported beside the package's so its relative im
 Every version is compiled once per batch, then timed `--rounds` times in rotating order (clocks
 drift over a run: the spread is printed), medians reported, forward / backward / f+b TF/s as
 bench_kernels.py counts them. Needs a Hopper GPU; same PYTHONPATH setup as bench_kernels.py.
+With MOSAIC_GPU_DUMP_PTXAS=1 in the environment ptxas reports each kernel's registers and spills
+(`bash launch/gpu_session.sh kdump` also keeps the PTX).
 """
 
 from __future__ import annotations
