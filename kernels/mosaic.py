@@ -86,6 +86,9 @@ class Options(NamedTuple):
                                  # +12% backward on Pretrain 64K, +5% ProLong (H100, same
                                  # process; with the S = Q Kᵀ tile's S and dP matmuls issued
                                  # together and dS under dV's, +15% / +7%)
+  dq_per_warpgroup: bool = False  # each warpgroup reduce-adds the dQ of its own 64 keys (all
+                                  # columns, 64 at a time): no barrier between the warpgroups,
+                                  # twice the float32 reduce traffic. Not yet measured
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -301,16 +304,38 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
             plgpu.copy_smem_to_gmem(out_smem.at[w], dq_ref.at[rows, h_of(s), cols],
                                     reduction_op="add")
 
+      def dq_own():  # dQ of this warpgroup's 64 keys, 64 columns at a time: no barrier
+        rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
+        for h in range(D // 64):
+          cols = pl.ds(h * 64, 64)
+
+          def dq_mm(acc):
+            ds_own = ds_smem.at[par, wg]
+            plgpu.wgmma(acc, tr(ds_own) if kq else ds_own, k_smem.at[:, cols])
+            return acc[...]
+
+          dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, 64), jnp.float32))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
+          out_smem.at[wg][...] = dq * scale
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg], dq_ref.at[rows, h_of(s), cols],
+                                  reduction_op="add")
+
+      barrier = opts.dk_under_barrier and not opts.dq_per_warpgroup
+
       def dk_mm(acc):
         plgpu.wgmma(acc, ds if kq else tr(ds_smem.at[par, wg]), q_smem)
-        if opts.dk_under_barrier:
+        if barrier:
           both_ds()
 
       dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(q_done)
-      if not opts.dk_under_barrier:
-        both_ds()
-      dq_part()
+      if opts.dq_per_warpgroup:
+        dq_own()
+      else:
+        if not barrier:
+          both_ds()
+        dq_part()
       return dk, dv
 
     pipeline = plgpu.emit_pipeline_warp_specialized(

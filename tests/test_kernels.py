@@ -318,7 +318,8 @@ _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     "fwd_in_order": dict(fwd_heavy_first=False),
                     "kq_scores": dict(kq_scores=True),
                     "hoisted_descriptors": dict(step_descriptors=False),
-                    "dk_then_barrier": dict(dk_under_barrier=False)}
+                    "dk_then_barrier": dict(dk_under_barrier=False),
+                    "dq_per_warpgroup": dict(dq_per_warpgroup=True)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
@@ -427,7 +428,8 @@ def test_mosaic_lowers_for_cuda():
     for kq in (True, False):  # both score tiles
       assert "mosaic_gpu" in _export_mosaic_backward(
           d, mosaic.Options(kq_scores=kq)).mlir_module()
-    for opts in (dict(step_descriptors=False), dict(kq_scores=True, dk_under_barrier=False)):
+    for opts in (dict(step_descriptors=False), dict(kq_scores=True, dk_under_barrier=False),
+                 dict(dq_per_warpgroup=True), dict(dq_per_warpgroup=True, kq_scores=True)):
       assert "mosaic_gpu" in _export_mosaic_backward(d, mosaic.Options(**opts)).mlir_module()
   for d, heavy_first in ((64, True), (128, True), (128, False)):  # the forward
     fwd = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, tasks, 0.1, heavy_first))
