@@ -120,6 +120,15 @@ def gpu_kernel_ms(fn, *args, calls=3) -> collections.Counter:
   return gpu_profile(fn, *args, calls=calls)[0]
 
 
+def _overlap_report():
+  """launch/overlap_report.py as a module (`python -P` leaves the script's folder off the path)."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  if here not in sys.path:
+    sys.path.insert(0, here)
+  import overlap_report
+  return overlap_report
+
+
 def gpu_profile(fn, *args, calls=3) -> tuple[collections.Counter, float]:
   """(GPU time per call of each kernel and copy `fn(*args)` runs, GPU span per call in ms) from
   a profiler trace of `calls` calls after one untraced call, each call ended by
@@ -127,11 +136,6 @@ def gpu_profile(fn, *args, calls=3) -> tuple[collections.Counter, float]:
   that wall time per call also holds. The span runs from a call's first kernel start to its last
   kernel end (median over calls, found as the `calls` groups the trace's widest gaps part): span
   minus the summed time is the GPU idling inside a call. Empty and nan where no GPU ran (CPU)."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  if here not in sys.path:  # `python -P` leaves the script's folder off the path
-    sys.path.insert(0, here)
-  import overlap_report
-
   jax.block_until_ready(fn(*args))
   per_name = collections.Counter()
   spans = []
@@ -140,7 +144,7 @@ def gpu_profile(fn, *args, calls=3) -> tuple[collections.Counter, float]:
       for _ in range(calls):
         jax.block_until_ready(fn(*args))
     path, = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
-    for _, ev in overlap_report.gpu_events(path):
+    for _, ev in _overlap_report().gpu_events(path):
       per_name[ev["name"][:60]] += float(ev["dur"]) / 1e3 / calls
       spans.append((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])))
   per_call = call_spans(spans, calls)
@@ -150,15 +154,14 @@ def gpu_profile(fn, *args, calls=3) -> tuple[collections.Counter, float]:
 def call_spans(intervals, calls):
   """Span (first start to last end) of each of `calls` sequential calls whose GPU intervals
   (start, end) are given in any order, the calls told apart by the `calls - 1` widest idle gaps;
-  [] when there are fewer intervals than calls."""
-  iv = sorted(intervals)
-  if len(iv) < calls:
+  [] when the intervals do not part into that many."""
+  busy = _overlap_report()._intervals_union(intervals)  # overlapping kernels: no gap inside
+  if len(busy) < calls:
     return []
-  reach = np.maximum.accumulate([e for _, e in iv])  # overlapping intervals: no gap inside
-  gaps = [(iv[i + 1][0] - reach[i], i) for i in range(len(iv) - 1)]
-  cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:calls - 1])
-  return [float(reach[b] - iv[a][0]) for a, b in zip([0] + [i + 1 for i in cuts],
-                                                     cuts + [len(iv) - 1])]
+  gaps = sorted(((busy[i + 1][0] - busy[i][1], i) for i in range(len(busy) - 1)), reverse=True)
+  cuts = sorted(i for _, i in gaps[:calls - 1])
+  return [float(busy[b][1] - busy[a][0]) for a, b in zip([0] + [i + 1 for i in cuts],
+                                                         cuts + [len(busy) - 1])]
 
 
 def queued_ms(fn, *args, calls=8, repeats=3):
