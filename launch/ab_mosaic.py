@@ -86,9 +86,10 @@ def main():
         print(kernel_table(f"{ds}-{args.context // 1024}K {n}", run), flush=True)
     for n, ts in times.items():
       fms, fbms = (float(np.median([t[i] for t in ts])) for i in (0, 1))
-      bwd = [2.5 * f / (t[1] - t[0]) / 1e9 for t in ts]
-      print(f"{ds}-{args.context // 1024}K {n:10s} fwd {f / fms / 1e9:6.1f}  bwd "
-            f"{2.5 * f / (fbms - fms) / 1e9:6.1f}  f+b {3.5 * f / fbms / 1e9:6.1f} TF/s  "
+      bwd = [bk.tflops(f, *t)[1] for t in ts]
+      tf = bk.tflops(f, fms, fbms)
+      print(f"{ds}-{args.context // 1024}K {n:10s} fwd {tf[0]:6.1f}  bwd {tf[1]:6.1f}  "
+            f"f+b {tf[2]:6.1f} TF/s  "
             f"(bwd by round {' '.join(f'{b:.0f}' for b in bwd)})", flush=True)
 
 

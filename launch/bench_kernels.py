@@ -215,6 +215,13 @@ def tile_waste(tasks, T, block_q, block_k):
   return visited * block_q * block_k / float(kernels.causal_area(tasks).sum())
 
 
+def tflops(f, fms, fbms):
+  """(forward, backward, forward+backward) TF/s of a call with forward FLOPs `f` taking `fms` ms
+  forward and `fbms` ms forward+backward: backward 2.5x the forward's FLOPs in fbms - fms, f+b
+  3.5x (the DESIGN.md convention)."""
+  return f / fms / 1e9, 2.5 * f / max(fbms - fms, 1e-6) / 1e9, 3.5 * f / fbms / 1e9
+
+
 def fwd_flops(area):
   return 4.0 * D * H * area
 
@@ -427,9 +434,9 @@ def main():
           try:
             fms, fbms = time_backend(tb, tasks, T, S, attn=lambda q, k, v, t, cfg=cfg, mod=mod:
                                      mod.attention(q, k, v, t, config=cfg))
-            print(f"tune {tb:7s} {cname:22s} fwd {f / fms / 1e9:6.1f} TF/s  bwd "
-                  f"{2.5 * f / max(fbms - fms, 1e-6) / 1e9:6.1f}  f+b {3.5 * f / fbms / 1e9:6.1f}",
-                  flush=True)
+            tf = tflops(f, fms, fbms)
+            print(f"tune {tb:7s} {cname:22s} fwd {tf[0]:6.1f} TF/s  bwd {tf[1]:6.1f}  "
+                  f"f+b {tf[2]:6.1f}", flush=True)
             results.setdefault("tune", []).append(dict(backend=tb, config=cname, batch=name,
                                                        fwd_ms=fms, fwdbwd_ms=fbms))
             tried.append((cfg, fms, fbms))
@@ -479,8 +486,7 @@ def main():
                     {n: (med(n, 0), med(n, 1)) for n in gpu})
       for b in (b for b in backends if b in times):
         fms, fbms = med(b, 0), med(b, 1)
-        bms = max(fbms - fms, 1e-6)
-        tf = (f / fms / 1e9, 2.5 * f / bms / 1e9, 3.5 * f / fbms / 1e9)
+        tf = tflops(f, fms, fbms)
         spread = [3.5 * f / t[1] / 1e9 for t in times[b]]
         print(f"{name:24s} {b:8s} {tf[0]:9.1f} {tf[1]:9.1f} {tf[2]:9.1f} {d_tf[0]:8.1f} "
               f"{d_tf[1]:9.1f} {tf[2] / d_tf[1]:9.2f}"
