@@ -282,44 +282,35 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
         plgpu.barrier_arrive(ds_bar.at[par])
         plgpu.barrier_wait(ds_bar.at[par])
 
-      def dq_part():  # this warpgroup's share of the tile's dQ, reduce-added to global memory
+      def reduce_dq(rows, srcs, slot, cols, width):
+        """dQ[rows, cols] += scale · Σ dS_src K_src[:, cols] over `srcs`, the warpgroups whose
+        64 keys count, staged in out_smem[slot] and reduce-added by the TMA unit."""
+        def dq_mm(acc):
+          for src in srcs:
+            ds_src = ds_smem.at[par, src]  # [keys, rows] (kq) or [rows, keys]
+            k_src = k_smem2.at[src + (wg_s - wg) if opts.step_descriptors else src]
+            plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_src.at[:, cols])
+          return acc[...]
+
+        dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, width), jnp.float32))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
+        out_smem.at[slot][...] = dq * scale
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[slot], dq_ref.at[rows, h_of(s), cols],
+                                reduction_op="add")
+
+      def dq_part():  # this warpgroup's share of the tile's dQ columns, from every key
         rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
         for w in range(WGS):  # static column slices, one branch per warpgroup
 
           @pl.when((wg == w) if split else ((wg == w) & (par == w)))
           def _(w=w):
-            cols = pl.ds(w * dq_cols if split else 0, dq_cols)
-
-            def dq_mm(acc):
-              for src in range(WGS):
-                ds_src = ds_smem.at[par, src]  # [keys, rows] (kq) or [rows, keys]
-                k_src = k_smem2.at[src + (wg_s - wg) if opts.step_descriptors else src]
-                plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_src.at[:, cols])
-              return acc[...]
-
-            dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, dq_cols), jnp.float32))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
-            out_smem.at[w][...] = dq * scale
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[w], dq_ref.at[rows, h_of(s), cols],
-                                    reduction_op="add")
+            reduce_dq(rows, range(WGS), w, pl.ds(w * dq_cols if split else 0, dq_cols), dq_cols)
 
       def dq_own():  # dQ of this warpgroup's 64 keys, 64 columns at a time: no barrier
         rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
         for h in range(D // 64):
-          cols = pl.ds(h * 64, 64)
-
-          def dq_mm(acc):
-            ds_own = ds_smem.at[par, wg]
-            plgpu.wgmma(acc, tr(ds_own) if kq else ds_own, k_smem.at[:, cols])
-            return acc[...]
-
-          dq = pl.run_scoped(dq_mm, plgpu.ACC((BLOCK_Q, 64), jnp.float32))
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read the buffer
-          out_smem.at[wg][...] = dq * scale
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg], dq_ref.at[rows, h_of(s), cols],
-                                  reduction_op="add")
+          reduce_dq(rows, (wg,), wg, pl.ds(h * 64, 64), 64)
 
       barrier = opts.dk_under_barrier and not opts.dq_per_warpgroup
 
