@@ -416,20 +416,18 @@ def _export_mosaic_backward(head_dim, opts=None):
 
 def test_mosaic_lowers_for_cuda():
   """The Mosaic GPU backward and forward trace and lower for CUDA on this machine (no GPU
-  needed): their layouts, transforms, barriers and pipelines are checked up to the PTX
-  compiler."""
+  needed): their layouts, transforms, barriers and pipelines are checked (the PTX is made on the
+  GPU)."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from jax import export
   from distca_jax.kernels import mosaic
   tasks, T, S, H, K, _ = case_gpu_sizes()
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  for d in (64, 128):
-    for kq in (True, False):  # both score tiles
-      assert "mosaic_gpu" in _export_mosaic_backward(
-          d, mosaic.Options(kq_scores=kq)).mlir_module()
-    for opts in (dict(step_descriptors=False), dict(kq_scores=True, dk_under_barrier=False),
-                 dict(dq_per_warpgroup=True), dict(dq_per_warpgroup=True, kq_scores=True)):
+  for d in (64, 128):  # the backward: its default and every other code path of its options
+    for opts in (dict(), dict(kq_scores=True), dict(step_descriptors=False),
+                 dict(kq_scores=True, dk_under_barrier=False), dict(dq_per_warpgroup=True),
+                 dict(dq_per_warpgroup=True, kq_scores=True)):
       assert "mosaic_gpu" in _export_mosaic_backward(d, mosaic.Options(**opts)).mlir_module()
   for d, heavy_first in ((64, True), (128, True), (128, False)):  # the forward
     fwd = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, tasks, 0.1, heavy_first))
