@@ -86,9 +86,6 @@ class Options(NamedTuple):
                                  # +12% backward on Pretrain 64K, +5% ProLong (H100, same
                                  # process; with the S = Q Kᵀ tile's S and dP matmuls issued
                                  # together and dS under dV's, +15% / +7%)
-  dq_per_warpgroup: bool = False  # each warpgroup reduce-adds the dQ of its own 64 keys (all
-                                  # columns, 64 at a time): no barrier between the warpgroups,
-                                  # twice the float32 reduce traffic. Not yet measured
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -282,11 +279,11 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
         plgpu.barrier_arrive(ds_bar.at[par])
         plgpu.barrier_wait(ds_bar.at[par])
 
-      def reduce_dq(rows, srcs, slot, cols, width):
-        """dQ[rows, cols] += scale · Σ dS_src K_src[:, cols] over `srcs`, the warpgroups whose
-        64 keys count, staged in out_smem[slot] and reduce-added by the TMA unit."""
+      def reduce_dq(rows, slot, cols, width):
+        """dQ[rows, cols] += scale · dS K[:, cols] over all WGS * BLOCK_KV keys, staged in
+        out_smem[slot] and reduce-added by the TMA unit."""
         def dq_mm(acc):
-          for src in srcs:
+          for src in range(WGS):
             ds_src = ds_smem.at[par, src]  # [keys, rows] (kq) or [rows, keys]
             k_src = k_smem2.at[src + (wg_s - wg) if opts.step_descriptors else src]
             plgpu.wgmma(acc, tr(ds_src) if kq else ds_src, k_src.at[:, cols])
@@ -305,14 +302,9 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
 
           @pl.when((wg == w) if split else ((wg == w) & (par == w)))
           def _(w=w):
-            reduce_dq(rows, range(WGS), w, pl.ds(w * dq_cols if split else 0, dq_cols), dq_cols)
+            reduce_dq(rows, w, pl.ds(w * dq_cols if split else 0, dq_cols), dq_cols)
 
-      def dq_own():  # dQ of this warpgroup's 64 keys, 64 columns at a time: no barrier
-        rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
-        for h in range(D // 64):
-          reduce_dq(rows, (wg,), wg, pl.ds(h * 64, 64), 64)
-
-      barrier = opts.dk_under_barrier and not opts.dq_per_warpgroup
+      barrier = opts.dk_under_barrier
 
       def dk_mm(acc):
         plgpu.wgmma(acc, ds if kq else tr(ds_smem.at[par, wg]), q_smem)
@@ -321,12 +313,9 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
 
       dk = pl.run_state(dk_mm)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(q_done)
-      if opts.dq_per_warpgroup:
-        dq_own()
-      else:
-        if not barrier:
-          both_ds()
-        dq_part()
+      if not barrier:
+        both_ds()
+      dq_part()
       return dk, dv
 
     pipeline = plgpu.emit_pipeline_warp_specialized(

@@ -318,8 +318,7 @@ _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     "fwd_in_order": dict(fwd_heavy_first=False),
                     "kq_scores": dict(kq_scores=True),
                     "hoisted_descriptors": dict(step_descriptors=False),
-                    "dk_then_barrier": dict(dk_under_barrier=False),
-                    "dq_per_warpgroup": dict(dq_per_warpgroup=True)}
+                    "dk_then_barrier": dict(dk_under_barrier=False)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
@@ -426,8 +425,7 @@ def test_mosaic_lowers_for_cuda():
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   for d in (64, 128):  # the backward: its default and every other code path of its options
     for opts in (dict(), dict(kq_scores=True), dict(step_descriptors=False),
-                 dict(kq_scores=True, dk_under_barrier=False), dict(dq_per_warpgroup=True),
-                 dict(dq_per_warpgroup=True, kq_scores=True)):
+                 dict(kq_scores=True, dk_under_barrier=False)):
       assert "mosaic_gpu" in _export_mosaic_backward(d, mosaic.Options(**opts)).mlir_module()
   for d, heavy_first in ((64, True), (128, True), (128, False)):  # the forward
     fwd = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, tasks, 0.1, heavy_first))
