@@ -13,8 +13,11 @@ Two parts:
    the real causal area, next to cuDNN dense causal attention
    (`jax.nn.dot_product_attention(..., implementation="cudnn", is_causal=True)`) of equal area,
    measured in the same run.
-2. A (q, kv) sweep from 128 to 64K: tasks of q queries over one shared kv-row prefix, as many as
-   give a measurable time; writes the table the scheduler's cost model loads:
+2. A (q, kv) sweep from 128 to 64K: tasks of q queries, each over kv key rows of its own
+   (`--sweep-layout own`; `shared`: all over the same kv rows, as the tables before 2026-11-27
+   were made, which leaves a backward parallel over key blocks a handful of CTAs when kv is
+   short: 8 CTAs on 132 SMs at kv = 128), as many as give a measurable time; writes the table
+   the scheduler's cost model loads:
    {"device", "dtype", "heads", "kv_heads", "head_dim", "q", "kv", "fwd_ms", "fwdbwd_ms"}, with
    times per task (ms), null where q > kv or not measured.
 
@@ -240,13 +243,16 @@ def doc_layout(doc_lens, max_shard):
   return kernels.make_task_table(qs, ql, ks, kl, num_q_rows=off, num_kv_rows=off), off, off
 
 
-def sweep_layout(q, kv, target_area=1.5e8, max_rows=65536):
-  """n tasks of q queries each, all over the same kv rows [0, kv)."""
+def sweep_layout(q, kv, target_area=1.5e8, max_rows=65536, own_kv=True, max_kv_rows=1 << 21):
+  """n tasks of q queries each, each over kv key rows of its own (own_kv) or all over the same
+  kv rows [0, kv)."""
   area = q * kv - q * (q - 1) / 2
-  n = int(max(1, min(math.ceil(target_area / area), max_rows // q)))
-  tasks = kernels.make_task_table([i * q for i in range(n)], [q] * n, [0] * n, [kv] * n,
-                                  num_q_rows=n * q, num_kv_rows=kv)
-  return tasks, n * q, kv, n
+  n = int(max(1, min(math.ceil(target_area / area), max_rows // q,
+                     max_kv_rows // kv if own_kv else max_rows)))
+  starts = [i * kv if own_kv else 0 for i in range(n)]
+  tasks = kernels.make_task_table([i * q for i in range(n)], [q] * n, starts, [kv] * n,
+                                  num_q_rows=n * q, num_kv_rows=n * kv if own_kv else kv)
+  return tasks, n * q, (n * kv if own_kv else kv), n
 
 
 def inputs(T, S, seed=0):
@@ -377,6 +383,8 @@ def main():
   ap.add_argument("--max-shard", type=int, default=8192,
                   help="longest shard (tokens) a document is cut into")
   ap.add_argument("--sweep", default="128,512,2048,8192,32768,65536")
+  ap.add_argument("--sweep-layout", choices=("own", "shared"), default="own",
+                  help="each sweep task over key rows of its own, or all over the same ones")
   ap.add_argument("--table-backend", default="auto",
                   help="backend of the (q, kv) table; auto: best mean f+b TF/s on the batches")
   ap.add_argument("--budget-s", type=float, default=400.0,
@@ -521,7 +529,7 @@ def main():
     args.table_backend = max(score, key=lambda b: np.mean(score[b])) if score else backends[0]
   sweep = [int(x) for x in args.sweep.split(",") if x]
   table = {"device": device, "dtype": "bfloat16", "heads": H, "kv_heads": K, "head_dim": D,
-           "backend": args.table_backend, "q": sweep, "kv": sweep,
+           "backend": args.table_backend, "layout": args.sweep_layout, "q": sweep, "kv": sweep,
            "fwd_ms": [[None] * len(sweep) for _ in sweep],
            "fwdbwd_ms": [[None] * len(sweep) for _ in sweep]}
   if sweep:
@@ -530,7 +538,7 @@ def main():
     for j, kv in enumerate(sweep):
       if q > kv or over():
         continue
-      tasks, T, S, n = sweep_layout(q, kv)
+      tasks, T, S, n = sweep_layout(q, kv, own_kv=args.sweep_layout == "own")
       try:
         fms, fbms = time_backend(args.table_backend, tasks, T, S)
       except Exception as e:  # noqa: BLE001

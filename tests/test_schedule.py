@@ -7,6 +7,7 @@ positions, and the output of the simulated dispatch is compared with per-documen
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -353,6 +354,23 @@ def test_time_table_interpolation(tmp_path):
   bad["fwd_ms"] = [[None] * 4] * 4
   with pytest.raises(ValueError, match="no measured"):
     TimeTable.from_dict(bad)
+
+
+@pytest.mark.parametrize("path", sorted(
+    (Path(__file__).parent.parent / "kernels" / "tables").glob("*.json")), ids=lambda p: p.stem)
+def test_shipped_time_tables_load(path):
+  """Every measured table the package ships loads, and each measured cell's forward+backward
+  lies between 1 and 1000 TFLOP/s of the causal area (a unit or transposition slip would not)."""
+  tt = TimeTable.from_json(path)
+  d = json.loads(path.read_text())
+  for i, q in enumerate(d["q"]):
+    for j, kv in enumerate(d["kv"]):
+      ms = d["fwdbwd_ms"][i][j]
+      if ms is None:
+        continue
+      tflops = 3.5 * 4 * d["heads"] * d["head_dim"] * causal_area(q, kv) / (ms * 1e9)
+      assert 1 < tflops < 1000, (q, kv, tflops)
+      assert np.isclose(tt.fwdbwd_ms(q, kv), ms), (q, kv)
 
 
 def test_plan_json_dump(tmp_path):
