@@ -4,8 +4,9 @@
 The `mosaic` backend is this pair (no jax-triton needed); `Options(forward="triton")` puts our
 Triton forward before this backward, and the `cudnn` backend takes the backward as
 `backward="mosaic"`. H100, head dim 128, same process (docs/PERFORMANCE.md): forward+backward
-0.90-0.92x dense cuDNN causal attention on the Pretrain batches and 0.81-0.84x on ProLong (by wall
-time per call; 0.88-0.90x and 0.84x by GPU time), against the Triton pair's 0.73x and 0.67-0.69x.
+0.90-0.93x dense cuDNN causal attention by wall time per call on five of the benchmark's eight
+batches (Pretrain 64K / 128K / 512K, ProLong 256K / 512K) and 0.81-0.87x on the three whose CTAs
+are shortest (ProLong 64K / 128K, Pretrain 256K), against the Triton pair's 0.67-0.76x.
 
 Why one kernel: our Triton and Pallas backwards run two (dQ over key blocks; dK/dV over query
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
