@@ -383,6 +383,8 @@ def main():
   ap.add_argument("--max-shard", type=int, default=8192,
                   help="longest shard (tokens) a document is cut into")
   ap.add_argument("--sweep", default="128,512,2048,8192,32768,65536")
+  ap.add_argument("--sweep-area", type=float, default=1.5e8,
+                  help="causal area a sweep cell's tasks add up to (as many tasks as reach it)")
   ap.add_argument("--sweep-layout", choices=("own", "shared"), default="own",
                   help="each sweep task over key rows of its own, or all over the same ones")
   ap.add_argument("--table-backend", default="auto",
@@ -538,7 +540,8 @@ def main():
     for j, kv in enumerate(sweep):
       if q > kv or over():
         continue
-      tasks, T, S, n = sweep_layout(q, kv, own_kv=args.sweep_layout == "own")
+      tasks, T, S, n = sweep_layout(q, kv, target_area=args.sweep_area,
+                                    own_kv=args.sweep_layout == "own")
       try:
         fms, fbms = time_backend(args.table_backend, tasks, T, S)
       except Exception as e:  # noqa: BLE001

@@ -82,8 +82,8 @@ def test_bench_kernels_rounds(tmp_path):
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--backends",
                          "reference,pallas", "--contexts", "1024", "--datasets", "pretrain,prolong",
-                         "--sweep", "128", "--table-backend", "reference", "--rounds", "2",
-                         "--heads", "2,1", "--head-dim", "16",
+                         "--sweep", "128", "--sweep-area", "4e4", "--table-backend", "reference",
+                         "--rounds", "2", "--heads", "2,1", "--head-dim", "16",
                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                         env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
