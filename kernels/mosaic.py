@@ -87,6 +87,9 @@ class Options(NamedTuple):
                                  # +12% backward on Pretrain 64K, +5% ProLong (H100, same
                                  # process; with the S = Q Kᵀ tile's S and dP matmuls issued
                                  # together and dS under dV's, +15% / +7%)
+  fwd_ctas: int = 0  # 0: a forward CTA per (query tile, head); -1: one persistent CTA per SM
+                     # looping over them (`forward_persistent`); N: N persistent CTAs. Not
+                     # yet measured
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -361,6 +364,91 @@ FWD_BLOCK_KV = 128  # key rows per step
 FWD_STAGES = 2      # key blocks in flight
 
 
+def _take_turn(turn):
+  """The forward's two compute warpgroups meet at `turn` (two arrivals): each passes the tensor
+  cores to the other."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  plgpu.barrier_arrive(turn)
+  plgpu.barrier_wait(turn)
+
+
+def _fwd_key_blocks(qo_smem, k_smem, v_smem, bars, sched, n, lo, length, carry, *,
+                    scale2: float, g0=None, total=None):
+  """One query tile's key blocks in a forward compute warpgroup: (acc, m, l) after the n blocks
+  from kb_lo of `sched` (kb_lo, full_lo, full_hi), those outside [full_lo, full_hi) masked to
+  each row's key range [lo, lo + length). K and V block j sit in stage slot
+  (g0 + j) % FWD_STAGES; while block j's P·V runs, the warpgroup waits for block j + 1's K if
+  g0 + j + 1 < total (g0 None: 0 and the tile's own block count)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  k_bars, v_bars, k_consumed, v_consumed, turn = bars
+  kb_lo, full_lo, full_hi = sched
+  total = n if total is None else total
+  stages = FWD_STAGES
+  dtype = qo_smem.dtype
+  tile = lambda x: lax.broadcast_in_dim(x, (FWD_BLOCK_Q, FWD_BLOCK_KV), [0])
+
+  take_turn = functools.partial(_take_turn, turn)
+
+  def kv_step(j, carry, masked: bool):
+    acc, m_i, l_i = carry
+    g = j if g0 is None else g0 + j
+    slot = lax.rem(g, jnp.array(stages, g.dtype))
+
+    def qk_mm(acc_ref):
+      plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+      take_turn()
+      return acc_ref[...]
+
+    qk = pl.run_scoped(qk_mm, plgpu.ACC((FWD_BLOCK_Q, FWD_BLOCK_KV), jnp.float32))
+    plgpu.barrier_arrive(k_consumed.at[slot])
+    if masked:  # each row to its key range; a row that has seen nothing yet keeps m = -inf
+      col = (kb_lo + j) * FWD_BLOCK_KV + plgpu.broadcasted_iota(
+          jnp.int32, (FWD_BLOCK_Q, FWD_BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+      qk = jnp.where(_visible(col, tile(lo), tile(length)), qk, -jnp.inf)
+    m_ij = jnp.maximum(m_i, qk.max(axis=1) * scale2)
+    m_use = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(qk * scale2 - tile(m_use))
+    acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l_i *= alpha
+    p16 = p.astype(dtype)
+    # As JAX's kernel: this order measured fastest there at head dims <= 128.
+    l_i += p.sum(axis=1)
+    acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+    plgpu.barrier_arrive(turn)  # done with the softmax
+    plgpu.barrier_wait(v_bars.at[slot])
+    plgpu.barrier_wait(turn)  # the tensor cores are ours
+
+    def pv_mm(acc_ref):
+      plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+      nxt = g + 1
+
+      @pl.when(nxt < total)
+      def _():
+        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.array(stages, nxt.dtype))])
+
+    acc = pl.run_state(pv_mm)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(v_consumed.at[slot])
+    return acc, m_ij, l_i
+
+  carry = lax.fori_loop(0, full_lo - kb_lo, functools.partial(kv_step, masked=True), carry)
+  carry = lax.fori_loop(full_lo - kb_lo, full_hi - kb_lo,
+                        functools.partial(kv_step, masked=False), carry)
+  return lax.fori_loop(full_hi - kb_lo, n, functools.partial(kv_step, masked=True), carry)
+
+
+def _fwd_finish(acc, m_i, l_i, o_smem, lse_smem):
+  """O (normalised, in o_smem's dtype) and the natural-log LSE of one warpgroup's rows into
+  shared memory (-inf and O = 0 for rows that saw nothing)."""
+  seen = l_i > 0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+  o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+  lse_smem[...] = jnp.where(
+      seen, m_i * (1.0 / LOG2E) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+
+
 def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_first: bool = True):
   """O [T, H, D] and natural-log LSE [T, H] (float32; -inf and O = 0 for rows that see nothing)
   from one Mosaic GPU kernel, after JAX's `attention_mgpu` forward (FA3's two compute warpgroups
@@ -408,9 +496,7 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_fir
     kb_lo, full_lo, full_hi, kb_hi = (sched_ref[i, qt] for i in range(4))
     n = kb_hi - kb_lo
 
-    def take_turn():
-      plgpu.barrier_arrive(turn)
-      plgpu.barrier_wait(turn)
+    take_turn = functools.partial(_take_turn, turn)
 
     @pl.when(wg < WGS)
     def _compute():
@@ -424,7 +510,6 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_fir
       lo = plgpu.load(bnd_smem2.at[wg, 0], (), layout=row_layout)
       length = plgpu.load(bnd_smem2.at[wg, 1], (), layout=row_layout)
       plgpu.barrier_wait(q_bars.at[wg])
-      tile = lambda x: lax.broadcast_in_dim(x, (FWD_BLOCK_Q, FWD_BLOCK_KV), [0])
       m_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
       l_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), 0, jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -434,60 +519,11 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_fir
         plgpu.barrier_wait(k_bars.at[0])
 
       pl.when(wg == 1)(take_turn)
-
-      def kv_step(j, carry, masked: bool):
-        acc, m_i, l_i = carry
-        slot = lax.rem(j, jnp.array(stages, j.dtype))
-
-        def qk_mm(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          take_turn()
-          return acc_ref[...]
-
-        qk = pl.run_scoped(qk_mm, plgpu.ACC((FWD_BLOCK_Q, FWD_BLOCK_KV), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        if masked:  # each row to its key range; a row that has seen nothing yet keeps m = -inf
-          col = (kb_lo + j) * FWD_BLOCK_KV + plgpu.broadcasted_iota(
-              jnp.int32, (FWD_BLOCK_Q, FWD_BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(_visible(col, tile(lo), tile(length)), qk, -jnp.inf)
-        m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
-        m_use = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(qk * c - tile(m_use))
-        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i *= alpha
-        p16 = p.astype(dtype)
-        # As JAX's kernel: this order measured fastest there at head dims <= 128.
-        l_i += p.sum(axis=1)
-        acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
-        plgpu.barrier_arrive(turn)  # done with the softmax
-        plgpu.barrier_wait(v_bars.at[slot])
-        plgpu.barrier_wait(turn)  # the tensor cores are ours
-
-        def pv_mm(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          nxt = j + 1
-
-          @pl.when(nxt < n)
-          def _():
-            plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.array(stages, nxt.dtype))])
-
-        acc = pl.run_state(pv_mm)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_ij, l_i
-
-      carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(0, full_lo - kb_lo, functools.partial(kv_step, masked=True), carry)
-      carry = lax.fori_loop(full_lo - kb_lo, full_hi - kb_lo,
-                            functools.partial(kv_step, masked=False), carry)
-      acc, m_i, l_i = lax.fori_loop(full_hi - kb_lo, n, functools.partial(kv_step, masked=True),
-                                    carry)
+      acc, m_i, l_i = _fwd_key_blocks(
+          qo_smem, k_smem, v_smem, (k_bars, v_bars, *consumed, turn),
+          (kb_lo, full_lo, full_hi), n, lo, length, (acc, m_i, l_i), scale2=c)
       pl.when(wg == 0)(take_turn)
-      seen = l_i > 0
-      inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-      qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-      lse_smem2.at[wg][...] = jnp.where(
-          seen, m_i * (1.0 / LOG2E) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+      _fwd_finish(acc, m_i, l_i, qo_smem, lse_smem2.at[wg])
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[rows, h])
       plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[h, rows])
@@ -532,6 +568,191 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_fir
                        jax.ShapeDtypeStruct((H, Tp), jnp.float32)], mesh=mesh,
       compiler_params=plgpu.CompilerParams(approx_math=True), name="ca_tasks_fwd")(
       _pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp), sched, bounds, order)
+  return o[:T], lse.T[:T]
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the first device (a GPU's `core_count`); 132 (an H100 SXM)
+  where the device does not say (e.g. lowering for CUDA on a CPU)."""
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) if dev.platform == "gpu" else 0) or 132
+
+
+def snake_units(ctas: int, units: int):
+  """The persistent forward's deal of `units` positions to `ctas` CTAs: round r gives position
+  r·ctas + i to CTA i when r is even, to CTA ctas − 1 − i when odd (heaviest units first, so the
+  rounds' sums even out). Returns (rounds, position(r, cta), count(cta)); position and count are
+  plain integer arithmetic, for jnp / lax values in and out of the kernel alike."""
+  rounds = cdiv(units, ctas)
+
+  def position(r, cta):
+    return r * ctas + jnp.where(r % 2 == 0, cta, ctas - 1 - cta)
+
+  def count(cta):  # every round but the last is full
+    return rounds - 1 + (position(rounds - 1, cta) < units).astype(jnp.int32)
+
+  return rounds, position, count
+
+
+def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, ctas: int = -1):
+  """`forward` with persistent CTAs: `ctas` of them (-1: one per SM) loop over the (query tile,
+  head) units, heaviest tiles first, every head of a tile side by side, dealt to the CTAs in
+  snake order (round r gives unit r·P + i to CTA i, or to CTA P − 1 − i when r is odd), so a
+  CTA's fixed work overlaps its neighbours' instead of ending the CTA: its memory warpgroup
+  streams the next unit's first K / V blocks while the compute warpgroups finish the last unit
+  (one flat step sequence over all its units), each compute warpgroup loads the next unit's Q
+  rows into a second buffer, and O and LSE leave by TMA without a wait. The same math, masks
+  and turn-taking as `forward`, whose CTAs on short-document batches (ProLong 64K) run ~18 key
+  blocks each on average."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  T, H, D = q_TxHxD.shape
+  S, K, _ = k_SxKxD.shape
+  G = H // K
+  dtype = q_TxHxD.dtype
+  rows_cta = WGS * FWD_BLOCK_Q
+  Tp = cdiv(T, rows_cta) * rows_cta
+  Sp = cdiv(S, FWD_BLOCK_KV) * FWD_BLOCK_KV
+  nq = Tp // rows_cta
+  sch = query_schedule(tasks, Tp, rows_cta, FWD_BLOCK_KV)
+  sched = jnp.stack([sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi])  # [4, nq]
+  order = jnp.argsort(sch.kb_lo - sch.kb_hi, stable=True).astype(jnp.int32)
+  units = nq * H
+  P = min(num_sms() if ctas == -1 else int(ctas), units)
+  if P < 1:
+    raise ValueError(f"mosaic forward: {ctas} persistent CTAs; give -1 (one per SM) or >= 1")
+  rounds, position, count = snake_units(P, units)
+  # Each CTA's step count over all its units (the compute warpgroups' last K wait needs it).
+  r_C, c_C = jnp.meshgrid(jnp.arange(rounds, dtype=jnp.int32), jnp.arange(P, dtype=jnp.int32))
+  pos_C = position(r_C, c_C)
+  steps = jnp.maximum(sch.kb_hi - sch.kb_lo, 0)[order][jnp.minimum(pos_C, units - 1) // H]
+  totals = jnp.sum(jnp.where(pos_C < units, steps, 0), axis=1, dtype=jnp.int32)  # [P]
+  bounds = _row_ranges(sch.row_lo, sch.row_hi)  # [2, Tp]
+  c = float(scale) * LOG2E
+  tiles16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # per query row of a [rows, keys] tile
+  stages = FWD_STAGES
+
+  def kernel(q_ref, k_ref, v_ref, sched_ref, bounds_ref, order_ref, totals_ref, o_ref, lse_ref,
+             scoped):
+    cta = lax.axis_index("cta")
+    wg = lax.axis_index("wg")
+    (qo_smem, k_smem, v_smem, lse_smem, bnd_smem), bars, consumed, turn = scoped
+    k_bars, v_bars, q_bars, b_bars = bars
+    k_consumed, v_consumed = consumed
+    n_units = count(cta)
+
+    def unit(r):  # (query tile, head) of this CTA's r-th unit
+      p = position(r, cta)
+      return order_ref[lax.div(p, jnp.array(H, p.dtype))], lax.rem(p, jnp.array(H, p.dtype))
+
+    take_turn = functools.partial(_take_turn, turn)
+
+    @pl.when(wg < WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      total = totals_ref[cta]
+
+      def rows_of(qt):
+        return pl.ds(qt * rows_cta + wg * FWD_BLOCK_Q, FWD_BLOCK_Q)
+
+      def load_q(r, buf):  # this warpgroup's Q rows and key ranges of unit r into buffer buf
+        qt, h = unit(r)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows_of(qt), h], qo_smem.at[buf, wg],
+                                q_bars.at[buf * WGS + wg])
+        plgpu.copy_gmem_to_smem(bounds_ref.at[:, rows_of(qt)], bnd_smem.at[buf, wg],
+                                b_bars.at[buf * WGS + wg])
+
+      load_q(0, 0)
+
+      @pl.when(total > 0)
+      def _():
+        plgpu.barrier_wait(k_bars.at[0])
+
+      pl.when(wg == 1)(take_turn)
+
+      def run_unit(r, g0):
+        buf = lax.rem(r, 2)
+        qt, h = unit(r)
+        kb_lo, full_lo, full_hi, kb_hi = (sched_ref[i, qt] for i in range(4))
+        plgpu.barrier_wait(b_bars.at[buf * WGS + wg])
+        lo = plgpu.load(bnd_smem.at[buf, wg, 0], (), layout=row_layout)
+        length = plgpu.load(bnd_smem.at[buf, wg, 1], (), layout=row_layout)
+        plgpu.barrier_wait(q_bars.at[buf * WGS + wg])
+
+        @pl.when(r + 1 < n_units)
+        def _():
+          # The last unit's O and LSE stores have read the other buffer: reuse it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_q(r + 1, 1 - buf)
+
+        m_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), 0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
+        n = kb_hi - kb_lo
+        acc, m_i, l_i = _fwd_key_blocks(
+            qo_smem.at[buf, wg], k_smem, v_smem, (k_bars, v_bars, *consumed, turn),
+            (kb_lo, full_lo, full_hi), n, lo, length, (acc, m_i, l_i), scale2=c, g0=g0,
+            total=total)
+        _fwd_finish(acc, m_i, l_i, qo_smem.at[buf, wg], lse_smem.at[buf, wg])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem.at[buf, wg], o_ref.at[rows_of(qt), h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[buf, wg], lse_ref.at[h, rows_of(qt)])
+        return g0 + n
+
+      lax.fori_loop(0, n_units, run_unit, jnp.int32(0))
+      pl.when(wg == 0)(take_turn)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def unit_loads(r, g0):  # one flat sequence of K / V blocks over this CTA's units
+        qt, h = unit(r)
+        kb_lo = sched_ref[0, qt]
+        kh = lax.div(h, jnp.array(G, h.dtype))
+        n = sched_ref[3, qt] - kb_lo
+
+        @pl.loop(0, n)
+        def _(j):
+          g = g0 + j
+          slot = lax.rem(g, jnp.array(stages, g.dtype))
+
+          @pl.when(g >= stages)
+          def _():
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+
+          keys = pl.ds((kb_lo + j) * FWD_BLOCK_KV, FWD_BLOCK_KV)
+          plgpu.copy_gmem_to_smem(k_ref.at[keys, kh], k_smem.at[slot], k_bars.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[keys, kh], v_smem.at[slot], v_bars.at[slot])
+
+        return g0 + n
+
+      lax.fori_loop(0, n_units, unit_loads, jnp.int32(0))
+
+  def entry(q_ref, k_ref, v_ref, sched_ref, bounds_ref, order_ref, totals_ref, o_ref, lse_ref):
+    smem = (plgpu.SMEM((2, WGS, FWD_BLOCK_Q, D), dtype, transforms=tiles16),  # Q, then O
+            plgpu.SMEM((stages, FWD_BLOCK_KV, D), dtype, transforms=tiles16),
+            plgpu.SMEM((stages, FWD_BLOCK_KV, D), dtype, transforms=tiles16),
+            plgpu.SMEM((2, WGS, FWD_BLOCK_Q), jnp.float32),
+            plgpu.SMEM((2, WGS, 2, FWD_BLOCK_Q), jnp.int32))
+    bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2 * WGS), plgpu.Barrier(num_barriers=2 * WGS))
+    consumed = (plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),) * 2
+    pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, sched_ref, bounds_ref, order_ref,
+                                         totals_ref, o_ref, lse_ref, scoped),
+                  smem, bars, consumed, plgpu.Barrier(num_arrivals=WGS), collective_axes="wg")
+
+  mesh = plgpu.Mesh(grid=(P,), grid_names=("cta",), num_threads=WGS + 1, thread_name="wg")
+  o, lse = pl.kernel(
+      entry, out_type=[jax.ShapeDtypeStruct((Tp, H, D), dtype),
+                       jax.ShapeDtypeStruct((H, Tp), jnp.float32)], mesh=mesh,
+      compiler_params=plgpu.CompilerParams(approx_math=True), name="ca_tasks_fwd_persistent")(
+      _pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp), sched, bounds, order,
+      totals)
   return o[:T], lse.T[:T]
 
 
@@ -580,6 +801,8 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _attention(q, k, v, tasks, scale, opts):
+  if opts.forward == "mosaic" and opts.fwd_ctas:
+    return forward_persistent(q, k, v, tasks, scale, ctas=opts.fwd_ctas)
   if opts.forward == "mosaic":
     return forward(q, k, v, tasks, scale, heavy_first=opts.fwd_heavy_first)
   from . import triton
@@ -613,6 +836,12 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   config = config or Options()
   if config.forward not in ("triton", "mosaic"):
     raise ValueError(f"mosaic backend: forward {config.forward!r}, choose triton or mosaic")
+  if config.fwd_ctas and (config.forward != "mosaic" or not config.fwd_heavy_first):
+    raise ValueError("mosaic backend: fwd_ctas (persistent CTAs) is the Mosaic forward's, in its "
+                     "heaviest-first order: it needs forward=mosaic and fwd_heavy_first=true")
+  if config.fwd_ctas < -1:
+    raise ValueError(f"mosaic backend: fwd_ctas={config.fwd_ctas}; give -1 (one per SM), 0 (off) "
+                     "or a CTA count")
   scale = D ** -0.5 if scale is None else float(scale)
   tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))
   return _attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, config)

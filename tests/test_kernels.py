@@ -318,20 +318,24 @@ _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     "fwd_in_order": dict(fwd_heavy_first=False),
                     "kq_scores": dict(kq_scores=True),
                     "hoisted_descriptors": dict(step_descriptors=False),
-                    "dk_then_barrier": dict(dk_under_barrier=False)}
+                    "dk_then_barrier": dict(dk_under_barrier=False),
+                    "fwd_persistent": dict(fwd_ctas=-1)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
 @pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes, case_overlap])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_mosaic_forward(case, head_dim):
+@pytest.mark.parametrize("ctas", [0, -1, 3])
+def test_mosaic_forward(case, head_dim, ctas):
   """The Mosaic GPU forward's O and LSE against the oracle, bf16 (rows that see nothing: O = 0,
-  LSE = -inf)."""
+  LSE = -inf); ctas 0: a CTA per (query tile, head), else `forward_persistent` with one CTA per
+  SM (-1) or 3 (many units each: both Q buffers reused, every round's deal)."""
   from distca_jax.kernels import mosaic
   tasks, T, S, H, K, _ = case()
   q, k, v, do, dlse = _inputs(T, S, H, K, head_dim, jnp.bfloat16)
-  o, lse = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, kernels.TaskTable(
-      *(jnp.asarray(a) for a in tasks)), head_dim ** -0.5))(q, k, v)
+  table = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  fwd = (functools.partial(mosaic.forward_persistent, ctas=ctas) if ctas else mosaic.forward)
+  o, lse = jax.jit(lambda q, k, v: fwd(q, k, v, table, head_dim ** -0.5))(q, k, v)
   want_o, want_lse = oracle(q, k, v, tasks, do, dlse)[:2]
   dead = ~np.isfinite(want_lse)
   assert np.array_equal(~np.isfinite(np.asarray(lse)), dead)
@@ -397,6 +401,30 @@ def test_mosaic_visit_lists(seed):
   assert seen_any
 
 
+@pytest.mark.parametrize("ctas,units", [(1, 5), (3, 7), (4, 8), (132, 100), (132, 16384)])
+def test_mosaic_persistent_forward_deal(ctas, units):
+  """The persistent forward's snake deal gives every unit to exactly one CTA, each CTA its
+  units in round order, and CTA loads within one round's worth of units of each other."""
+  from distca_jax.kernels import mosaic
+  P = min(ctas, units)
+  rounds, position, count = mosaic.snake_units(P, units)
+  got = [int(position(r, c)) for c in range(P) for r in range(int(count(c)))]
+  assert sorted(got) == list(range(units))
+  counts = [int(count(c)) for c in range(P)]
+  assert max(counts) - min(counts) <= 1 and max(counts) == rounds
+
+
+def test_mosaic_config_errors():
+  """Mosaic options that cannot work together are refused before any kernel is built."""
+  from distca_jax.kernels import mosaic
+  tasks, T, S, H, K, _ = case_gpu_sizes()
+  q, k, v, _, _ = _inputs(T, S, H, K, 128, jnp.bfloat16)
+  for bad in (dict(fwd_ctas=-1, forward="triton"), dict(fwd_ctas=4, fwd_heavy_first=False),
+              dict(fwd_ctas=-2)):
+    with pytest.raises(ValueError, match="fwd_ctas"):
+      mosaic.attention(q, k, v, tasks, config=mosaic.Options(**bad))
+
+
 def _export_mosaic_backward(head_dim, opts=None):
   """The mosaic backward (`opts`: its Options) on the GPU-sized table, lowered for CUDA (no GPU
   needed)."""
@@ -427,11 +455,15 @@ def test_mosaic_lowers_for_cuda():
     for opts in (dict(), dict(kq_scores=True), dict(step_descriptors=False),
                  dict(kq_scores=True, dk_under_barrier=False)):
       assert "mosaic_gpu" in _export_mosaic_backward(d, mosaic.Options(**opts)).mlir_module()
-  for d, heavy_first in ((64, True), (128, True), (128, False)):  # the forward
-    fwd = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, tasks, 0.1, heavy_first))
-    exported = export.export(fwd, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d))
-    assert "mosaic_gpu" in exported.mlir_module()
-    assert [a.shape for a in exported.out_avals] == [(T, H, d), (T, H)]
+  forwards = [functools.partial(mosaic.forward, heavy_first=h) for h in (True, False)] + [
+      functools.partial(mosaic.forward_persistent, ctas=c) for c in (-1, 3)]
+  for d in (64, 128):  # the forward: in-order and heavy-first CTAs, persistent ones
+    for forward in forwards if d == 128 else forwards[::2]:
+      fwd = jax.jit(lambda q, k, v: forward(q, k, v, tasks, 0.1))
+      exported = export.export(fwd, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d),
+                                                        bf16(S, K, d))
+      assert "mosaic_gpu" in exported.mlir_module()
+      assert [a.shape for a in exported.out_avals] == [(T, H, d), (T, H)]
 
 
 def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
