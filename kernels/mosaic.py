@@ -364,6 +364,20 @@ FWD_BLOCK_KV = 128  # key rows per step
 FWD_STAGES = 2      # key blocks in flight
 
 
+def _fwd_setup(q_TxHxD, k_SxKxD, tasks: TaskTable):
+  """The forward's shapes and block schedule: (T, H, D, G query heads a KV head, Tp and Sp rows
+  padded to its tiles, nq query tiles, the `query_schedule` of its WGS · FWD_BLOCK_Q-row tiles
+  and FWD_BLOCK_KV-key blocks, and that schedule's [kb_lo, kb_full_lo, kb_full_hi, kb_hi] as a
+  [4, nq] array)."""
+  T, H, D = q_TxHxD.shape
+  S, K, _ = k_SxKxD.shape
+  rows_cta = WGS * FWD_BLOCK_Q
+  Tp = cdiv(T, rows_cta) * rows_cta
+  sch = query_schedule(tasks, Tp, rows_cta, FWD_BLOCK_KV)
+  sched = jnp.stack([sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi])
+  return (T, H, D, H // K, Tp, cdiv(S, FWD_BLOCK_KV) * FWD_BLOCK_KV, Tp // rows_cta, sch, sched)
+
+
 def _take_turn(turn):
   """The forward's two compute warpgroups meet at `turn` (two arrivals): each passes the tensor
   cores to the other."""
@@ -465,16 +479,9 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_fir
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  T, H, D = q_TxHxD.shape
-  S, K, _ = k_SxKxD.shape
-  G = H // K
+  T, H, D, G, Tp, Sp, nq, sch, sched = _fwd_setup(q_TxHxD, k_SxKxD, tasks)
   dtype = q_TxHxD.dtype
   rows_cta = WGS * FWD_BLOCK_Q
-  Tp = cdiv(T, rows_cta) * rows_cta
-  Sp = cdiv(S, FWD_BLOCK_KV) * FWD_BLOCK_KV
-  nq = Tp // rows_cta
-  sch = query_schedule(tasks, Tp, rows_cta, FWD_BLOCK_KV)
-  sched = jnp.stack([sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi])  # [4, nq]
   # CTA i runs query tile order[i]: heavy_first, the tiles with the most key blocks first (every
   # head of a tile side by side), so the launch ends on short ones.
   order = (jnp.argsort(sch.kb_lo - sch.kb_hi, stable=True).astype(jnp.int32) if heavy_first
@@ -607,16 +614,9 @@ def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  T, H, D = q_TxHxD.shape
-  S, K, _ = k_SxKxD.shape
-  G = H // K
+  T, H, D, G, Tp, Sp, nq, sch, sched = _fwd_setup(q_TxHxD, k_SxKxD, tasks)
   dtype = q_TxHxD.dtype
   rows_cta = WGS * FWD_BLOCK_Q
-  Tp = cdiv(T, rows_cta) * rows_cta
-  Sp = cdiv(S, FWD_BLOCK_KV) * FWD_BLOCK_KV
-  nq = Tp // rows_cta
-  sch = query_schedule(tasks, Tp, rows_cta, FWD_BLOCK_KV)
-  sched = jnp.stack([sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi])  # [4, nq]
   order = jnp.argsort(sch.kb_lo - sch.kb_hi, stable=True).astype(jnp.int32)
   units = nq * H
   P = min(num_sms() if ctas == -1 else int(ctas), units)
