@@ -28,7 +28,8 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
 # section Kernels). Kernel alone, head dim 128, same process (2026-11-27): mosaic (Mosaic GPU
 # forward and one-kernel backward) 503 / 418 TF/s forward+backward on the Pretrain / ProLong 64K
-# batches (0.92x / 0.84x dense cuDNN), triton 397 / 337; cudnn (cuDNN forward + Triton backward)
+# batches (0.92x / 0.84x dense cuDNN; 0.87-0.93x at 256K and 512K), triton 397 / 337 (0.70-0.76x
+# at 256K and 512K); cudnn (cuDNN forward + Triton backward)
 # within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: in a training step
 # on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within 0.3% of each other (attention is
 # a few percent of that step), mosaic's compile grows with the layers (2.5x Triton's at 16), and

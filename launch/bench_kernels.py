@@ -378,7 +378,9 @@ def main():
   ap.add_argument("--backends", default="pallas,cudnn,triton",
                   help="comma list (also mosaic; mosaic:KEY=VALUE[+KEY=VALUE] a variant of its "
                        "Options); cudnn/<triton|mosaic|pallas|cudnn>: cuDNN forward, that backward")
-  ap.add_argument("--contexts", default="65536,131072")
+  ap.add_argument("--contexts", default="65536,131072,262144,524288",
+                  help="tokens a batch fills (the issue's 64K-512K; at 512K the mosaic backward's "
+                       "float32 dQ buffer alone is 8 GiB)")
   ap.add_argument("--datasets", default="pretrain,prolong")
   ap.add_argument("--max-shard", type=int, default=8192,
                   help="longest shard (tokens) a document is cut into")
