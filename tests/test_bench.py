@@ -121,8 +121,7 @@ def test_bench_kernels_call_spans_and_views(capsys):
   assert bench_kernels.call_spans(intervals[:2], 3) == []
   # One task of 256 queries over its 256-key prefix: 128 x 128 tiles visit 3 blocks (area
   # 3 * 128²) of a causal area 256 * 257 / 2.
-  from distca_jax.kernels import make_task_table
-  kernels_area = lambda t: bench_kernels.kernels.causal_area(t).sum()
+  from distca_jax.kernels import causal_area, make_task_table
   tasks = make_task_table([0], [256], [0], [256], capacity=2)
   assert bench_kernels.tile_waste(tasks, 256, 128, 128) == pytest.approx(
       3 * 128 * 128 / (256 * 257 / 2))
@@ -133,7 +132,7 @@ def test_bench_kernels_call_spans_and_views(capsys):
   assert (T, S, n) == (T2, n * 512, n2) and S2 == 512 and n == 4
   assert np.asarray(own.kv_start)[:n].tolist() == [0, 512, 1024, 1536]
   assert np.asarray(shared.kv_start)[:n].tolist() == [0] * n
-  assert float(kernels_area(own)) == float(kernels_area(shared))
+  assert float(causal_area(own).sum()) == float(causal_area(shared).sum())
   gpu = {"ours": {"queued": (1.0, 4.0), "span": (1.0, 2.0), "busy": (0.5, 2.0)},
          "dense": {"queued": (1.0, 2.0), "span": (1.0, 2.0), "busy": (0.5, 1.0)}}
   bench_kernels.print_views("b", gpu, {"ours": 1e9, "dense": 2e9},

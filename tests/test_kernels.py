@@ -408,8 +408,9 @@ def test_mosaic_persistent_forward_deal(ctas, units):
   from distca_jax.kernels import mosaic
   P = min(ctas, units)
   rounds, position, count = mosaic.snake_units(P, units)
-  got = [int(position(r, c)) for c in range(P) for r in range(int(count(c)))]
-  assert sorted(got) == list(range(units))
+  per_cta = [[int(position(r, c)) for r in range(int(count(c)))] for c in range(P)]
+  assert all(a < b for units_of in per_cta for a, b in zip(units_of, units_of[1:]))
+  assert sorted(sum(per_cta, [])) == list(range(units))
   counts = [int(count(c)) for c in range(P)]
   assert max(counts) - min(counts) <= 1 and max(counts) == rounds
 
@@ -490,6 +491,40 @@ def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
     _export_mosaic_backward(d)
     assert seen, "the lowering estimated nothing"
     assert 64 * 1024 < max(seen) <= (196 - 1) * 1024, (d, max(seen))
+
+
+def test_mosaic_forwards_fit_shared_memory(monkeypatch):
+  """Both Mosaic forwards' shared memory (as Mosaic GPU's lowering counts it) fits a Hopper
+  block's 227 KiB; the persistent one holds a second Q buffer (and O / LSE staging) per
+  warpgroup, 32 KiB more at head dim 128."""
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  from jax import export
+  from jax._src.pallas.mosaic_gpu import lowering
+  from distca_jax.kernels import mosaic
+  if not hasattr(lowering, "_estimate_resources"):
+    pytest.skip("this JAX's Mosaic GPU lowering has no resource estimate to read")
+  seen = []
+  estimate = lowering._estimate_resources
+
+  def record(*args, **kwargs):
+    rs = estimate(*args, **kwargs)
+    seen.append(rs.smem_scratch_bytes + 8 * len(rs.barriers))
+    return rs
+
+  monkeypatch.setattr(lowering, "_estimate_resources", record)
+  tasks, T, S, H, K, _ = case_gpu_sizes()
+  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  used = {}
+  for name, fwd in (("forward", mosaic.forward),
+                    ("persistent", functools.partial(mosaic.forward_persistent, ctas=-1))):
+    seen.clear()
+    export.export(jax.jit(lambda q, k, v: fwd(q, k, v, tasks, 0.1)), platforms=["cuda"])(
+        bf16(T, H, 128), bf16(S, K, 128), bf16(S, K, 128))
+    assert seen, "the lowering estimated nothing"
+    used[name] = max(seen)
+  assert used["persistent"] - used["forward"] >= 32 * 1024, used
+  assert used["persistent"] <= 227 * 1024, used
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
