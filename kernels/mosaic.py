@@ -1,5 +1,6 @@
 """Mosaic GPU attention (Hopper) over a fused CA-task batch: a forward after JAX's `attention_mgpu`
-(`forward`), and dQ, dK and dV from one kernel, FA3-style (`backward_from_stats`).
+(`forward`; `forward_persistent`, CTAs that loop over query tiles, is an option not yet run on a
+GPU), and dQ, dK and dV from one kernel, FA3-style (`backward_from_stats`).
 
 The `mosaic` backend is this pair (no jax-triton needed); `Options(forward="triton")` puts our
 Triton forward before this backward, and the `cudnn` backend takes the backward as
