@@ -671,8 +671,6 @@ def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float
       def _():
         plgpu.barrier_wait(k_bars.at[0])
 
-      pl.when(wg == 1)(take_turn)
-
       def run_unit(r, g0):
         buf = lax.rem(r, 2)
         qt, h = unit(r)
@@ -692,10 +690,15 @@ def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float
         l_i = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q,), 0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.full((FWD_BLOCK_Q, D), 0, jnp.float32), plgpu.Layout.WGMMA)
         n = kb_hi - kb_lo
+        # The turns as `forward` takes them, per unit: warpgroup 1 starts a turn behind and
+        # warpgroup 0 hands it back after its last P·V, so each one's epilogue runs beside the
+        # other's matmuls.
+        pl.when(wg == 1)(take_turn)
         acc, m_i, l_i = _fwd_key_blocks(
             qo_smem.at[buf, wg], k_smem, v_smem, (k_bars, v_bars, *consumed, turn),
             (kb_lo, full_lo, full_hi), n, lo, length, (acc, m_i, l_i), scale2=c, g0=g0,
             total=total)
+        pl.when(wg == 0)(take_turn)
         _fwd_finish(acc, m_i, l_i, qo_smem.at[buf, wg], lse_smem.at[buf, wg])
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem.at[buf, wg], o_ref.at[rows_of(qt), h])
@@ -703,7 +706,6 @@ def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float
         return g0 + n
 
       lax.fori_loop(0, n_units, run_unit, jnp.int32(0))
-      pl.when(wg == 0)(take_turn)
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == WGS)
