@@ -88,6 +88,10 @@ class Options(NamedTuple):
                                  # +12% backward on Pretrain 64K, +5% ProLong (H100, same
                                  # process; with the S = Q Kᵀ tile's S and dP matmuls issued
                                  # together and dS under dV's, +15% / +7%)
+  lists_by_scan: bool = False  # the backward's visit lists from a running count and a scatter
+                               # instead of a sort of each key block's row (`visit_lists`; the
+                               # same lists). Not yet measured: the sort is 8.4 M / 33.5 M
+                               # elements at 256K / 512K
   fwd_ctas: int = 0  # 0: a forward CTA per (query tile, head); -1: one persistent CTA per SM
                      # looping over them (`forward_persistent`); N: N persistent CTAs. Not
                      # yet measured
@@ -126,17 +130,25 @@ def unsupported(head_dim: int, dtype) -> str | None:
   return None
 
 
-def visit_lists(tasks: TaskTable, num_q_rows: int, num_kv_rows: int):
+def visit_lists(tasks: TaskTable, num_q_rows: int, num_kv_rows: int, by_scan: bool = False):
   """Per key block of WGS * BLOCK_KV rows: the query tiles that see it, in row order.
 
-  Returns (tiles [nk, nq] int32: row kb lists its tiles in its first count[kb] entries; count [nk];
-  row_lo, row_hi [nq * BLOCK_Q]: each query row's visible key range, from `blocks.py`)."""
+  Returns (tiles [nk, nq] int32: row kb lists its tiles in its first count[kb] entries, zeros
+  after; count [nk]; row_lo, row_hi [nq * BLOCK_Q]: each query row's visible key range, from
+  `blocks.py`). The lists come from a sort of each row (unseen tiles last), or with `by_scan` from
+  a running count along the row and a scatter: the same arrays, without the sort's log factor."""
   sch = query_schedule(tasks, num_q_rows, BLOCK_Q, WGS * BLOCK_KV)
   nq = sch.kb_lo.shape[0]
-  kb = jnp.arange(cdiv(num_kv_rows, WGS * BLOCK_KV), dtype=jnp.int32)[:, None]
+  nk = cdiv(num_kv_rows, WGS * BLOCK_KV)
+  kb = jnp.arange(nk, dtype=jnp.int32)[:, None]
   vis = (kb >= sch.kb_lo[None]) & (kb < sch.kb_hi[None])
   qb = jnp.arange(nq, dtype=jnp.int32)[None]
-  tiles = jnp.sort(jnp.where(vis, qb, nq), axis=1) % nq  # unseen tiles sort last
+  if by_scan:
+    slot = jnp.where(vis, jnp.cumsum(vis, axis=1, dtype=jnp.int32) - 1, nq)  # nq: dropped
+    tiles = jnp.zeros((nk, nq), jnp.int32).at[jnp.broadcast_to(kb, (nk, nq)), slot].set(
+        jnp.broadcast_to(qb, (nk, nq)), mode="drop")
+  else:
+    tiles = jnp.sort(jnp.where(vis, qb, nq), axis=1) % nq  # unseen tiles sort last
   return tiles.astype(jnp.int32), jnp.sum(vis, axis=1, dtype=jnp.int32), sch.row_lo, sch.row_hi
 
 
@@ -787,7 +799,7 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   lse_HxT = _pad_rows(lse_TxH, Tp).T
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0).astype(f32)
   delta_HxT = _pad_rows(row_delta(do_TxHxD, o_TxHxD) - dlse_TxH.astype(f32), Tp).T
-  tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp)
+  tiles, count, row_lo, row_hi = visit_lists(tasks, Tp, Sp, by_scan=opts.lists_by_scan)
   # Inputs as the kernel's TMA tiles read them: Q and dO [T, H * D] (a tile is 64 rows of one
   # head), LSE and delta interleaved per head [2H, T], the rows' key ranges [2, T] as start and
   # length.

@@ -319,7 +319,8 @@ _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     "kq_scores": dict(kq_scores=True),
                     "hoisted_descriptors": dict(step_descriptors=False),
                     "dk_then_barrier": dict(dk_under_barrier=False),
-                    "fwd_persistent": dict(fwd_ctas=-1)}
+                    "fwd_persistent": dict(fwd_ctas=-1),
+                    "lists_by_scan": dict(lists_by_scan=True)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
@@ -387,6 +388,8 @@ def test_mosaic_visit_lists(seed):
   bq, bk = mosaic.BLOCK_Q, mosaic.WGS * mosaic.BLOCK_KV
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
   tiles, count, lo, hi = (np.asarray(a) for a in mosaic.visit_lists(tasks, Tp, Sp))
+  for got, want in zip(mosaic.visit_lists(tasks, Tp, Sp, by_scan=True), (tiles, count, lo, hi)):
+    np.testing.assert_array_equal(np.asarray(got), want)  # the sort's lists, from a scan
   want_lo, want_hi = _row_bounds_np(tasks, Tp)
   assert (lo == want_lo).all() and (hi == want_hi).all()
   listed = [set(tiles[kb, :count[kb]].tolist()) for kb in range(Sp // bk)]
