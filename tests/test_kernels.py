@@ -470,12 +470,10 @@ def test_mosaic_lowers_for_cuda():
       assert [a.shape for a in exported.out_avals] == [(T, H, d), (T, H)]
 
 
-def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
-  """The backward's shared memory (buffers and barriers, as Mosaic GPU's lowering counts them)
-  stays within the 196 KiB carve-out less the driver's 1 KiB, for the L1 that shared memory
-  leaves: while the kernel spilled registers to L1, 512 bytes more moved the card to the 228 KiB
-  carve-out and cost 20% of the backward (H100, Nsight Compute: 12.99 vs 16.32 ms on ProLong 64K).
-  It no longer spills (ptxas); a change that needs more must be measured against the line."""
+def _record_smem(monkeypatch) -> list[int]:
+  """From here on, the shared memory of every Mosaic GPU kernel lowered (buffers and barriers,
+  as the lowering's own resource estimate counts them) is appended to the returned list; skips
+  where this JAX has no estimate to read."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   from jax._src.pallas.mosaic_gpu import lowering
   if not hasattr(lowering, "_estimate_resources"):
@@ -489,6 +487,16 @@ def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
     return rs
 
   monkeypatch.setattr(lowering, "_estimate_resources", record)
+  return seen
+
+
+def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
+  """The backward's shared memory (buffers and barriers, as Mosaic GPU's lowering counts them)
+  stays within the 196 KiB carve-out less the driver's 1 KiB, for the L1 that shared memory
+  leaves: while the kernel spilled registers to L1, 512 bytes more moved the card to the 228 KiB
+  carve-out and cost 20% of the backward (H100, Nsight Compute: 12.99 vs 16.32 ms on ProLong 64K).
+  It no longer spills (ptxas); a change that needs more must be measured against the line."""
+  seen = _record_smem(monkeypatch)
   for d in (64, 128):
     seen.clear()
     _export_mosaic_backward(d)
@@ -500,21 +508,9 @@ def test_mosaic_forwards_fit_shared_memory(monkeypatch):
   """Both Mosaic forwards' shared memory (as Mosaic GPU's lowering counts it) fits a Hopper
   block's 227 KiB; the persistent one holds a second Q buffer (and O / LSE staging) per
   warpgroup, 32 KiB more at head dim 128."""
-  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  seen = _record_smem(monkeypatch)
   from jax import export
-  from jax._src.pallas.mosaic_gpu import lowering
   from distca_jax.kernels import mosaic
-  if not hasattr(lowering, "_estimate_resources"):
-    pytest.skip("this JAX's Mosaic GPU lowering has no resource estimate to read")
-  seen = []
-  estimate = lowering._estimate_resources
-
-  def record(*args, **kwargs):
-    rs = estimate(*args, **kwargs)
-    seen.append(rs.smem_scratch_bytes + 8 * len(rs.barriers))
-    return rs
-
-  monkeypatch.setattr(lowering, "_estimate_resources", record)
   tasks, T, S, H, K, _ = case_gpu_sizes()
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
