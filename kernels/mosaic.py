@@ -617,7 +617,7 @@ def snake_units(ctas: int, units: int):
 def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, ctas: int = -1):
   """`forward` with persistent CTAs: `ctas` of them (-1: one per SM) loop over the (query tile,
   head) units, heaviest tiles first, every head of a tile side by side, dealt to the CTAs in
-  snake order (round r gives unit r·P + i to CTA i, or to CTA P − 1 − i when r is odd), so a
+  snake order (`snake_units`), so a
   CTA's fixed work overlaps its neighbours' instead of ending the CTA: its memory warpgroup
   streams the next unit's first K / V blocks while the compute warpgroups finish the last unit
   (one flat step sequence over all its units), each compute warpgroup loads the next unit's Q

@@ -433,10 +433,10 @@ def main():
       Teq = dense_equivalent(area)
       f_eq = fwd_flops(Teq * (Teq + 1) / 2)
       name = f"{ds}-{ctx // 1024}K({len(lens)}docs)"
+      dense_tasks = kernels.make_task_table([0], [Teq], [0], [Teq])
       print(f"{name:24s} tiles visit {tile_waste(tasks, T, 128, 128):.3f}x the causal area "
             f"(128 x 128 tiles; the dense baseline of T={Teq}: "
-            f"{(Teq // 128) * (Teq // 128 + 1) / 2 * 128 * 128 / (Teq * (Teq + 1) / 2):.3f}x)",
-            flush=True)
+            f"{tile_waste(dense_tasks, Teq, 128, 128):.3f}x)", flush=True)
       for tb in (t for t in args.tune.split(",") if t):
         mod = __import__(f"distca_jax.kernels.{tb}", fromlist=["attention"])
         tried = []
@@ -499,7 +499,7 @@ def main():
       for b in (b for b in backends if b in times):
         fms, fbms = med(b, 0), med(b, 1)
         tf = tflops(f, fms, fbms)
-        spread = [3.5 * f / t[1] / 1e9 for t in times[b]]
+        spread = [tflops(f, *t)[2] for t in times[b]]
         print(f"{name:24s} {b:8s} {tf[0]:9.1f} {tf[1]:9.1f} {tf[2]:9.1f} {d_tf[0]:8.1f} "
               f"{d_tf[1]:9.1f} {tf[2] / d_tf[1]:9.2f}"
               + (f"  (f+b over {len(spread)} rounds {min(spread):.1f}-{max(spread):.1f})"

@@ -445,16 +445,25 @@ def _export_mosaic_backward(head_dim, opts=None):
                                               bf16(T, H, d), f32(T, H), bf16(T, H, d), f32(T, H))
 
 
+def _export_mosaic_forward(forward, head_dim):
+  """`forward(q, k, v, tasks, scale)` (a Mosaic forward) on the GPU-sized table, lowered for
+  CUDA (no GPU needed)."""
+  from jax import export
+  tasks, T, S, H, K, _ = case_gpu_sizes()
+  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  d = head_dim
+  return export.export(jax.jit(lambda q, k, v: forward(q, k, v, tasks, 0.1)),
+                       platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d))
+
+
 def test_mosaic_lowers_for_cuda():
   """The Mosaic GPU backward and forward trace and lower for CUDA on this machine (no GPU
   needed): their layouts, transforms, barriers and pipelines are checked (the PTX is made on the
   GPU)."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-  from jax import export
   from distca_jax.kernels import mosaic
-  tasks, T, S, H, K, _ = case_gpu_sizes()
-  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  _, T, _, H, _, _ = case_gpu_sizes()
   for d in (64, 128):  # the backward: its default and every other code path of its options
     for opts in (dict(), dict(kq_scores=True), dict(step_descriptors=False),
                  dict(kq_scores=True, dk_under_barrier=False)):
@@ -463,9 +472,7 @@ def test_mosaic_lowers_for_cuda():
       functools.partial(mosaic.forward_persistent, ctas=c) for c in (-1, 3)]
   for d in (64, 128):  # the forward: in-order and heavy-first CTAs, persistent ones
     for forward in forwards if d == 128 else forwards[::2]:
-      fwd = jax.jit(lambda q, k, v: forward(q, k, v, tasks, 0.1))
-      exported = export.export(fwd, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d),
-                                                        bf16(S, K, d))
+      exported = _export_mosaic_forward(forward, d)
       assert "mosaic_gpu" in exported.mlir_module()
       assert [a.shape for a in exported.out_avals] == [(T, H, d), (T, H)]
 
@@ -509,17 +516,12 @@ def test_mosaic_forwards_fit_shared_memory(monkeypatch):
   block's 227 KiB; the persistent one holds a second Q buffer (and O / LSE staging) per
   warpgroup, 32 KiB more at head dim 128."""
   seen = _record_smem(monkeypatch)
-  from jax import export
   from distca_jax.kernels import mosaic
-  tasks, T, S, H, K, _ = case_gpu_sizes()
-  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   used = {}
   for name, fwd in (("forward", mosaic.forward),
                     ("persistent", functools.partial(mosaic.forward_persistent, ctas=-1))):
     seen.clear()
-    export.export(jax.jit(lambda q, k, v: fwd(q, k, v, tasks, 0.1)), platforms=["cuda"])(
-        bf16(T, H, 128), bf16(S, K, 128), bf16(S, K, 128))
+    _export_mosaic_forward(fwd, 128)
     assert seen, "the lowering estimated nothing"
     used[name] = max(seen)
   assert used["persistent"] - used["forward"] >= 32 * 1024, used
