@@ -27,14 +27,13 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 # Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
 # section Kernels). Kernel alone, head dim 128, same process (2026-11-27): mosaic (Mosaic GPU
-# forward and one-kernel backward) 503 / 418 TF/s forward+backward on the Pretrain / ProLong 64K
-# batches (0.92x / 0.84x dense cuDNN; 0.87-0.93x at 256K and 512K), triton 397 / 337 (0.70-0.76x
-# at 256K and 512K); cudnn (cuDNN forward + Triton backward)
-# within noise of triton; pallas ~355 / ~320. `auto` still leads with triton: in a training step
-# on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within 0.3% of each other (attention is
-# a few percent of that step), mosaic's compile grows with the layers (2.5x Triton's at 16), and
-# twice a 16-layer mosaic process ran past its limit without output, not understood; name
-# `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head dim,
+# forward and one-kernel backward) 0.91x / 0.83x dense cuDNN forward+backward by busy GPU time on
+# the Pretrain / ProLong 64K batches (0.86-0.94x at 128K-512K), triton 0.67-0.76x; cudnn (cuDNN
+# forward + Triton backward) within noise of triton; pallas 0.57-0.64x (H200). `auto` still leads
+# with triton: in a training step on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within
+# 0.3% of each other (attention is a few percent of that step), mosaic's compile grows with the
+# layers (2.5x Triton's at 16), and twice a 16-layer mosaic process ran past its limit without
+# output, not understood; name `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head dim,
 # dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas runs
 # interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}

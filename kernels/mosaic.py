@@ -1,13 +1,14 @@
 """Mosaic GPU attention (Hopper) over a fused CA-task batch: a forward after JAX's `attention_mgpu`
-(`forward`; `forward_persistent`, CTAs that loop over query tiles, is an option not yet run on a
-GPU), and dQ, dK and dV from one kernel, FA3-style (`backward_from_stats`).
+(`forward_persistent`, the default: one CTA per SM looping over query tiles; `forward`, a CTA per
+tile), and dQ, dK and dV from one kernel, FA3-style (`backward_from_stats`).
 
 The `mosaic` backend is this pair (no jax-triton needed); `Options(forward="triton")` puts our
 Triton forward before this backward, and the `cudnn` backend takes the backward as
 `backward="mosaic"`. H100, head dim 128, same process (docs/PERFORMANCE.md): forward+backward
-0.90-0.93x dense cuDNN causal attention by wall time per call on five of the benchmark's eight
-batches (Pretrain 64K / 128K / 512K, ProLong 256K / 512K) and 0.81-0.87x on the three whose CTAs
-are shortest (ProLong 64K / 128K, Pretrain 256K), against the Triton pair's 0.67-0.76x.
+0.91-0.94x dense cuDNN causal attention by busy GPU time on Pretrain 64K / 128K / 512K (0.92-0.93x
+by wall time on ProLong 256K / 512K) and 0.83-0.87x on the three batches whose CTAs are shortest
+(ProLong 64K / 128K, Pretrain 256K; the forward is level with cuDNN's or ahead, the backward is
+the gap), against the Triton pair's 0.67-0.76x.
 
 Why one kernel: our Triton and Pallas backwards run two (dQ over key blocks; dK/dV over query
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
@@ -88,13 +89,15 @@ class Options(NamedTuple):
                                  # +12% backward on Pretrain 64K, +5% ProLong (H100, same
                                  # process; with the S = Q Kᵀ tile's S and dP matmuls issued
                                  # together and dS under dV's, +15% / +7%)
-  lists_by_scan: bool = False  # the backward's visit lists from a running count and a scatter
-                               # instead of a sort of each key block's row (`visit_lists`; the
-                               # same lists). Not yet measured: the sort is 8.4 M / 33.5 M
-                               # elements at 256K / 512K
-  fwd_ctas: int = 0  # 0: a forward CTA per (query tile, head); -1: one persistent CTA per SM
-                     # looping over them (`forward_persistent`); N: N persistent CTAs. Not
-                     # yet measured
+  lists_by_scan: bool = True  # the backward's visit lists from a running count and a scatter
+                              # (`visit_lists`; the same lists as a sort of each key block's
+                              # row, False): the sort took 0.10 / 0.48 ms a call on ProLong
+                              # 128K / Pretrain 256K, the scan 0.02 / 0.07 (H200)
+  fwd_ctas: int = -1  # -1: one persistent forward CTA per SM looping over (query tile, head)
+                      # units (`forward_persistent`); N: N of them; 0: a CTA per unit
+                      # (`forward`). -1 over 0: forward +1.8% / +3.4% on Pretrain / ProLong
+                      # 64K (H100), GPU time -4.5% / -1.1% on ProLong 128K / Pretrain 256K
+                      # (H200). The Mosaic forward's only (forward="triton" has its own grid)
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -851,9 +854,9 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   config = config or Options()
   if config.forward not in ("triton", "mosaic"):
     raise ValueError(f"mosaic backend: forward {config.forward!r}, choose triton or mosaic")
-  if config.fwd_ctas and (config.forward != "mosaic" or not config.fwd_heavy_first):
-    raise ValueError("mosaic backend: fwd_ctas (persistent CTAs) is the Mosaic forward's, in its "
-                     "heaviest-first order: it needs forward=mosaic and fwd_heavy_first=true")
+  if config.fwd_ctas and not config.fwd_heavy_first:
+    raise ValueError("mosaic backend: persistent forward CTAs (fwd_ctas != 0) deal the units "
+                     "heaviest first; for fwd_heavy_first=false set fwd_ctas=0")
   if config.fwd_ctas < -1:
     raise ValueError(f"mosaic backend: fwd_ctas={config.fwd_ctas}; give -1 (one per SM), 0 (off) "
                      "or a CTA count")

@@ -315,12 +315,13 @@ def _check_config_grads(mod, cfg, case, head_dim, what):
 
 _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     dict(memory_registers=40), "forward_triton": dict(forward="triton"),
-                    "fwd_in_order": dict(fwd_heavy_first=False),
+                    "fwd_in_order": dict(fwd_heavy_first=False, fwd_ctas=0),
+                    "fwd_per_unit": dict(fwd_ctas=0),
                     "kq_scores": dict(kq_scores=True),
                     "hoisted_descriptors": dict(step_descriptors=False),
                     "dk_then_barrier": dict(dk_under_barrier=False),
-                    "fwd_persistent": dict(fwd_ctas=-1),
-                    "lists_by_scan": dict(lists_by_scan=True)}
+                    "fwd_persistent_3": dict(fwd_ctas=3),
+                    "lists_by_sort": dict(lists_by_scan=False)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
@@ -423,7 +424,7 @@ def test_mosaic_config_errors():
   from distca_jax.kernels import mosaic
   tasks, T, S, H, K, _ = case_gpu_sizes()
   q, k, v, _, _ = _inputs(T, S, H, K, 128, jnp.bfloat16)
-  for bad in (dict(fwd_ctas=-1, forward="triton"), dict(fwd_ctas=4, fwd_heavy_first=False),
+  for bad in (dict(fwd_heavy_first=False), dict(fwd_ctas=4, fwd_heavy_first=False),
               dict(fwd_ctas=-2)):
     with pytest.raises(ValueError, match="fwd_ctas"):
       mosaic.attention(q, k, v, tasks, config=mosaic.Options(**bad))
