@@ -95,9 +95,9 @@ class Options(NamedTuple):
                               # 128K / Pretrain 256K, the scan 0.02 / 0.07 (H200)
   fwd_ctas: int = -1  # -1: one persistent forward CTA per SM looping over (query tile, head)
                       # units (`forward_persistent`); N: N of them; 0: a CTA per unit
-                      # (`forward`). -1 over 0: forward +1.8% / +3.4% on Pretrain / ProLong
-                      # 64K (H100), GPU time -4.5% / -1.1% on ProLong 128K / Pretrain 256K
-                      # (H200). The Mosaic forward's only (forward="triton" has its own grid)
+                      # (`forward`). -1 over 0, forward by busy GPU time: +2.4-9.8% on five
+                      # of six batches, level on Pretrain 512K (H100, same process). The
+                      # Mosaic forward's only (forward="triton" has its own grid)
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -854,7 +854,7 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   config = config or Options()
   if config.forward not in ("triton", "mosaic"):
     raise ValueError(f"mosaic backend: forward {config.forward!r}, choose triton or mosaic")
-  if config.fwd_ctas and not config.fwd_heavy_first:
+  if config.forward == "mosaic" and config.fwd_ctas and not config.fwd_heavy_first:
     raise ValueError("mosaic backend: persistent forward CTAs (fwd_ctas != 0) deal the units "
                      "heaviest first; for fwd_heavy_first=false set fwd_ctas=0")
   if config.fwd_ctas < -1:
