@@ -5,10 +5,10 @@ tile), and dQ, dK and dV from one kernel, FA3-style (`backward_from_stats`).
 The `mosaic` backend is this pair (no jax-triton needed); `Options(forward="triton")` puts our
 Triton forward before this backward, and the `cudnn` backend takes the backward as
 `backward="mosaic"`. H100, head dim 128, same process (docs/PERFORMANCE.md): forward+backward
-0.91-0.94x dense cuDNN causal attention by busy GPU time on Pretrain 64K / 128K / 512K (0.92-0.93x
-by wall time on ProLong 256K / 512K) and 0.83-0.87x on the three batches whose CTAs are shortest
-(ProLong 64K / 128K, Pretrain 256K; the forward is level with cuDNN's or ahead, the backward is
-the gap), against the Triton pair's 0.67-0.76x.
+0.91-0.94x dense cuDNN causal attention by busy GPU time on five of the benchmark's eight batches
+(Pretrain 64K / 128K / 512K, ProLong 256K / 512K) and 0.83-0.87x on the three whose CTAs are
+shortest (ProLong 64K / 128K, Pretrain 256K; the forward is level with cuDNN's or ahead, the
+backward is the gap), against the Triton pair's 0.67-0.76x.
 
 Why one kernel: our Triton and Pallas backwards run two (dQ over key blocks; dK/dV over query
 blocks), 7 tile matmuls per visible tile where one kernel needs 5, and float32 atomics for dQ
