@@ -133,13 +133,14 @@ def unsupported(head_dim: int, dtype) -> str | None:
   return None
 
 
-def visit_lists(tasks: TaskTable, num_q_rows: int, num_kv_rows: int, by_scan: bool = False):
+def visit_lists(tasks: TaskTable, num_q_rows: int, num_kv_rows: int, by_scan: bool = True):
   """Per key block of WGS * BLOCK_KV rows: the query tiles that see it, in row order.
 
   Returns (tiles [nk, nq] int32: row kb lists its tiles in its first count[kb] entries, zeros
   after; count [nk]; row_lo, row_hi [nq * BLOCK_Q]: each query row's visible key range, from
-  `blocks.py`). The lists come from a sort of each row (unseen tiles last), or with `by_scan` from
-  a running count along the row and a scatter: the same arrays, without the sort's log factor."""
+  `blocks.py`). The lists come from a running count along each row and a scatter (`by_scan`), or
+  from a sort of each row (unseen tiles last): the same arrays, the scan without the sort's log
+  factor."""
   sch = query_schedule(tasks, num_q_rows, BLOCK_Q, WGS * BLOCK_KV)
   nq = sch.kb_lo.shape[0]
   nk = cdiv(num_kv_rows, WGS * BLOCK_KV)
