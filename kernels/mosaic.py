@@ -596,9 +596,10 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_fir
 
 
 def num_sms() -> int:
-  """Streaming multiprocessors of the first device (a GPU's `core_count`); 132 (an H100 SXM)
-  where the device does not say (e.g. lowering for CUDA on a CPU)."""
-  dev = jax.devices()[0]
+  """Streaming multiprocessors of this process's first device (a GPU's `core_count`; a remote
+  device of a multi-host job may not say); 132 (an H100 SXM) where it does not say (e.g. lowering
+  for CUDA on a CPU)."""
+  dev = jax.local_devices()[0]
   return int(getattr(dev, "core_count", 0) if dev.platform == "gpu" else 0) or 132
 
 
