@@ -33,9 +33,9 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 # with triton: in a training step on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within
 # 0.3% of each other (attention is a few percent of that step), mosaic's compile grows with the
 # layers (2.5x Triton's at 16), and twice a 16-layer mosaic process ran past its limit without
-# output, not understood; name `mosaic` to use it. `auto` takes the first one that is installed and runs the call's head dim,
-# dtype and GPU (`unsupported`). On CPU only the reference is fast enough to matter (Pallas runs
-# interpreted).
+# output, not understood; name `mosaic` to use it. `auto` takes the first one that is installed
+# and runs the call's head dim, dtype and GPU (`unsupported`). On CPU only the reference is fast
+# enough to matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
 
 log = logging.getLogger(__name__)

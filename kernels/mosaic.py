@@ -395,6 +395,11 @@ def _fwd_setup(q_TxHxD, k_SxKxD, tasks: TaskTable):
   return (T, H, D, H // K, Tp, cdiv(S, FWD_BLOCK_KV) * FWD_BLOCK_KV, Tp // rows_cta, sch, sched)
 
 
+def _heaviest_first(sch):
+  """The forward's query tiles by descending key-block count (ties in row order), int32."""
+  return jnp.argsort(sch.kb_lo - sch.kb_hi, stable=True).astype(jnp.int32)
+
+
 def _take_turn(turn):
   """The forward's two compute warpgroups meet at `turn` (two arrivals): each passes the tensor
   cores to the other."""
@@ -501,8 +506,7 @@ def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_fir
   rows_cta = WGS * FWD_BLOCK_Q
   # CTA i runs query tile order[i]: heavy_first, the tiles with the most key blocks first (every
   # head of a tile side by side), so the launch ends on short ones.
-  order = (jnp.argsort(sch.kb_lo - sch.kb_hi, stable=True).astype(jnp.int32) if heavy_first
-           else jnp.arange(nq, dtype=jnp.int32))
+  order = _heaviest_first(sch) if heavy_first else jnp.arange(nq, dtype=jnp.int32)
   bounds = _row_ranges(sch.row_lo, sch.row_hi)  # [2, Tp]
   c = float(scale) * LOG2E
   tiles16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -635,7 +639,7 @@ def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float
   T, H, D, G, Tp, Sp, nq, sch, sched = _fwd_setup(q_TxHxD, k_SxKxD, tasks)
   dtype = q_TxHxD.dtype
   rows_cta = WGS * FWD_BLOCK_Q
-  order = jnp.argsort(sch.kb_lo - sch.kb_hi, stable=True).astype(jnp.int32)
+  order = _heaviest_first(sch)
   units = nq * H
   P = min(num_sms() if ctas == -1 else int(ctas), units)
   if P < 1:
