@@ -823,14 +823,31 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   return dq[...][:T].astype(q_TxHxD.dtype), dk[:S], dv[:S]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, tasks, scale, opts):
+# The custom VJP's two halves are jitted functions of their own, so that the call sites of a
+# model (a layer's forward, its rematerialised forward, its backward; every layer) share one
+# lowering of each kernel: JAX lowers a jitted function once per distinct input shape and static
+# arguments and calls it from every site. Lowered at each site instead, every Mosaic GPU module
+# came out distinct (jaxlib 0.11 stamps a per-process counter, `mosaic_gpu.dump_basename`, into
+# each module before hashing it) and XLA compiled the kernels again for every layer.
+@functools.partial(jax.jit, static_argnames=("scale", "opts"))
+def _forward_call(q, k, v, tasks, scale, opts):
   if opts.forward == "mosaic" and opts.fwd_ctas:
     return forward_persistent(q, k, v, tasks, scale, ctas=opts.fwd_ctas)
   if opts.forward == "mosaic":
     return forward(q, k, v, tasks, scale, heavy_first=opts.fwd_heavy_first)
   from . import triton
   return triton.attention(q, k, v, tasks, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "opts"))
+def _backward_call(q, k, v, tasks, o, lse, do, dlse, scale, opts):
+  dlse = jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+  return backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale, opts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, tasks, scale, opts):
+  return _forward_call(q, k, v, tasks, scale, opts)
 
 
 def _attention_fwd(q, k, v, tasks, scale, opts):
@@ -841,8 +858,7 @@ def _attention_fwd(q, k, v, tasks, scale, opts):
 def _attention_bwd(scale, opts, res, cts):
   q, k, v, tasks, o, lse = res
   do, dlse = cts
-  dlse = jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
-  return (*backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale, opts), None)
+  return (*_backward_call(q, k, v, tasks, o, lse, do, dlse, scale, opts), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -30,6 +30,10 @@
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
 #          Pretrain 64K batch attention is ~3% of this step, too little for a kernel to show):
 #          step time, peak and XLA temp memory per kernel
+#   kcompile 1 GPU: launch/compile_profile.py per attention kernel in C_KERNELS (default "triton
+#          mosaic") and layer count in C_LAYERS (default "2 6"), each its own process, C_MODEL
+#          overrides (default model.preset=llama3_8b), C_TOKENS (65536) ProLong tokens: lowering, XLA compile and first-run seconds, and
+#          the compile's host trace summed by event name (XLA's passes by name)
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -107,6 +111,14 @@ for suite in "$@"; do
                ${S_MODEL:-model.preset=llama3_8b model.layers=2} data.length_scale=1 \
                data.distribution=${S_DIST:-prolong} attention.kernel=$k 2>&1 \
                | grep -v -i warn | tail -3 | tee -a "$OUT/kstep.log"
+           done ;;
+    kcompile) for k in ${C_KERNELS:-triton mosaic}; do
+             for l in ${C_LAYERS:-2 6}; do
+               CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${C_TIMEOUT:-240} python3 -P launch/compile_profile.py \
+                 --trace /tmp/ctrace_${k}_$l --top ${C_TOP:-40} ${C_MODEL:-model.preset=llama3_8b} model.layers=$l \
+                 data.tokens_per_device=${C_TOKENS:-65536} data.length_scale=1 attention.kernel=$k 2>&1 \
+                 | grep -v -i warn | tee -a "$OUT/kcompile.log"
+             done
            done ;;
     ncu) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
          profile() {  # label, kernel regex, probe args

@@ -478,6 +478,35 @@ def test_mosaic_lowers_for_cuda():
       assert [a.shape for a in exported.out_avals] == [(T, H, d), (T, H)]
 
 
+def test_mosaic_kernels_lower_once_for_all_layers():
+  """A model's layers share each Mosaic GPU kernel: lowered for CUDA, the gradient of four
+  rematerialised attention layers holds as many kernel call sites, and as many distinct kernels,
+  as that of two. Lowered at every call site, each module came out distinct (jaxlib 0.11
+  numbers every module it lowers) and XLA compiled the kernels again for every layer: 1.5-2.5 s
+  a kernel, two kernels a layer (Llama-3-8B shape, H100)."""
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  from jax import export
+  from distca_jax.kernels import mosaic
+  tasks, T, S, H, K, _ = case_gpu_sizes()
+  tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+  def kernel_calls(layers):
+    def loss(q, k, v):
+      for _ in range(layers):
+        q = jax.checkpoint(lambda x: mosaic.attention(x, k, v, tasks)[0])(q)
+      return q.astype(jnp.float32).sum()
+    text = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(
+        bf16(T, H, 128), bf16(S, K, 128), bf16(S, K, 128)).mlir_module()
+    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+    return len(re.findall(r"custom_call @mosaic_gpu", text)), len(set(hashes))
+
+  # Two layers have every kind of call site (the last layer's forward needs no rematerialising).
+  two, four = kernel_calls(2), kernel_calls(4)
+  assert two[0] >= 2 and two[1] >= 2, two  # a forward and a backward at least
+  assert four == two, (two, four)
+
+
 def _record_smem(monkeypatch) -> list[int]:
   """From here on, the shared memory of every Mosaic GPU kernel lowered (buffers and barriers,
   as the lowering's own resource estimate counts them) is appended to the returned list; skips
