@@ -97,7 +97,9 @@ class AttentionConfig:
   # run's capacities, `dispatch.exchange_bytes`). Fit on one NVLink host of 4 H100s with the
   # Triton kernel, checked on 2 H200s (`python launch/fit_gate.py` refits from measured step
   # times and prints these three as overrides): refit them for other GPUs, kernels or
-  # multi-node exchanges.
+  # multi-node exchanges. `attention.kernel=auto` now takes the faster `mosaic` kernel at head
+  # dim 128, not yet refit: the attention cost here is Triton's (mosaic's kernel is ~1.2x
+  # faster alone), so the gate may run CAD on a step whose saving is a little smaller.
   gate_attention_cost: float = 0.75
   gate_exchange_fixed: float = 0.00936
   gate_exchange_flops_per_byte: float = 1305.0

@@ -8,7 +8,7 @@ lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-t
 `mosaic` (Mosaic GPU forward and one-kernel FA3-style backward; Hopper GPU, bf16/fp16, head
 dim 64 or 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
 prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto`
-picks per platform and shape (`FASTEST`). All return O [T, H, D] in q's dtype and LSE [T, H]
+picks per platform and shape (`FASTEST`, `LEADS_AT`). All return O [T, H, D] in q's dtype and LSE [T, H]
 float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
 tasks sharing key rows); rows outside every task give O = 0, LSE = -inf and zero gradients.
 """
@@ -29,14 +29,16 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 # section Kernels). Kernel alone, head dim 128, same process (2026-11-27): mosaic (Mosaic GPU
 # forward and one-kernel backward) 0.91x / 0.83x dense cuDNN forward+backward by busy GPU time on
 # the Pretrain / ProLong 64K batches (0.86-0.94x at 128K-512K), triton 0.67-0.76x; cudnn (cuDNN
-# forward + Triton backward) within noise of triton; pallas 0.57-0.64x (H200). `auto` still leads
-# with triton: in a training step on ProLong 64K (Llama-3-8B shape, 2 layers) the two ran within
-# 0.3% of each other (attention is a few percent of that step), mosaic's compile grows with the
-# layers (2.5x Triton's at 16), and twice a 16-layer mosaic process ran past its limit without
-# output, not understood; name `mosaic` to use it. `auto` takes the first one that is installed
-# and runs the call's head dim, dtype and GPU (`unsupported`). On CPU only the reference is fast
-# enough to matter (Pallas runs interpreted).
+# forward + Triton backward) within noise of triton; pallas 0.57-0.64x (H200). `auto` takes the
+# first one that is installed and runs the call's head dim, dtype and GPU (`unsupported`), after
+# putting first the backends that lead at that head dim (`LEADS_AT`). On CPU only the reference
+# is fast enough to matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
+# mosaic leads at head dim 128, where it was measured in training steps (Llama-3-8B shape, ProLong
+# 64K, H100, same machine, 2026-11-28): 0.9% faster than triton at 16 layers, compile 58 vs 75 s
+# (1.4% faster at 2 layers and 128K). At 64 it is level with or ahead of triton as a kernel, but
+# not yet timed in a step since its kernels stopped compiling once per layer.
+LEADS_AT = {"mosaic": (128,)}
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,13 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
   return None
 
 
+def auto_order(platform: str, head_dim: int | None = None) -> tuple[str, ...]:
+  """The backends `auto` tries on `platform` for this head dim, first choice first."""
+  order = FASTEST.get(platform, ("reference",))
+  lead = tuple(b for b in order if head_dim in LEADS_AT.get(b, ()))
+  return lead + tuple(b for b in order if b not in lead)
+
+
 def resolve_backend(backend: str, head_dim: int | None = None, dtype=None) -> str:
   """The concrete backend for `backend` on the default platform: `auto` is the fastest measured
   one that runs this head dim and dtype (when given); a named one is refused with the reason if
@@ -103,7 +112,7 @@ def resolve_backend(backend: str, head_dim: int | None = None, dtype=None) -> st
       raise ValueError(f"kernel backend {backend!r}: {why}")
     return backend
   platform = jax.default_backend()
-  for b in FASTEST.get(platform, ("reference",)):
+  for b in auto_order(platform, head_dim):
     if unsupported(b, head_dim, dtype) is None:
       return b
   if platform != "cpu":
@@ -131,5 +140,5 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "au
   return impl.attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale=scale)
 
 
-__all__ = ["BACKENDS", "TaskTable", "attention", "causal_area", "make_task_table",
+__all__ = ["BACKENDS", "TaskTable", "attention", "auto_order", "causal_area", "make_task_table",
            "resolve_backend", "row_bounds", "row_owner", "unsupported"]
