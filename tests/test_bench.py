@@ -176,3 +176,20 @@ def test_ab_mosaic_trace_plumbing():
   run = ab_mosaic.bk.timer(lambda q, k, v, t: q * k * v * t, q, q, q, q, jnp.float32(2.0))
   out = ab_mosaic.kernel_table("cpu", run)
   assert out.splitlines() == ["cpu: GPU kernels 0.00 ms per forward+backward call"]
+
+
+def test_compile_profile(tmp_path):
+  """compile_profile.py on the CPU: its summary line, and its trace summed by event name with
+  XLA's compile among the events and no Python frames."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", DISTCA_CPU_DEVICES="1")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "launch" / "compile_profile.py"), "--trace", str(tmp_path),
+       "--top", "200", "model.preset=tiny", "model.layers=1", "attention.kernel=reference",
+       "data.tokens_per_device=512"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  summary, *events = proc.stdout.splitlines()
+  assert "compile" in summary and "custom calls 0" in summary and "distinct mosaic kernels 0" in summary
+  names = [line.split(maxsplit=2)[2] for line in events]
+  assert any("Compile" in n for n in names), names[:20]
+  assert not any(n.startswith("$") for n in names)
