@@ -155,6 +155,7 @@ def _fwd_kernel(kb_lo_ref, kb_flo_ref, kb_fhi_ref, kb_hi_ref, lo_ref, hi_ref, q_
   lse_ref[...] = jnp.where(live, (m_B + jnp.log2(l_safe)) * LN2, NEG_INF)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
 def _forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, cfg: Config, interpret):
   """Padded-shape forward: T, S multiples of the block sizes. -> O [T,H,D], LSE [H,T] f32."""
   T, H, D = q_TxHxD.shape
@@ -259,6 +260,7 @@ def _dkv_kernel(t_lo_ref, t_hi_ref, qs_ref, ql_ref, ks_ref, kl_ref, lse2_ref, de
   dv_ref[...] = dv_KxD.astype(dv_ref.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
 def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse_HxT, scale,
               cfg: Config, interpret):
   """Padded-shape backward -> dQ, dK, dV in the inputs' dtypes."""

@@ -266,6 +266,7 @@ def _kb4(sch):
   return jnp.stack([sch.kb_lo, sch.kb_full_lo, sch.kb_full_hi, sch.kb_hi], axis=1).reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "cfg"))
 def _forward(q, k, v, tasks, scale, cfg: Config):
   T, H, D = q.shape
   S, K, _ = k.shape
@@ -281,6 +282,7 @@ def _forward(q, k, v, tasks, scale, cfg: Config):
   return o, lse_HxT
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "cfg"))
 def _backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg: Config):
   T, H, D = q.shape
   S, K, _ = k.shape

@@ -478,32 +478,46 @@ def test_mosaic_lowers_for_cuda():
       assert [a.shape for a in exported.out_avals] == [(T, H, d), (T, H)]
 
 
-def test_mosaic_kernels_lower_once_for_all_layers():
-  """A model's layers share each Mosaic GPU kernel: lowered for CUDA, the gradient of four
-  rematerialised attention layers holds as many kernel call sites, and as many distinct kernels,
-  as that of two. Lowered at every call site, each module came out distinct (jaxlib 0.11
-  numbers every module it lowers) and XLA compiled the kernels again for every layer: 1.5-2 s
-  a kernel, two kernels a layer (Llama-3-8B shape, H100)."""
-  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+@pytest.mark.parametrize("backend", ["mosaic", "pallas"])
+def test_kernels_lower_once_for_all_layers(backend):
+  """A model's layers share each kernel's lowering: the gradient of four rematerialised
+  attention layers holds as many kernel call sites, and as many distinct kernels, as that of two
+  (mosaic lowered for CUDA: its custom calls and kernel hashes; pallas in interpret mode on the
+  CPU: its grid loops). Lowered at every call site, each Mosaic GPU module came out distinct
+  (jaxlib 0.11 numbers every module it lowers) and XLA compiled the kernels again for every
+  layer: 1.5-2 s a kernel, two kernels a layer (Llama-3-8B shape, H100)."""
   from jax import export
-  from distca_jax.kernels import mosaic
   tasks, T, S, H, K, _ = case_gpu_sizes()
   tasks = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  if backend == "mosaic":
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from distca_jax.kernels import mosaic
+    attention, dtype, d = functools.partial(mosaic.attention, tasks=tasks), jnp.bfloat16, 128
+  else:
+    attention = functools.partial(pallas.attention, tasks=tasks, interpret=True)
+    dtype, d = jnp.float32, 64
+  shapes = [jax.ShapeDtypeStruct(s, dtype) for s in ((T, H, d), (S, K, d), (S, K, d))]
 
   def kernel_calls(layers):
     def loss(q, k, v):
       for _ in range(layers):
-        q = jax.checkpoint(lambda x: mosaic.attention(x, k, v, tasks)[0])(q)
+        q = jax.checkpoint(lambda x: attention(x, k, v)[0])(q)
       return q.astype(jnp.float32).sum()
-    text = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(
-        bf16(T, H, 128), bf16(S, K, 128), bf16(S, K, 128)).mlir_module()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    if backend == "mosaic":
+      text = export.export(step, platforms=["cuda"])(*shapes).mlir_module()
+    else:
+      text = step.lower(*shapes).as_text()
     hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
-    return len(re.findall(r"custom_call @mosaic_gpu", text)), len(set(hashes))
+    return (len(re.findall(r"custom_call @mosaic_gpu", text)), len(set(hashes)),
+            len(re.findall(r"stablehlo\.while", text)))
 
   # Two layers have every kind of call site (the last layer's forward needs no rematerialising).
   two, four = kernel_calls(2), kernel_calls(4)
-  assert two[0] >= 2 and two[1] >= 2, two  # a forward and a backward at least
+  if backend == "mosaic":
+    assert two[0] >= 2 and two[1] >= 2, two  # a forward and a backward at least
+  else:
+    assert two[2] >= 2, two
   assert four == two, (two, four)
 
 
