@@ -7,10 +7,11 @@ oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU throug
 lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
 `mosaic` (Mosaic GPU forward and one-kernel FA3-style backward; Hopper GPU, bf16/fp16, head
 dim 64 or 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
-prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU); `auto`
-picks per platform and shape (`FASTEST`, `LEADS_AT`). All return O [T, H, D] in q's dtype and LSE [T, H]
-float32, and are differentiable in q, k, v (dK/dV summed over the query heads of a group and over
-tasks sharing key rows); rows outside every task give O = 0, LSE = -inf and zero gradients.
+prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU);
+`auto` picks per platform and head dim (`FASTEST`, `LEADS_AT`). All return O [T, H, D] in q's
+dtype and LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed over the query
+heads of a group and over tasks sharing key rows); rows outside every task give O = 0,
+LSE = -inf and zero gradients.
 """
 
 from __future__ import annotations

@@ -3,16 +3,18 @@
     python launch/compile_profile.py model.preset=llama3_8b model.layers=4 attention.kernel=mosaic
 
 One variant per process (compilation caches are process-wide, so a second variant in the same
-process would compile less). Prints the three phases' seconds, the StableHLO module's size,
-its custom calls and distinct Mosaic GPU kernels, and with `--trace DIR` the host events of a profiler trace over the compile
-and first run, summed by name (inclusive times: XLA's passes appear under their own names;
-Python frames left out).
+process would compile less). Prints the three phases' seconds, the StableHLO module's size, its
+custom calls and distinct Mosaic GPU kernels (each compiled once a process), and with `--trace
+DIR` the host events of a profiler trace over the compile and first run, summed by name
+(inclusive times; XLA's passes and Mosaic GPU's `Compile` appear under their own names, Python
+frames are left out).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import os
@@ -42,13 +44,16 @@ def top_events(trace_dir: str, top: int) -> list[tuple[str, float, int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default=None)
   parser.add_argument("--dist", default="prolong", help="the batch's document lengths")
   parser.add_argument("--trace", default=None, help="profile the compile and first run into DIR")
   parser.add_argument("--top", type=int, default=30)
   parser.add_argument("--dump-kernels", default=None,
-                      help="write each distinct Mosaic GPU kernel module (MLIR bytecode) to DIR")
+                      help="write each distinct Mosaic GPU kernel module lowered in this "
+                           "process (MLIR bytecode; jax.experimental.mosaic.gpu.core's "
+                           "KNOWN_KERNELS) to DIR")
   parser.add_argument("overrides", nargs="*")
   args = parser.parse_args(argv)
 
@@ -63,8 +68,6 @@ def main(argv: list[str] | None = None) -> None:
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.train.step import Trainer
 
-  import dataclasses
-
   config = load_config(args.config, ["mesh.data=1"] + args.overrides)
   mesh = mesh_lib.make_mesh(config.mesh)
   trainer = Trainer(config, mesh)
@@ -75,13 +78,12 @@ def main(argv: list[str] | None = None) -> None:
   arrays, dctx = trainer.put_batch(batch, ctx)
   jax.block_until_ready((state, arrays))
 
-  step_fn = trainer._jitted_step(state)
   t0 = time.perf_counter()
-  lowered = step_fn.lower(state, arrays, dctx)
+  lowered = trainer.lower(state, arrays, dctx)
   lower_s = time.perf_counter() - t0
   text = lowered.as_text()
   custom_calls = len(re.findall(r"stablehlo\.custom_call", text))
-  # Mosaic GPU compiles each distinct kernel hash once a process (jaxlib's CachedCompile).
+  # jaxlib's Mosaic GPU custom call compiles each distinct kernel hash once a process.
   mosaic_kernels = len(set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)))
   if args.dump_kernels:
     from jax.experimental.mosaic.gpu import core as mosaic_core

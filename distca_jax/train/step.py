@@ -176,10 +176,14 @@ class Trainer:
     """One optimizer step (jitted once per distinct shape of `ctx`)."""
     return self._jitted_step(state)(state, arrays, ctx)
 
+  def lower(self, state: TrainState, arrays, ctx):
+    """The step traced and lowered for these shapes (`jax.stages.Lowered`), not compiled."""
+    return self._jitted_step(state).lower(state, arrays, ctx)
+
   def compile(self, state: TrainState, arrays, ctx):
     """The compiled step for these shapes without running it (memory planning:
     `.memory_analysis()`)."""
-    return self._jitted_step(state).lower(state, arrays, ctx).compile()
+    return self.lower(state, arrays, ctx).compile()
 
   def compiled_text(self, state: TrainState, arrays, ctx) -> str:
     """HLO text of the compiled step for these shapes (from the jit cache: no recompilation when
