@@ -81,8 +81,10 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
     why = mosaic_unsupported(head_dim, dtype)
     if why:
       return why
-    if (compute_capability or _compute_capability()) < (9,):
-      return "the mosaic kernel backend's backward needs a Hopper GPU (wgmma, TMA)"
+    cc = compute_capability or _compute_capability()
+    if cc[:1] != (9,):  # wgmma is Hopper's alone: Blackwell's tensor cores take tcgen05
+      return ("the mosaic kernel backend needs a Hopper GPU (its kernels use wgmma and TMA); "
+              f"this one is compute capability {'.'.join(map(str, cc))}")
   if backend == "cudnn":
     if dtype not in (jnp.bfloat16, jnp.float16):
       return f"the cudnn kernel backend takes bf16 or fp16, not {dtype.name}"

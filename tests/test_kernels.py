@@ -706,6 +706,11 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
     r("cudnn", 128, jnp.bfloat16)
   with pytest.raises(ValueError, match="Hopper"):
     r("mosaic", 128, jnp.bfloat16)
+  # Blackwell: no wgmma, so no mosaic; the cuDNN forward runs there.
+  monkeypatch.setattr(kernels, "_compute_capability", lambda: (10, 0))
+  assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
+  with pytest.raises(ValueError, match="Hopper GPU.*compute capability 10.0"):
+    r("mosaic", 128, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------- cuDNN backward, decomposed
