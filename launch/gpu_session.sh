@@ -29,7 +29,8 @@
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
 #          Pretrain 64K batch attention is ~3% of this step, too little for a kernel to show):
-#          step time, peak and XLA temp memory per kernel
+#          step time, peak and XLA temp memory per kernel; S_TIMEOUT a process (default 200 s;
+#          16 layers took ~150 s with Llama-3-8B's shape: give it 300)
 #   kcompile 1 GPU: launch/compile_profile.py per attention kernel in C_KERNELS (default "triton
 #          mosaic") and layer count in C_LAYERS (default "2 6"), each its own process, C_MODEL
 #          overrides (default model.preset=llama3_8b), C_TOKENS (65536) ProLong tokens: lowering, XLA compile and first-run seconds, and
