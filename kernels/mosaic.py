@@ -792,9 +792,11 @@ def zeros_after(x, shape):
   return jnp.broadcast_to(bits.astype(jnp.float32) * 0.0, shape)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "opts"))
 def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
                         dlse_TxH, scale: float, opts: Options = Options()):
-  """dQ, dK, dV from saved O and LSE (any backend's forward), in the inputs' dtypes."""
+  """dQ, dK, dV from saved O and LSE (any backend's forward), in the inputs' dtypes. Jitted, so
+  its call sites share one lowering (`_forward_call` below says why that matters)."""
   T, H, D = q_TxHxD.shape
   S, K, _ = k_SxKxD.shape
   why = unsupported(D, q_TxHxD.dtype)
