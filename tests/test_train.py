@@ -101,3 +101,40 @@ def test_step_compiles_once_for_one_shape(devices):
   for _ in range(3):
     state, _ = trainer.step(state, arrays, ctx)
   assert trainer.compile_count() == 1
+
+
+@pytest.mark.parametrize("impl", ["colocated", "distca"])
+def test_step_lowers_each_mosaic_kernel_once(monkeypatch, impl):
+  """The training step lowered for CUDA with the mosaic kernels: its kernel call sites and
+  distinct kernels do not grow with the layers (each distinct Mosaic GPU kernel compiles once a
+  process; per-layer copies cost 1.5-2 s each, H100). Guards the model and the attention layers
+  against whatever would give each layer a kernel of its own."""
+  import re
+
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  from distca_jax import attention as attention_lib
+  from distca_jax import kernels
+  from distca_jax import mesh as mesh_lib
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.train.step import Trainer
+
+  monkeypatch.setattr(kernels, "resolve_backend", lambda backend, *a, **k: "mosaic")
+
+  def kernel_calls(layers):
+    config = load_config(None, ["model.preset=tiny", "model.head_dim=64", f"model.layers={layers}",
+                                "mesh.data=1", "data.tokens_per_device=1024",
+                                f"attention.impl={impl}", "attention.kernel=mosaic",
+                                "attention.gate=false", "attention.min_imbalance=1.0"])
+    mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
+    trainer = Trainer(config, mesh)
+    state = trainer.init_state(0)
+    batch = synthetic_from_config(config.data, trainer.shape.vocab_size, 1).batch(0)
+    ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
+    arrays, dctx = trainer.put_batch(batch, ctx)
+    text = trainer.lower(state, arrays, dctx, platforms=("cuda",)).as_text()
+    hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+    return len(re.findall(r"custom_call @mosaic_gpu", text)), len(set(hashes))
+
+  two, four = kernel_calls(2), kernel_calls(4)
+  assert two[0] >= 2 and two[1] >= 2, two
+  assert four == two, (two, four)

@@ -176,9 +176,11 @@ class Trainer:
     """One optimizer step (jitted once per distinct shape of `ctx`)."""
     return self._jitted_step(state)(state, arrays, ctx)
 
-  def lower(self, state: TrainState, arrays, ctx):
-    """The step traced and lowered for these shapes (`jax.stages.Lowered`), not compiled."""
-    return self._jitted_step(state).lower(state, arrays, ctx)
+  def lower(self, state: TrainState, arrays, ctx, platforms: tuple[str, ...] | None = None):
+    """The step traced and lowered for these shapes (`jax.stages.Lowered`), not compiled;
+    `platforms`: lower for those instead of this process's devices (e.g. ("cuda",) on a CPU)."""
+    traced = self._jitted_step(state).trace(state, arrays, ctx)
+    return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
   def compile(self, state: TrainState, arrays, ctx):
     """The compiled step for these shapes without running it (memory planning:
