@@ -45,10 +45,13 @@ log = logging.getLogger(__name__)
 
 
 def _installed(backend: str) -> bool:
-  if backend != "triton":
-    return True
+  """Whether what `backend` imports beyond JAX imports here: jax-triton (triton), JAX's Mosaic
+  GPU Pallas (mosaic)."""
   try:
-    import jax_triton  # noqa: F401
+    if backend == "triton":
+      import jax_triton  # noqa: F401
+    elif backend == "mosaic":
+      import jax.experimental.pallas.mosaic_gpu  # noqa: F401
     return True
   except Exception:  # ImportError, or jax-triton refusing this JAX
     return False
@@ -70,6 +73,9 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
     return f"the {backend} kernel backend needs a GPU (this platform is {platform})"
   if backend == "triton" and not _installed("triton"):
     return f"the {backend} kernel backend needs jax-triton, which is not installed"
+  if backend == "mosaic" and not _installed("mosaic"):
+    return ("the mosaic kernel backend needs JAX's Mosaic GPU "
+            "(jax.experimental.pallas.mosaic_gpu), which does not import with this JAX")
   if head_dim is None or dtype is None:
     return None
   dtype = jnp.dtype(dtype)

@@ -706,6 +706,13 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
     r("cudnn", 128, jnp.bfloat16)
   with pytest.raises(ValueError, match="Hopper"):
     r("mosaic", 128, jnp.bfloat16)
+  # A JAX whose Mosaic GPU does not import: auto passes over mosaic, a named one says why.
+  monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(kernels, "_installed", lambda b: b not in ("triton", "mosaic"))
+  assert r("auto", 128, jnp.bfloat16) == "cudnn"
+  with pytest.raises(ValueError, match="Mosaic GPU"):
+    r("mosaic", 128, jnp.bfloat16)
+  monkeypatch.setattr(kernels, "_installed", lambda b: b != "triton" or triton_installed)
   # Blackwell: no wgmma, so no mosaic; the cuDNN forward runs there.
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (10, 0))
   assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
