@@ -485,6 +485,7 @@ def _fwd_finish(acc, m_i, l_i, o_smem, lse_smem):
       seen, m_i * (1.0 / LOG2E) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "heavy_first"))
 def forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, heavy_first: bool = True):
   """O [T, H, D] and natural-log LSE [T, H] (float32; -inf and O = 0 for rows that see nothing)
   from one Mosaic GPU kernel, after JAX's `attention_mgpu` forward (FA3's two compute warpgroups
@@ -623,6 +624,7 @@ def snake_units(ctas: int, units: int):
   return rounds, position, count
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "ctas"))
 def forward_persistent(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, scale: float, ctas: int = -1):
   """`forward` with persistent CTAs: `ctas` of them (-1: one per SM) loop over the (query tile,
   head) units, heaviest tiles first, every head of a tile side by side, dealt to the CTAs in
@@ -792,11 +794,17 @@ def zeros_after(x, shape):
   return jnp.broadcast_to(bits.astype(jnp.float32) * 0.0, shape)
 
 
+# The three functions that build kernels (`forward`, `forward_persistent`, `backward_from_stats`)
+# are jitted, so the call sites of a model (a layer's forward, its rematerialised forward, its
+# backward; every layer) share one lowering of each kernel: JAX lowers a jitted function once per
+# distinct input shape and static arguments and calls it from every site. Lowered at each site
+# instead, every Mosaic GPU module came out distinct (jaxlib 0.11 stamps a per-process counter,
+# `mosaic_gpu.dump_basename`, into each module before hashing it) and XLA compiled the kernels
+# again for every layer.
 @functools.partial(jax.jit, static_argnames=("scale", "opts"))
 def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
                         dlse_TxH, scale: float, opts: Options = Options()):
-  """dQ, dK, dV from saved O and LSE (any backend's forward), in the inputs' dtypes. Jitted, so
-  its call sites share one lowering (`_forward_call` below says why that matters)."""
+  """dQ, dK, dV from saved O and LSE (any backend's forward), in the inputs' dtypes."""
   T, H, D = q_TxHxD.shape
   S, K, _ = k_SxKxD.shape
   why = unsupported(D, q_TxHxD.dtype)
@@ -825,31 +833,14 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   return dq[...][:T].astype(q_TxHxD.dtype), dk[:S], dv[:S]
 
 
-# The custom VJP's two halves are jitted functions of their own, so that the call sites of a
-# model (a layer's forward, its rematerialised forward, its backward; every layer) share one
-# lowering of each kernel: JAX lowers a jitted function once per distinct input shape and static
-# arguments and calls it from every site. Lowered at each site instead, every Mosaic GPU module
-# came out distinct (jaxlib 0.11 stamps a per-process counter, `mosaic_gpu.dump_basename`, into
-# each module before hashing it) and XLA compiled the kernels again for every layer.
-@functools.partial(jax.jit, static_argnames=("scale", "opts"))
-def _forward_call(q, k, v, tasks, scale, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, tasks, scale, opts):
   if opts.forward == "mosaic" and opts.fwd_ctas:
     return forward_persistent(q, k, v, tasks, scale, ctas=opts.fwd_ctas)
   if opts.forward == "mosaic":
     return forward(q, k, v, tasks, scale, heavy_first=opts.fwd_heavy_first)
   from . import triton
   return triton.attention(q, k, v, tasks, scale=scale)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "opts"))
-def _backward_call(q, k, v, tasks, o, lse, do, dlse, scale, opts):
-  dlse = jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
-  return backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale, opts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, tasks, scale, opts):
-  return _forward_call(q, k, v, tasks, scale, opts)
 
 
 def _attention_fwd(q, k, v, tasks, scale, opts):
@@ -860,7 +851,8 @@ def _attention_fwd(q, k, v, tasks, scale, opts):
 def _attention_bwd(scale, opts, res, cts):
   q, k, v, tasks, o, lse = res
   do, dlse = cts
-  return (*_backward_call(q, k, v, tasks, o, lse, do, dlse, scale, opts), None)
+  dlse = jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+  return (*backward_from_stats(q, k, v, tasks, o, lse, do, dlse, scale, opts), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
