@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import NamedTuple
 
 import jax
@@ -831,6 +832,14 @@ def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, ls
   dq = jax.new_ref(zeros_after(do_TxHxD, (Tp, H, D)))
   dk, dv = _launch(*args, count, dq, heads=H, scale=float(scale), opts=opts)
   return dq[...][:T].astype(q_TxHxD.dtype), dk[:S], dv[:S]
+
+
+def lowered_kernels(stablehlo_text: str) -> tuple[int, int]:
+  """(Mosaic GPU call sites, distinct kernels) in a lowered module's text: jaxlib compiles each
+  distinct kernel (by its hash) once a process, so the second number is what XLA's compile pays
+  for."""
+  hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', stablehlo_text)
+  return len(re.findall(r"custom_call @mosaic_gpu", stablehlo_text)), len(set(hashes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

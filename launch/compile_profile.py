@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
   from distca_jax import mesh as mesh_lib
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.kernels import mosaic
   from distca_jax.train.step import Trainer
 
   config = load_config(args.config, ["mesh.data=1"] + args.overrides)
@@ -83,8 +84,7 @@ def main(argv: list[str] | None = None) -> None:
   lower_s = time.perf_counter() - t0
   text = lowered.as_text()
   custom_calls = len(re.findall(r"stablehlo\.custom_call", text))
-  # jaxlib's Mosaic GPU custom call compiles each distinct kernel hash once a process.
-  mosaic_kernels = len(set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)))
+  _, mosaic_kernels = mosaic.lowered_kernels(text)
   if args.dump_kernels:
     from jax.experimental.mosaic.gpu import core as mosaic_core
 
