@@ -35,11 +35,10 @@ BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 # putting first the backends that lead at that head dim (`LEADS_AT`). On CPU only the reference
 # is fast enough to matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
-# mosaic leads at head dim 128, where it was measured in training steps (Llama-3-8B shape, ProLong
-# 64K, H100, same machine, 2026-11-28): 0.9% faster than triton at 16 layers, compile 58 vs 75 s
-# (1.4% faster at 2 layers and 128K). At 64 it is level with or ahead of triton as a kernel, but
-# not yet timed in a step since its kernels stopped compiling once per layer.
-LEADS_AT = {"mosaic": (128,)}
+# mosaic leads at head dims 64 and 128, where it was measured in training steps (ProLong 64K, 16
+# layers, H100, same machine): at 128 (Llama-3-8B shape, 2026-11-28) 0.9% faster than triton,
+# compile + first step 58 vs 75 s; at 64 (llama_1b, 2026-11-28) 1.6% faster, compile 35 vs 44 s.
+LEADS_AT = {"mosaic": (64, 128)}
 
 log = logging.getLogger(__name__)
 
