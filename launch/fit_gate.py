@@ -16,6 +16,10 @@ batches of each distribution, the gate's decisions and the speedup its predictio
 those N steps, planned as the trainer plans them (a prediction from the fitted model, not a
 measurement). `--sim`: the simulator's own cost terms fit to the same
 batches.
+`--kernel-logs BASE.log OTHER.log ...` (`gpu_session.sh kfit`): one-device colocated training
+runs of the same sampled steps, one per attention kernel; per run, the step time fit as matmul
+plus attention FLOPs, and `gate_attention_cost` scaled by each kernel's attention time per FLOP
+over the first run's (the kernel the shipped costs were fit with). `--no-fit`: skip the fit above.
 """
 
 from __future__ import annotations
@@ -132,7 +136,16 @@ def main() -> None:
                   help="two launch/train.py logs of the same sampled steps (gpu_session.sh "
                        "gaterun): each CAD step that neither run compiled joins the fit (their "
                        "setup: --devices and --set, data.distribution included)")
+  ap.add_argument("--kernel-logs", nargs="*", default=[], metavar="LOG",
+                  help="one-device colocated launch/train.py logs of the same steps, one per "
+                       "attention kernel, the one the shipped costs were fit with first (their "
+                       "setup: --set); see kernel_cost()")
+  ap.add_argument("--no-fit", action="store_true", help="skip the 4-GPU fit (with --kernel-logs)")
   args = ap.parse_args()
+  if args.kernel_logs:
+    kernel_cost(args.kernel_logs, tuple(args.set))
+  if args.no_fit:
+    return
   extra = from_bench_json(args.files, args.devices, tuple(args.set))
   if args.files:
     print(f"{len(extra)} measured pairs from {', '.join(args.files)} join the fit")
@@ -145,6 +158,51 @@ def main() -> None:
     expect(args.expect, args.expect_devices, args.expect_set)
   if args.sim:
     fit_simulator()
+
+
+def kernel_cost(paths, setup: tuple) -> list[dict]:
+  """Each attention kernel's cost in training steps, from one-device colocated `launch/train.py`
+  logs of the same sampled steps (`gpu_session.sh kfit`): per log, the uncompiled steps' times
+  fit as c_lin x matmul FLOPs + c_att x attention FLOPs (least squares; the batches' attention
+  area varies, their tokens do not), printed with `gate_attention_cost` scaled by c_att over the
+  first log's. The step gate's costs were fit with the first log's kernel; a kernel that runs
+  attention faster (per FLOP) in a step leaves less for CAD to balance. Returns the fits."""
+  import os
+  import sys
+
+  from distca_jax.config import load_config
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
+  import gate_report
+
+  cfg = load_config(None, list(SETUP) + list(setup))
+  shape = resolve(cfg.model)
+  src = synthetic_from_config(cfg.data, shape.vocab_size, 1)
+  fits = []
+  print("| kernel log | steps | matmul TF/s | attention TF/s | step ms (min-max) | fit RMS ms "
+        "| attention per FLOP vs first | gate_attention_cost |\n|---|---|---|---|---|---|---|---|")
+  for path in paths:
+    steps = {s: v for s, v in gate_report.read(path).items() if not v["compiled"]}
+    if len(steps) < 3:
+      raise SystemExit(f"{path}: {len(steps)} uncompiled steps, too few to fit")
+    # Log step s trained on the sampler's batch s - 1.
+    flops = np.array([[f.max() for f in metrics.colocated_flops(shape, src.batch(s - 1).layout)]
+                      for s in steps])
+    ms = np.array([v["step_s"] * 1e3 for v in steps.values()])
+    coef, *_ = np.linalg.lstsq(flops, ms, rcond=None)
+    if coef[1] <= 0:
+      raise SystemExit(f"{path}: the step time does not grow with attention FLOPs ({coef[1]:.3g} "
+                       "ms per FLOP): too few or too alike batches to fit")
+    fits.append(dict(path=path, steps=len(ms), c_lin=coef[0], c_att=coef[1],
+                     rms=float(np.sqrt(np.mean((flops @ coef - ms) ** 2)))))
+    ratio = coef[1] / fits[0]["c_att"]
+    print(f"| {os.path.basename(path)} | {len(ms)} | {1e-9 / coef[0]:.0f} | {1e-9 / coef[1]:.0f} | "
+          f"{ms.min():.0f}-{ms.max():.0f} | {fits[-1]['rms']:.1f} | {ratio:.3f} | "
+          f"{cfg.attention.gate_attention_cost * ratio:.3g} |")
+  return fits
 
 
 def from_bench_json(paths, devices: int, setup: tuple) -> list[tuple]:

@@ -35,6 +35,10 @@
 #          mosaic") and layer count in C_LAYERS (default "2 6"), each its own process, C_MODEL
 #          overrides (default model.preset=llama3_8b), C_TOKENS (65536) ProLong tokens: lowering, XLA compile and first-run seconds, and
 #          the compile's host trace summed by event name (XLA's passes by name)
+#   kfit   1 GPU: launch/train.py colocated for F_STEPS (40) sampled steps of F_DIST (prolong) per
+#          attention kernel in F_KERNELS (default "triton mosaic"), Llama-3-8B shape with 2 layers,
+#          64K tokens: per-step logs in $OUT/kfit_<kernel>.log, then launch/fit_gate.py
+#          --kernel-logs on them (each kernel's attention time per FLOP in training steps; F_TIMEOUT)
 #   train  all GPUs: launch/train.py with distca for a few steps (compile count, host wait)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
@@ -170,6 +174,17 @@ for suite in "$@"; do
     uniform128) timeout -k 10 ${U_TIMEOUT:-150} python3 -P launch/bench_train.py --suite cad --batches uniform --pingpong-ablation uniform \
            --warmup 1 --steps 3 --json "$OUT/uniform128.json" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=${U_TOKENS:-131072} data.length_scale=1 2>&1 | grep -v -i warn | tee -a "$OUT/uniform128.log" ;;
+    kfit) logs=""
+          for k in ${F_KERNELS:-triton mosaic}; do
+            CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${F_TIMEOUT:-200} python3 -P launch/train.py model.preset=llama3_8b \
+              model.layers=2 data.tokens_per_device=65536 data.length_scale=1 data.distribution=${F_DIST:-prolong} \
+              mesh.data=1 attention.impl=colocated attention.kernel=$k train.steps=${F_STEPS:-40} \
+              train.progress=false optim.lr=3e-4 train.tensorboard=false checkpoint.every=0 \
+              train.out_dir=/tmp/kfit_$k 2>&1 | grep -v -i warn > "$OUT/kfit_$k.log"; tail -2 "$OUT/kfit_$k.log"
+            logs="$logs $OUT/kfit_$k.log"
+          done
+          python3 -P launch/fit_gate.py --no-fit --kernel-logs $logs --set data.distribution=${F_DIST:-prolong} \
+            2>&1 | tee "$OUT/kfit.md" ;;
     train) timeout -k 10 300 python3 -P launch/train.py model.preset=llama3_8b model.layers=2 data.tokens_per_device=65536 data.length_scale=1 \
            attention.impl=distca train.steps=8 train.progress=false train.out_dir=/tmp/run 2>&1 \
            | grep -v -i warn | tee "$OUT/train.log" ;;

@@ -538,6 +538,47 @@ def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
           "on 1 of 5 steps") in capsys.readouterr().out
 
 
+def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):
+  """fit_gate --kernel-logs: per one-device colocated log, the step time fit as matmul plus
+  attention FLOPs of the sampler's batch each step trained on (log step s: batch s - 1);
+  compiled steps are left out; gate_attention_cost scales by each kernel's attention time per
+  FLOP over the first log's. Logs made from known costs give them back."""
+  from distca_jax.config import AttentionConfig, load_config
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics
+
+  fit_gate = launch_script("fit_gate")
+  setup = ("data.distribution=prolong",)
+  cfg = load_config(None, list(fit_gate.SETUP) + list(setup))
+  shape = resolve(cfg.model)
+  src = synthetic_from_config(cfg.data, shape.vocab_size, 1)
+  flops = [[f.max() for f in metrics.colocated_flops(shape, src.batch(s - 1).layout)]
+           for s in range(1, 13)]
+  assert np.ptp([a for _, a in flops]) > 0.2 * np.mean([a for _, a in flops])  # a fit can tell
+  paths = []
+  for name, c_att in (("triton", 1 / 340e9), ("mosaic", 1 / 400e9)):  # ms per FLOP
+    lines = [f"step {s}: loss=1 step_s={(lin / 250e9 + att * c_att) / 1e3:.6f} "
+             f"compile_count={1 if s < 7 else 2}" for s, (lin, att) in enumerate(flops, 1)]
+    lines[6] = lines[6].replace("step_s=", "step_s=9")  # step 7 recompiled: slow
+    paths.append(tmp_path / f"kfit_{name}.log")
+    paths[-1].write_text("config ...\n" + "\n".join(lines) + "\n")
+  fits = fit_gate.kernel_cost([str(p) for p in paths], setup)
+  for fit, c_att in zip(fits, (1 / 340e9, 1 / 400e9)):
+    assert fit["steps"] == 10  # 12 less step 1 (the first compile) and step 7 (a recompile)
+    assert fit["c_att"] == pytest.approx(c_att, rel=1e-3)
+    assert fit["c_lin"] == pytest.approx(1 / 250e9, rel=1e-3)
+  row = capsys.readouterr().out.splitlines()[-1]
+  cost = AttentionConfig().gate_attention_cost * 340 / 400
+  assert row.startswith("| kfit_mosaic.log | 10 | 250 | 400 |")
+  ratio, scaled = row.split("|")[-3:-1]
+  assert ratio.strip() == "0.850" and float(scaled) == pytest.approx(cost, abs=1e-3)
+  flat = tmp_path / "flat.log"  # one batch again and again: no attention slope to fit
+  flat.write_text("\n".join(f"step {s}: step_s=1.0 compile_count=1" for s in (2, 2, 2)))
+  with pytest.raises(SystemExit, match="too few"):
+    fit_gate.kernel_cost([str(flat)], setup)
+
+
 def test_pong_plan_is_checked_against_its_ping():
   """Pong's plan reads its cut document's prefix from Ping's rows: checked against the Ping it was
   split with it passes, against a Ping whose rows hold other positions it is refused."""
