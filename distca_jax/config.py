@@ -96,11 +96,11 @@ class AttentionConfig:
   # byte the busiest device sends and receives (the tiled exchange: whole padded blocks at the
   # run's capacities, `dispatch.exchange_bytes`). Fit on one NVLink host of 4 H100s with the
   # Triton kernel, checked on 2 H200s (`python launch/fit_gate.py` refits from measured step
-  # times and prints these three as overrides): refit them for other GPUs, kernels or
-  # multi-node exchanges. `attention.kernel=auto` now takes the faster `mosaic` kernel at head
-  # dim 128, not yet refit: the attention cost here is Triton's (mosaic's kernel is ~1.2x
-  # faster alone), so the gate may run CAD on a step whose saving is a little smaller.
-  gate_attention_cost: float = 0.75
+  # times and prints these three as overrides): refit them for other GPUs or multi-node
+  # exchanges. The attention cost, unset, is the one measured for the kernel the run's
+  # attention takes (`metrics.GATE_ATTENTION_COST`: triton 0.75, mosaic 0.624, H100; kernels
+  # not measured in steps take triton's); `fit_gate.py --kernel-logs` measures another's.
+  gate_attention_cost: float | None = None
   gate_exchange_fixed: float = 0.00936
   gate_exchange_flops_per_byte: float = 1305.0
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
@@ -374,7 +374,7 @@ def validate(config: Config) -> None:
   if not 0 <= a.epsilon < 1:
     raise ConfigError(f"attention.epsilon: must be in [0, 1), got {a.epsilon}")
   for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
-    if not getattr(a, name) >= 0:
+    if getattr(a, name) is not None and not getattr(a, name) >= 0:
       raise ConfigError(f"attention.{name}: must be >= 0, got {getattr(a, name)}")
   if not -1 < a.min_gain < 1:
     raise ConfigError(f"attention.min_gain: a fraction of the step, must be in (-1, 1) "

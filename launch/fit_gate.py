@@ -38,6 +38,11 @@ MEASURED = {
     ("pretrain", 46): (1618.7, 1632.0), ("pretrain", 60): (1601.3, 1600.1),
     ("pretrain", 79): (1819.3, 1849.4), ("prolong", 58): (2032.8, 2041.5),
 }
+# Attention time per FLOP in training steps against the fit's kernel (triton), per kernel:
+# `--kernel-logs` on one-device colocated runs (`gpu_session.sh kfit`: H100, Llama-3-8B shape with
+# 2 layers, ProLong 64K, 39 uncompiled steps each, 2026-11-28). `metrics.GATE_ATTENTION_COST`
+# holds the fit's attention cost scaled by these.
+KERNEL_COST_RATIO = {"mosaic": 0.832}
 DEVICES = 4
 SETUP = ("model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
          "data.tokens_per_device=65536")
@@ -73,7 +78,7 @@ def expect(steps: int, devices=(4, 2), overrides=()) -> None:
           batch = src.batch(step)
           ctx = dispatch.host_context(cfg.attention, batch, shape, shapes=shapes)
           linear, attn = metrics.colocated_flops(shape, batch.layout)
-          t = (linear + cfg.attention.gate_attention_cost * attn).max()
+          t = (linear + metrics.gate_attention_cost(cfg.attention) * attn).max()
           runs_cad = isinstance(ctx, dispatch.StepContext)
           colocated += t
           gated += t * (1 - ctx.predicted_saving) if runs_cad else t
@@ -140,20 +145,19 @@ def main() -> None:
                   help="one-device colocated launch/train.py logs of the same steps, one per "
                        "attention kernel, the one the shipped costs were fit with first (their "
                        "setup: --set); see kernel_cost()")
-  ap.add_argument("--no-fit", action="store_true", help="skip the 4-GPU fit (with --kernel-logs)")
+  ap.add_argument("--no-fit", action="store_true", help="skip the 4-GPU fit (e.g. with --kernel-logs or --expect)")
   args = ap.parse_args()
   if args.kernel_logs:
     kernel_cost(args.kernel_logs, tuple(args.set))
-  if args.no_fit:
-    return
-  extra = from_bench_json(args.files, args.devices, tuple(args.set))
-  if args.files:
-    print(f"{len(extra)} measured pairs from {', '.join(args.files)} join the fit")
-  for col, cad in args.logs:
-    pairs = from_train_logs(col, cad, args.devices, tuple(args.set))
-    print(f"{len(pairs)} CAD steps from {col} / {cad} join the fit")
-    extra += pairs
-  fit(extra=extra)
+  if not args.no_fit:
+    extra = from_bench_json(args.files, args.devices, tuple(args.set))
+    if args.files:
+      print(f"{len(extra)} measured pairs from {', '.join(args.files)} join the fit")
+    for col, cad in args.logs:
+      pairs = from_train_logs(col, cad, args.devices, tuple(args.set))
+      print(f"{len(pairs)} CAD steps from {col} / {cad} join the fit")
+      extra += pairs
+    fit(extra=extra)
   if args.expect:
     expect(args.expect, args.expect_devices, args.expect_set)
   if args.sim:
@@ -201,7 +205,7 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
     ratio = coef[1] / fits[0]["c_att"]
     print(f"| {os.path.basename(path)} | {len(ms)} | {1e-9 / coef[0]:.0f} | {1e-9 / coef[1]:.0f} | "
           f"{ms.min():.0f}-{ms.max():.0f} | {fits[-1]['rms']:.1f} | {ratio:.3f} | "
-          f"{cfg.attention.gate_attention_cost * ratio:.3g} |")
+          f"{metrics.gate_attention_cost(cfg.attention, metrics.GATE_FIT_KERNEL) * ratio:.3g} |")
   return fits
 
 
@@ -309,6 +313,8 @@ def fit(verbose: bool = True, extra=()) -> dict:
   fitted = dict(gate_attention_cost=c_att / c_lin, gate_exchange_fixed=fixed,
                 gate_exchange_flops_per_byte=per_byte / c_lin)
   a = rows[0]["attention"]
+  a = dataclasses.replace(a, gate_attention_cost=metrics.gate_attention_cost(
+      a, metrics.GATE_FIT_KERNEL))  # the shipped cost of the kernel these batches ran
   say("fitted:  " + " ".join(f"attention.{k}={v:.4g}" for k, v in fitted.items()))
   say("shipped: " + " ".join(f"attention.{k}={getattr(a, k):.4g}" for k in fitted) + "\n")
   out = dict(fitted, batches={})

@@ -102,6 +102,7 @@ def test_tokens_per_device_multiple_of_128(tokens):
     ("attention.min_imbalance=0.9", "attention.min_imbalance"),
     ("attention.min_gain=-1", "attention.min_gain"),
     ("attention.gate_exchange_fixed=-0.1", "attention.gate_exchange_fixed"),
+    ("attention.gate_attention_cost=-0.5", "attention.gate_attention_cost"),
     ("attention.min_gain=1", "attention.min_gain"),
     ("optim.lr=-1", "optim.lr"),
     ("train.steps=0", "train.steps"),

@@ -14,6 +14,7 @@ from distca_jax import mesh as mesh_lib
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.planner import pair_rows
+from distca_jax.train import metrics
 from distca_jax.train.step import Trainer
 from helpers import (launch_script, pure_params, reference_value_and_grad, small_config,
                      tree_rel_err)
@@ -186,7 +187,8 @@ def test_pingpong_halves_hold_the_batch(source):
 def test_training_mixes_gated_and_balanced_steps(tmp_path):
   """min_imbalance between the steps' imbalances: some steps run colocated attention, the others
   CAD, in one run (two executables); every step's loss is colocated's."""
-  from distca_jax.train import loop, metrics
+  from distca_jax.config import ConfigError
+  from distca_jax.train import loop
 
   common = ["mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
             "model.layers=1", "train.steps=4", "attention.pingpong=false", "optim.warmup_steps=0",
@@ -212,6 +214,15 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   assert [" nano_batches=1 " in l + " " for l in lines if l.startswith("step ")] == cad  # ping-pong off
   assert [" exchange_q_rows=" in l for l in lines if l.startswith("step ")] == cad
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
+  # The run records the gate's attention cost it resolved: the CPU's reference kernel was not
+  # measured in steps, so the fit's kernel's.
+  import json
+  recorded = json.loads((tmp_path / "d" / "config.json").read_text())["attention"]
+  assert recorded["gate_attention_cost"] == metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL]
+  # A named kernel that cannot run here fails before anything is built, naming the key.
+  with pytest.raises(ConfigError, match="attention.kernel: kernel backend 'triton'"):
+    loop.run(small_config(*common, "attention.kernel=triton", f"train.out_dir={tmp_path / 't'}"),
+             devices=jax.devices()[:4], log=lambda *a: None)
   assert dist.compile_count >= 2
   assert dist.compile_count == dist.step_shapes  # a step compiles only for a new shape
   assert dist.attention_imbalance == pytest.approx(colo.attention_imbalance, rel=1e-12)
@@ -373,7 +384,7 @@ def test_gate_on_the_plan(monkeypatch):
   linear = 3.0 * shape.matmul_flops_per_token() * tokens.max()
   area = metrics.attention_load_per_device(equal.layout).max()
   a = cfg.attention
-  step = linear + 3.5 * a.gate_attention_cost * 4.0 * shape.head_dim * shape.heads * \
+  step = linear + 3.5 * metrics.gate_attention_cost(a) * 4.0 * shape.head_dim * shape.heads * \
       shape.layers * area
   assert metrics.predicted_cad_saving(shape, equal.layout, plans, a) == pytest.approx(
       -a.gate_exchange_fixed * linear / step)
@@ -474,14 +485,51 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   leave-one-out error is up to 2%)."""
   from distca_jax.config import AttentionConfig
 
-  fitted = launch_script("fit_gate").fit(verbose=False)
+  fit_gate = launch_script("fit_gate")
+  fitted = fit_gate.fit(verbose=False)
   shipped = AttentionConfig()
-  for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
+  assert shipped.gate_attention_cost is None  # per kernel: the fit's kernel's, and scaled ones
+  assert fitted["gate_attention_cost"] == pytest.approx(
+      metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL], rel=0.02)
+  assert set(metrics.GATE_ATTENTION_COST) == {metrics.GATE_FIT_KERNEL, *fit_gate.KERNEL_COST_RATIO}
+  for kernel, ratio in fit_gate.KERNEL_COST_RATIO.items():
+    assert metrics.GATE_ATTENTION_COST[kernel] == pytest.approx(
+        metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL] * ratio, rel=2e-3), kernel
+  for name in ("gate_exchange_fixed", "gate_exchange_flops_per_byte"):
     assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
   assert len(fitted["batches"]) == 14
   for name, (measured, predicted) in fitted["batches"].items():
     if abs(measured) > 0.02:
       assert (predicted >= 0) == (measured > 0), (name, measured, predicted)
+
+
+def test_gate_attention_cost_is_the_kernels(monkeypatch):
+  """Unset, the gate's attention cost is the one measured for the kernel the run's attention
+  resolves to (mosaic's below triton's: a faster kernel leaves less to balance); kernels not
+  measured in steps, and callers that resolve none, take the fit's kernel's; a set one stays."""
+  from distca_jax import kernels
+  from distca_jax.config import AttentionConfig
+  from distca_jax.models.presets import resolve
+
+  shape = resolve(small_config().model)
+  fit = metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL]
+  assert metrics.GATE_ATTENTION_COST["mosaic"] < fit
+  unset = AttentionConfig()
+  for backend, want in (("mosaic", metrics.GATE_ATTENTION_COST["mosaic"]), ("triton", fit),
+                        ("reference", fit), ("pallas", fit)):
+    monkeypatch.setattr(kernels, "resolve_backend", lambda b, d, t, backend=backend: backend)
+    got, kernel = metrics.with_kernel_gate_cost(unset, shape.head_dim, np.float32)
+    assert (got.gate_attention_cost, kernel) == (want, backend)
+    assert metrics.with_kernel_gate_cost(dataclasses.replace(unset, gate_attention_cost=0.5),
+                                         shape.head_dim, np.float32)[0].gate_attention_cost == 0.5
+  # What predicts a step reads the resolved cost; unresolved, the fit kernel's.
+  batch = _layout_batch("long_on_one", 4, seed=0)
+  mosaic = dataclasses.replace(unset, gate_attention_cost=metrics.GATE_ATTENTION_COST["mosaic"])
+  assert (metrics.predicted_cad_gain(shape, batch.layout, attention_config=unset)
+          == metrics.predicted_cad_gain(shape, batch.layout,
+                                        attention_config=dataclasses.replace(
+                                            unset, gate_attention_cost=fit))
+          > metrics.predicted_cad_gain(shape, batch.layout, attention_config=mosaic) > 0)
 
 
 def test_fit_gate_reads_bench_json(tmp_path):
@@ -507,8 +555,8 @@ def test_fit_gate_reads_bench_json(tmp_path):
   fitted = fit_gate.fit(verbose=False, extra=got)
   assert len(fitted["batches"]) == 14  # the same two batches again: same names, same fit
   # Two points counted twice move the small exchange terms; the step-time fit barely.
-  assert fitted["gate_attention_cost"] == pytest.approx(AttentionConfig().gate_attention_cost,
-                                                        rel=0.02)
+  assert fitted["gate_attention_cost"] == pytest.approx(
+      metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL], rel=0.02)
 
 
 def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
@@ -569,7 +617,7 @@ def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):
     assert fit["c_att"] == pytest.approx(c_att, rel=1e-3)
     assert fit["c_lin"] == pytest.approx(1 / 250e9, rel=1e-3)
   row = capsys.readouterr().out.splitlines()[-1]
-  cost = AttentionConfig().gate_attention_cost * 340 / 400
+  cost = metrics.GATE_ATTENTION_COST["triton"] * 340 / 400
   assert row.startswith("| kfit_mosaic.log | 10 | 250 | 400 |")
   ratio, scaled = row.split("|")[-3:-1]
   assert ratio.strip() == "0.850" and float(scaled) == pytest.approx(cost, abs=1e-3)

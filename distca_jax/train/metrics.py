@@ -3,6 +3,8 @@ attention-load imbalance across devices."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from distca_jax.data.packing import Layout
@@ -52,6 +54,34 @@ def imbalance(load: np.ndarray) -> float:
 # within 5% of the measured one; the exchange costs a fixed part (the ping-pong split's smaller
 # matmuls, its calls) and a part per byte the busiest device moves (laying rows out on the
 # servers, and the transfer ping-pong does not hide).
+#
+# Attention's cost depends on the kernel, so unset (`gate_attention_cost: null`, the default) it
+# is the one measured for the kernel the step runs: triton's from the fit above; mosaic's that
+# scaled by the two kernels' attention time per FLOP in one-device colocated training steps
+# (`fit_gate.py --kernel-logs`, `gpu_session.sh kfit`; H100, Llama-3-8B shape with 2 layers,
+# ProLong 64K, 39 steps each, 2026-11-28: 344 vs 414 TF/s, 0.832; docs/PERFORMANCE.md). Kernels
+# not measured in training steps take the fit's kernel's.
+GATE_FIT_KERNEL = "triton"
+GATE_ATTENTION_COST = {"triton": 0.75, "mosaic": 0.624}
+
+
+def gate_attention_cost(attention_config, kernel: str | None = None) -> float:
+  """The gate's attention cost: `attention_config.gate_attention_cost` if set, else the one
+  measured for `kernel` (a resolved backend, not `auto`), else the fit's kernel's."""
+  if attention_config.gate_attention_cost is not None:
+    return attention_config.gate_attention_cost
+  return GATE_ATTENTION_COST.get(kernel, GATE_ATTENTION_COST[GATE_FIT_KERNEL])
+
+
+def with_kernel_gate_cost(attention_config, head_dim: int, dtype):
+  """`attention_config` with `gate_attention_cost` set to the measured cost of the kernel its
+  `kernel` resolves to for this head dim and dtype on the default platform (the one every core
+  attention call of the run takes), unless the config sets it. Returns (config, kernel)."""
+  from distca_jax import kernels
+
+  kernel = kernels.resolve_backend(attention_config.kernel, head_dim, dtype)
+  return dataclasses.replace(attention_config, gate_attention_cost=gate_attention_cost(
+      attention_config, kernel)), kernel
 
 
 def _costs(attention_config):
@@ -59,6 +89,9 @@ def _costs(attention_config):
     from distca_jax.config import AttentionConfig
 
     attention_config = AttentionConfig()
+  if attention_config.gate_attention_cost is None:  # callers that resolve no kernel: the fit's
+    attention_config = dataclasses.replace(attention_config,
+                                           gate_attention_cost=gate_attention_cost(attention_config))
   return attention_config
 
 
