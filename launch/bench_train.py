@@ -87,10 +87,10 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   state = trainer.init_state(0)
   t0 = time.perf_counter()
   if isinstance(batch, list):
-    ctx = pipeline.host_context(config.attention, batch, mesh.shape["pipe"], trainer.shape)
+    ctx = pipeline.host_context(trainer.config.attention, batch, mesh.shape["pipe"], trainer.shape)
     batch = ctx.as_batch()
   else:
-    ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
+    ctx = attention_lib.host_context(trainer.config.attention, batch, trainer.shape)
   host_ms = (time.perf_counter() - t0) * 1e3
   arrays, dctx = trainer.put_batch(batch, ctx)
   if compile_only:
@@ -217,6 +217,10 @@ def main(argv=None) -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+  import dataclasses
+
+  import jax.numpy as jnp
+
   from distca_jax.config import load_config
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics as metrics_lib
@@ -294,6 +298,9 @@ def main(argv=None) -> int:
       base_time, saving_cache = None, {}
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)
+        # The gate's attention cost of the kernel the variant runs, as the trainer resolves it.
+        config = dataclasses.replace(config, attention=metrics_lib.with_kernel_gate_cost(
+            config.attention, shape.head_dim, jnp.dtype(config.model.dtype))[0])
         traced = args.trace_dir and name in ("colocated", "distca") and kind == args.batches[0]
         trace = f"{args.trace_dir}/{kind}-{name}" if traced else None
         try:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
   state = trainer.init_state(0)
   data = dataclasses.replace(config.data, distribution=args.dist)
   batch = synthetic_from_config(data, trainer.shape.vocab_size, 1).batch(0)
-  ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
+  ctx = attention_lib.host_context(trainer.config.attention, batch, trainer.shape)
   arrays, dctx = trainer.put_batch(batch, ctx)
   jax.block_until_ready((state, arrays))
 

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from distca_jax import attention as attention_lib
@@ -139,19 +138,12 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
     enable_compile_cache(config.train.compile_cache_dir)
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   shape = resolve(config.model)
-  # The gate weighs attention at the cost measured for the kernel every core attention call of
-  # this run takes (unless the config sets one); a named kernel that cannot run the model fails
-  # here rather than at the first trace.
-  try:
-    attention, kernel = metrics_lib.with_kernel_gate_cost(config.attention, shape.head_dim,
-                                                          jnp.dtype(config.model.dtype))
-  except ValueError as e:
-    raise ConfigError(f"attention.kernel: {e}") from None
-  config = dataclasses.replace(config, attention=attention)
-  if attention.impl == "distca" and attention.gate and jax.process_index() == 0:
-    log(f"CAD gate: attention cost {attention.gate_attention_cost:.3g} ({kernel} kernel)")
   num_buffers = mesh.shape["data"]
   trainer = Trainer(config, mesh)
+  config = trainer.config  # with the gate's attention cost of the kernel the run takes
+  if config.attention.impl == "distca" and config.attention.gate and jax.process_index() == 0:
+    log(f"CAD gate: attention cost {config.attention.gate_attention_cost:.3g} "
+        f"({trainer.kernel} kernel)")
   source = make_source(config, num_buffers)
   out_dir = Path(config.train.out_dir)
   main = jax.process_index() == 0

@@ -19,10 +19,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attention_lib
 from distca_jax import mesh as mesh_lib
-from distca_jax.config import Config
+from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
 from distca_jax.models.llama import Llama
 from distca_jax.models.presets import ModelShape, resolve
+from distca_jax.train import metrics as metrics_lib
 from distca_jax.train.loss import chunked_cross_entropy
 from distca_jax.train.optimizer import make_optimizer
 
@@ -61,9 +62,17 @@ class Trainer:
   """Builds the sharded model and optimizer for `config` on `mesh` and runs training steps."""
 
   def __init__(self, config: Config, mesh: Mesh, total_steps: int | None = None):
-    self.config = config
     self.mesh = mesh
     self.shape: ModelShape = resolve(config.model)
+    # `config` with the step gate's attention cost of the kernel every core attention call takes
+    # (`metrics.with_kernel_gate_cost`, unless the config sets one): plan steps with
+    # `trainer.config.attention`. A named kernel that cannot run the model fails here.
+    try:
+      attention, self.kernel = metrics_lib.with_kernel_gate_cost(
+          config.attention, self.shape.head_dim, DTYPES[config.model.dtype])
+    except ValueError as e:
+      raise ConfigError(f"attention.kernel: {e}") from None
+    self.config = config = dataclasses.replace(config, attention=attention)
     self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
     self.core_attention = attention_lib.make_core_attention(config.attention, mesh)
     self.tx, self.schedule = make_optimizer(config.optim, total_steps or config.train.steps)
