@@ -21,6 +21,11 @@ Two parts:
    {"device", "dtype", "heads", "kv_heads", "head_dim", "q", "kv", "fwd_ms", "fwdbwd_ms"}, with
    times per task (ms), null where q > kv or not measured.
 
+`--geometry` (any machine, runs no kernel): per batch, what sets the ceiling of the comparison,
+whatever the kernels: the rows against the equal-area dense length (the row-linear passes scale
+with rows, the FLOPs with area) and the tile area the block schedule visits over the causal area
+at the forward's and the backward's tiles, beside the dense sequence's own.
+
 FLOPs: forward 4·d·H·area, backward 2.5× forward (the DESIGN.md convention), area = Σ per task
 q·kv − q(q−1)/2. Times are medians over `--iters` runs after warm-up, each ended by
 block_until_ready.
@@ -370,6 +375,21 @@ def dense_timer(T):
   return timer(attn, q, k, v, do)
 
 
+def geometry(datasets, contexts, max_shard):
+  """Per batch: (name, documents, rows, equal-area dense length, rows / dense length, tile area
+  over causal area at the forward's 128 x 128 and the backward's 64 x 128 tiles, and the dense
+  sequence's at 64 x 128)."""
+  out = []
+  for ds in datasets:
+    for ctx in contexts:
+      lens, tasks, T, _ = sampled_batch(ds, ctx, max_shard)
+      Td = dense_equivalent(float(kernels.causal_area(tasks).sum()))
+      dense = kernels.make_task_table([0], [Td], [0], [Td], num_q_rows=Td, num_kv_rows=Td)
+      out.append((f"{ds} {ctx // 1024}K", len(lens), T, Td, T / Td, tile_waste(tasks, T, 128, 128),
+                  tile_waste(tasks, T, 64, 128), tile_waste(dense, Td, 64, 128)))
+  return out
+
+
 def dense_equivalent(area):
   """Sequence length (multiple of 128) whose causal area is closest to `area`."""
   return max(128, int(round(math.sqrt(2 * area) / 128)) * 128)
@@ -407,8 +427,19 @@ def main():
                        "profiler trace (no host dispatch or sync), and report ratios by it")
   ap.add_argument("--head-dim", type=int, default=D)
   ap.add_argument("--heads", default=f"{H},{K}", help="query heads, KV heads")
+  ap.add_argument("--geometry", action="store_true",
+                  help="print each batch's rows and tile area against its dense equivalent (no "
+                       "kernels run; any machine) and stop")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  if args.geometry:
+    print("| batch | documents | rows | dense length | rows / dense | tile area 128x128 | "
+          "64x128 | dense's 64x128 |\n|---|---|---|---|---|---|---|---|")
+    for name, n, T, Td, r, wf, wb, wd in geometry(
+        [d for d in args.datasets.split(",") if d],
+        [int(c) for c in args.contexts.split(",") if c], args.max_shard):
+      print(f"| {name} | {n} | {T:,} | {Td:,} | {r:.1f} | {wf:.3f} | {wb:.3f} | {wd:.3f} |")
+    return
   H, K = (int(x) for x in args.heads.split(","))
   D = args.head_dim
   t_start = time.time()

@@ -143,6 +143,33 @@ def test_bench_kernels_call_spans_and_views(capsys):
   assert [c for c in ours.split() if c.endswith("x")] == ["0.50x", "0.25x", "0.50x", "0.25x"]
 
 
+def test_bench_kernels_geometry(monkeypatch):
+  """--geometry: per batch, rows against the equal-area dense length and the tiles' area over
+  the causal area; one document of the dense length is its own dense equivalent, and many short
+  documents of the same total rows have a shorter dense length and more tile area."""
+  sys.path.insert(0, str(ROOT / "launch"))
+  try:
+    import bench_kernels
+  finally:
+    sys.path.remove(str(ROOT / "launch"))
+  from distca_jax.kernels import make_task_table
+
+  def batch(lens):
+    return (lens, *bench_kernels.doc_layout(lens, 8192))
+
+  monkeypatch.setattr(bench_kernels, "sampled_batch",
+                      lambda ds, ctx, max_shard: batch([ctx] if ds == "one" else [ctx // 8] * 8))
+  (one, short) = bench_kernels.geometry(["one", "short"], [2048], 8192)
+  assert one[:5] == ("one 2K", 1, 2048, 2048, 1.0)
+  assert one[6] == pytest.approx(one[7]) and one[6] > 1  # 64 x 128 tiles: the dense sequence's
+  dense = make_task_table([0], [2048], [0], [2048], num_q_rows=2048, num_kv_rows=2048)
+  assert one[7] == bench_kernels.tile_waste(dense, 2048, 64, 128)
+  name, n, T, Td, ratio, fwd, bwd, dense_bwd = short
+  assert (n, T) == (8, 2048) and Td == 768 and ratio == pytest.approx(2048 / 768)
+  # Each 256-row document: its four 64-row tiles visit 1, 1, 2, 2 key blocks of 128.
+  assert bwd == pytest.approx(6 * 64 * 128 / (256 * 257 / 2)) and bwd > dense_bwd and fwd >= bwd
+
+
 def test_ab_mosaic_versions():
   """ab_mosaic.py's NAME=SPEC arguments: an Options spec of the package's kernel, or another
   kernel file imported beside the package's (its relative imports resolve); a bad option is an
