@@ -522,6 +522,14 @@ def test_gate_attention_cost_is_the_kernels(monkeypatch):
     assert (got.gate_attention_cost, kernel) == (want, backend)
     assert metrics.with_kernel_gate_cost(dataclasses.replace(unset, gate_attention_cost=0.5),
                                          shape.head_dim, np.float32)[0].gate_attention_cost == 0.5
+  # The run's log says where the cost came from.
+  mosaic_cost = metrics.GATE_ATTENTION_COST["mosaic"]
+  assert metrics.describe_gate_cost(unset, "mosaic") == (
+      f"{mosaic_cost:.3g} (mosaic kernel, measured)")
+  assert metrics.describe_gate_cost(unset, "reference") == (
+      f"{fit:.3g} (triton's: the reference kernel is not measured in training steps)")
+  assert metrics.describe_gate_cost(dataclasses.replace(unset, gate_attention_cost=0.5),
+                                    "mosaic") == "0.5 (attention.gate_attention_cost)"
   # What predicts a step reads the resolved cost; unresolved, the fit kernel's.
   batch = _layout_batch("long_on_one", 4, seed=0)
   mosaic = dataclasses.replace(unset, gate_attention_cost=metrics.GATE_ATTENTION_COST["mosaic"])

@@ -140,10 +140,10 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
   shape = resolve(config.model)
   num_buffers = mesh.shape["data"]
   trainer = Trainer(config, mesh)
-  config = trainer.config  # with the gate's attention cost of the kernel the run takes
   if config.attention.impl == "distca" and config.attention.gate and jax.process_index() == 0:
-    log(f"CAD gate: attention cost {config.attention.gate_attention_cost:.3g} "
-        f"({trainer.kernel} kernel)")
+    log("CAD gate: attention cost " + metrics_lib.describe_gate_cost(config.attention,
+                                                                     trainer.kernel))
+  config = trainer.config  # with the gate's attention cost of the kernel the run takes
   source = make_source(config, num_buffers)
   out_dir = Path(config.train.out_dir)
   main = jax.process_index() == 0

@@ -73,6 +73,17 @@ def gate_attention_cost(attention_config, kernel: str | None = None) -> float:
   return GATE_ATTENTION_COST.get(kernel, GATE_ATTENTION_COST[GATE_FIT_KERNEL])
 
 
+def describe_gate_cost(attention_config, kernel: str) -> str:
+  """Where the gate's attention cost for `kernel` comes from, for the run's log: the config, the
+  kernel's measurement, or (a kernel not measured in steps) the fit's kernel's."""
+  cost = gate_attention_cost(attention_config, kernel)
+  if attention_config.gate_attention_cost is not None:
+    return f"{cost:.3g} (attention.gate_attention_cost)"
+  if kernel in GATE_ATTENTION_COST:
+    return f"{cost:.3g} ({kernel} kernel, measured)"
+  return f"{cost:.3g} ({GATE_FIT_KERNEL}'s: the {kernel} kernel is not measured in training steps)"
+
+
 def with_kernel_gate_cost(attention_config, head_dim: int, dtype):
   """`attention_config` with `gate_attention_cost` set to the measured cost of the kernel its
   `kernel` resolves to for this head dim and dtype on the default platform (the one every core
@@ -90,8 +101,8 @@ def _costs(attention_config):
 
     attention_config = AttentionConfig()
   if attention_config.gate_attention_cost is None:  # callers that resolve no kernel: the fit's
-    attention_config = dataclasses.replace(attention_config,
-                                           gate_attention_cost=gate_attention_cost(attention_config))
+    cost = gate_attention_cost(attention_config)
+    attention_config = dataclasses.replace(attention_config, gate_attention_cost=cost)
   return attention_config
 
 
