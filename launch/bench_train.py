@@ -217,10 +217,6 @@ def main(argv=None) -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-  import dataclasses
-
-  import jax.numpy as jnp
-
   from distca_jax.config import load_config
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics as metrics_lib
@@ -299,8 +295,7 @@ def main(argv=None) -> int:
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)
         # The gate's attention cost of the kernel the variant runs, as the trainer resolves it.
-        config = dataclasses.replace(config, attention=metrics_lib.with_kernel_gate_cost(
-            config.attention, shape.head_dim, jnp.dtype(config.model.dtype))[0])
+        config, _ = metrics_lib.with_kernel_gate_cost(config, shape)
         traced = args.trace_dir and name in ("colocated", "distca") and kind == args.batches[0]
         trace = f"{args.trace_dir}/{kind}-{name}" if traced else None
         try:

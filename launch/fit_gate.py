@@ -145,7 +145,8 @@ def main() -> None:
                   help="one-device colocated launch/train.py logs of the same steps, one per "
                        "attention kernel, the one the shipped costs were fit with first (their "
                        "setup: --set); see kernel_cost()")
-  ap.add_argument("--no-fit", action="store_true", help="skip the 4-GPU fit (e.g. with --kernel-logs or --expect)")
+  ap.add_argument("--no-fit", action="store_true",
+                  help="skip the 4-GPU fit (e.g. with --kernel-logs or --expect)")
   args = ap.parse_args()
   if args.kernel_logs:
     kernel_cost(args.kernel_logs, tuple(args.set))
@@ -164,6 +165,18 @@ def main() -> None:
     fit_simulator()
 
 
+def _gate_report():
+  """launch/gate_report.py (its log reader), imported from beside this file (also under
+  `python -P`)."""
+  import os
+  import sys
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import gate_report
+
+  return gate_report
+
+
 def kernel_cost(paths, setup: tuple) -> list[dict]:
   """Each attention kernel's cost in training steps, from one-device colocated `launch/train.py`
   logs of the same sampled steps (`gpu_session.sh kfit`): per log, the uncompiled steps' times
@@ -172,15 +185,13 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
   first log's. The step gate's costs were fit with the first log's kernel; a kernel that runs
   attention faster (per FLOP) in a step leaves less for CAD to balance. Returns the fits."""
   import os
-  import sys
 
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics
 
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
-  import gate_report
+  gate_report = _gate_report()
 
   cfg = load_config(None, list(SETUP) + list(setup))
   shape = resolve(cfg.model)
@@ -237,13 +248,9 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
   the rows per exchanged block the step ran with (its run's grown capacities, which set the
   tiled exchange's bytes). Log step s trained on the sampler's batch s - 1; the distribution
   is `data.distribution` in `setup` (default: the config's)."""
-  import os
-  import sys
-
   from distca_jax.config import load_config
 
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
-  import gate_report
+  gate_report = _gate_report()
 
   dist = load_config(None, list(setup)).data.distribution
   rest = tuple(o for o in setup if not o.startswith("data.distribution="))

@@ -511,17 +511,19 @@ def test_gate_attention_cost_is_the_kernels(monkeypatch):
   from distca_jax.config import AttentionConfig
   from distca_jax.models.presets import resolve
 
-  shape = resolve(small_config().model)
+  cfg = small_config()
+  shape = resolve(cfg.model)
   fit = metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL]
   assert metrics.GATE_ATTENTION_COST["mosaic"] < fit
   unset = AttentionConfig()
+  set_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention,
+                                                                   gate_attention_cost=0.5))
   for backend, want in (("mosaic", metrics.GATE_ATTENTION_COST["mosaic"]), ("triton", fit),
                         ("reference", fit), ("pallas", fit)):
     monkeypatch.setattr(kernels, "resolve_backend", lambda b, d, t, backend=backend: backend)
-    got, kernel = metrics.with_kernel_gate_cost(unset, shape.head_dim, np.float32)
-    assert (got.gate_attention_cost, kernel) == (want, backend)
-    assert metrics.with_kernel_gate_cost(dataclasses.replace(unset, gate_attention_cost=0.5),
-                                         shape.head_dim, np.float32)[0].gate_attention_cost == 0.5
+    got, kernel = metrics.with_kernel_gate_cost(cfg, shape)
+    assert (got.attention.gate_attention_cost, kernel) == (want, backend)
+    assert metrics.with_kernel_gate_cost(set_cfg, shape)[0].attention.gate_attention_cost == 0.5
   # The run's log says where the cost came from.
   mosaic_cost = metrics.GATE_ATTENTION_COST["mosaic"]
   assert metrics.describe_gate_cost(unset, "mosaic") == (

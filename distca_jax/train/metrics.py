@@ -84,15 +84,21 @@ def describe_gate_cost(attention_config, kernel: str) -> str:
   return f"{cost:.3g} ({GATE_FIT_KERNEL}'s: the {kernel} kernel is not measured in training steps)"
 
 
-def with_kernel_gate_cost(attention_config, head_dim: int, dtype):
-  """`attention_config` with `gate_attention_cost` set to the measured cost of the kernel its
-  `kernel` resolves to for this head dim and dtype on the default platform (the one every core
-  attention call of the run takes), unless the config sets it. Returns (config, kernel)."""
+def with_kernel_gate_cost(config, shape: ModelShape):
+  """`config` (a whole `Config`) with `attention.gate_attention_cost` set to the measured cost of
+  the kernel `attention.kernel` resolves to for the model's head dim and dtype on the default
+  platform (the one every core attention call of the run takes), unless the config sets it.
+  Returns (config, kernel); a named kernel that cannot run the model is a ConfigError."""
   from distca_jax import kernels
+  from distca_jax.config import ConfigError
 
-  kernel = kernels.resolve_backend(attention_config.kernel, head_dim, dtype)
-  return dataclasses.replace(attention_config, gate_attention_cost=gate_attention_cost(
-      attention_config, kernel)), kernel
+  a = config.attention
+  try:
+    kernel = kernels.resolve_backend(a.kernel, shape.head_dim, config.model.dtype)
+  except ValueError as e:
+    raise ConfigError(f"attention.kernel: {e}") from None
+  attention = dataclasses.replace(a, gate_attention_cost=gate_attention_cost(a, kernel))
+  return dataclasses.replace(config, attention=attention), kernel
 
 
 def _costs(attention_config):

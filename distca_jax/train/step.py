@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attention_lib
 from distca_jax import mesh as mesh_lib
-from distca_jax.config import Config, ConfigError
+from distca_jax.config import Config
 from distca_jax.data.sources import Batch
 from distca_jax.models.llama import Llama
 from distca_jax.models.presets import ModelShape, resolve
@@ -67,12 +67,8 @@ class Trainer:
     # `config` with the step gate's attention cost of the kernel every core attention call takes
     # (`metrics.with_kernel_gate_cost`, unless the config sets one): plan steps with
     # `trainer.config.attention`. A named kernel that cannot run the model fails here.
-    try:
-      attention, self.kernel = metrics_lib.with_kernel_gate_cost(
-          config.attention, self.shape.head_dim, DTYPES[config.model.dtype])
-    except ValueError as e:
-      raise ConfigError(f"attention.kernel: {e}") from None
-    self.config = config = dataclasses.replace(config, attention=attention)
+    self.config, self.kernel = metrics_lib.with_kernel_gate_cost(config, self.shape)
+    config = self.config
     self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
     self.core_attention = attention_lib.make_core_attention(config.attention, mesh)
     self.tx, self.schedule = make_optimizer(config.optim, total_steps or config.train.steps)
