@@ -91,7 +91,7 @@ def expect(steps: int, devices=(4, 2), overrides=()) -> None:
 SIM_ARGS = ["gpus=[4]", "tensor_parallel=1", "pipeline_parallel=[1]", "tokens_per_rank=[65536]",
             "distributions=[pretrain,prolong]", "batches=80", "elongate_factor=1", "exchange=tiled",
             "layers=2", "hardware.linear_tflops=250",
-            "hardware.time_table=kernels/tables/NVIDIA_H100_triton.json", "progress=false"]
+            "hardware.time_table=NVIDIA_H100_triton", "progress=false"]
 
 
 def fit_simulator() -> None:

@@ -54,6 +54,7 @@ def wheel_names(tmp_path_factory) -> set[str]:
     "distca_jax/data/doclens/prolong.json",
     "distca_jax/data/doclens/README.md",  # provenance and license of the distributions
     "distca_jax/kernels/tables/NVIDIA_H100_triton.json",  # measured (q, kv) kernel times
+    "distca_jax/kernels/tables/NVIDIA_H200_mosaic.json",
     "distca_jax/schedule/plan.py",
     "distca_jax/train/loop.py",
 ])

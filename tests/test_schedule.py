@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from distca_jax.data.doclens import LengthSampler, load_lengths
 from distca_jax.data.packing import Layout, pack
 from distca_jax.models.presets import PRESETS
-from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable, causal_area, optimal_split, range_area
+from distca_jax.schedule.cost import (AnalyticKernel, CommModel, TimeTable, causal_area, optimal_split,
+                                      range_area, shipped_tables)
 from distca_jax.schedule.items import GRANULE, validate_layout
 from distca_jax.schedule.plan import (Capacities, CapacityError, colocated_plan, make_plan,
                                       row_bucket, simulate_dispatch, task_bucket)
@@ -371,6 +372,22 @@ def test_shipped_time_tables_load(path):
       tflops = 3.5 * 4 * d["heads"] * d["head_dim"] * causal_area(q, kv) / (ms * 1e9)
       assert 1 < tflops < 1000, (q, kv, tflops)
       assert np.isclose(tt.fwdbwd_ms(q, kv), ms), (q, kv)
+
+
+def test_shipped_tables_by_name(tmp_path):
+  """`TimeTable.load` finds every table of kernels/tables/ by name, as the installed package
+  lays it out, and reads the same file as its path; anything else names the shipped ones."""
+  folder = Path(__file__).parent.parent / "kernels" / "tables"
+  names = sorted(p.stem for p in folder.glob("*.json"))
+  assert list(shipped_tables()) == names and "NVIDIA_H200_mosaic" in names
+  for name in names:
+    by_name, by_path = TimeTable.load(name), TimeTable.load(folder / f"{name}.json")
+    assert by_name.device and by_name.device == by_path.device
+    np.testing.assert_array_equal(by_name.fwdbwd, by_path.fwdbwd)
+  with pytest.raises(ValueError, match="neither a shipped table.*NVIDIA_H100_mosaic"):
+    TimeTable.load("NVIDIA_B200_mosaic")
+  with pytest.raises(ValueError, match="neither a shipped table"):
+    TimeTable.load(tmp_path)  # a folder is not a table
 
 
 def test_plan_json_dump(tmp_path):

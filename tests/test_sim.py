@@ -232,6 +232,29 @@ def test_simulator_cad_beats_colocated_and_time_table_agrees(tmp_path):
     assert res2[name].iter_s == pytest.approx(res[name].iter_s, rel=0.15)
 
 
+def test_time_table_by_shipped_name_and_config_errors(tmp_path):
+  """hardware.time_table takes a shipped table's name (what an installed package's user has) and
+  simulates as with its path; an unknown name or a table of another head dim fails at load."""
+  name = "NVIDIA_H200_mosaic"
+  path = Path(__file__).parent.parent / "kernels" / "tables" / f"{name}.json"
+  point = Point("llama3_8b", 64, 131072, "pretrain")
+  by_name = Simulator(load_sim_config(None, ["gpus=[64]", "batches=1", f"hardware.time_table={name}"]),
+                      point).batch(0)[0]
+  by_path = Simulator(load_sim_config(None, ["gpus=[64]", "batches=1", f"hardware.time_table={path}"]),
+                      point).batch(0)[0]
+  analytic = Simulator(load_sim_config(None, ["gpus=[64]", "batches=1"]), point).batch(0)[0]
+  for impl in ("cad", "colocated"):
+    assert by_name[impl].iter_s == by_path[impl].iter_s != analytic[impl].iter_s
+  with pytest.raises(ConfigError, match="hardware.time_table: .*neither a shipped table"):
+    load_sim_config(None, ["hardware.time_table=NVIDIA_H100"])
+  with pytest.raises(ConfigError, match="hardware.time_table: .*head dim 128; llama_1b has 64"):
+    load_sim_config(None, ["models=[llama3_8b,llama_1b]", f"hardware.time_table={name}"])
+  bad = tmp_path / "bad.json"
+  bad.write_text("{")
+  with pytest.raises(ConfigError, match="hardware.time_table: .*cannot read"):
+    load_sim_config(None, [f"hardware.time_table={bad}"])
+
+
 def test_cli_writes_table_csv_plots_and_plans(tmp_path, capsys):
   cli = launch_script("simulate")
   main = cli.main

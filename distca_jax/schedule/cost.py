@@ -18,6 +18,7 @@ Numpy only.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 
@@ -159,6 +160,15 @@ class AnalyticKernel:
     return mult * 4.0 * self.heads * self.head_dim * area / (tflops * 1e12) * 1e3
 
 
+def shipped_tables() -> dict[str, Path]:
+  """The measured (q, kv) tables the package ships (`kernels/tables/*.json`, installed as
+  `distca_jax/kernels/tables/`), by file name without `.json`, sorted. Found without importing
+  `distca_jax.kernels` (which imports JAX)."""
+  spec = importlib.util.find_spec("distca_jax.kernels")
+  folders = [Path(f) / "tables" for f in (spec.submodule_search_locations or [])] if spec else []
+  return {p.stem: p for folder in folders if folder.is_dir() for p in sorted(folder.glob("*.json"))}
+
+
 @dataclasses.dataclass(frozen=True)
 class TimeTable:
   """Profiled kernel time over a (q, kv) grid, bilinearly interpolated (see `_interp`).
@@ -179,6 +189,18 @@ class TimeTable:
   head_dim: int
   device: str = ""
   dtype: str = "bfloat16"
+
+  @classmethod
+  def load(cls, name_or_path: str | Path) -> "TimeTable":
+    """A table the package ships, by name (`NVIDIA_H200_mosaic`, see `shipped_tables`), or a
+    JSON file of the kernel benchmark."""
+    shipped = shipped_tables()
+    if str(name_or_path) in shipped:
+      return cls.from_json(shipped[str(name_or_path)])
+    if not Path(name_or_path).is_file():
+      raise ValueError(f"time table {str(name_or_path)!r} is neither a shipped table "
+                       f"({', '.join(shipped) or 'none found'}) nor an existing file")
+    return cls.from_json(name_or_path)
 
   @classmethod
   def from_json(cls, path: str | Path) -> "TimeTable":

@@ -28,7 +28,9 @@ class HardwareConfig:
   linear_tflops: float = 450.0
   # Sustained TFLOP/s of fused varlen attention; §3: packed cuDNN ≈ 300 (fwd and fwd+bwd).
   attention_tflops: float = 300.0
-  # Optional profiled kernel table (JSON of the kernel benchmark); overrides attention_tflops.
+  # Optional profiled kernel table; overrides attention_tflops. The name of a table the package
+  # ships (`NVIDIA_H100_mosaic`, `NVIDIA_H200_mosaic`, `NVIDIA_H100_triton`: the kernel each
+  # card's training takes first is `mosaic`) or the path of a `launch/bench_kernels.py` table.
   time_table: str | None = None
   gpus_per_node: int = 8
   nvlink_gbps: float = 200.0  # GB/s per GPU each way inside a node (§3: all_to_all 180-200)
@@ -237,3 +239,21 @@ def validate(c: SimConfig) -> None:
       raise ConfigError(f"hardware.{name}: must be positive, got {getattr(h, name)}")
   if h.gpus_per_node < 1:
     raise ConfigError(f"hardware.gpus_per_node: must be >= 1, got {h.gpus_per_node}")
+  if h.time_table:
+    _check_time_table(h.time_table, sorted({m for axes in c.sweep_axes() for m in axes["models"]}))
+
+
+def _check_time_table(name_or_path: str, models) -> None:
+  """The table loads, and its head dim is every simulated model's (the engine rescales heads,
+  not the head dim)."""
+  from distca_jax.models.presets import PRESETS
+  from distca_jax.schedule.cost import TimeTable
+
+  try:
+    table = TimeTable.load(name_or_path)
+  except ValueError as e:
+    raise ConfigError(f"hardware.time_table: {e}") from None
+  for m in models:
+    if PRESETS[m].head_dim != table.head_dim:
+      raise ConfigError(f"hardware.time_table: {name_or_path!r} was measured at head dim "
+                        f"{table.head_dim}; {m} has {PRESETS[m].head_dim}")

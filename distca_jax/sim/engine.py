@@ -123,7 +123,7 @@ class Simulator:
     self.comm = CommModel.for_model(self.shape, tp)
     h = cfg.hardware
     if h.time_table:
-      table = TimeTable.from_json(h.time_table)
+      table = TimeTable.load(h.time_table)
       self.kernel = table.rescaled(self.comm.heads) if table.head_dim == self.shape.head_dim else None
       if self.kernel is None:
         raise ValueError(f"hardware.time_table: head_dim {table.head_dim} does not match the "
