@@ -103,6 +103,15 @@ class AttentionConfig:
   gate_attention_cost: float | None = None
   gate_exchange_fixed: float = 0.00936
   gate_exchange_flops_per_byte: float = 1305.0
+  # Across nodes: a byte the exchange moves between data ranks on different nodes costs this many
+  # NVLink bytes (the fit above is one NVLink host's). Default 4: NVLink's ~200 GB/s per GPU each
+  # way (DESIGN.md §3, measured on 2 H200s) over the 50 GB/s per GPU network of the paper's
+  # setting (DESIGN.md "Cost model"); not measured here: refit on the cluster. `gate_nodes`: the
+  # node of each data rank; unset, the trainer finds it (processes grouped by host name; one
+  # process is one node) and records it in the run's config.json; set it to plan as another
+  # topology would (a list of mesh.data node numbers).
+  gate_network_byte_cost: float = 4.0
+  gate_nodes: tuple[int, ...] | None = None
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
@@ -255,6 +264,10 @@ def _check_value(path: str, annotation: Any, value: Any) -> Any:
     if isinstance(value, str):
       return value
     raise ConfigError(f"{path}: expected a string, got {value!r}")
+  if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a YAML list
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{path}: expected a list, got {value!r}")
+    return tuple(_check_value(f"{path}[{i}]", args[0], v) for i, v in enumerate(value))
   raise ConfigError(f"{path}: unsupported field type {annotation}")
 
 
@@ -376,6 +389,15 @@ def validate(config: Config) -> None:
   for name in ("gate_attention_cost", "gate_exchange_fixed", "gate_exchange_flops_per_byte"):
     if getattr(a, name) is not None and not getattr(a, name) >= 0:
       raise ConfigError(f"attention.{name}: must be >= 0, got {getattr(a, name)}")
+  if not a.gate_network_byte_cost > 0:
+    raise ConfigError(f"attention.gate_network_byte_cost: must be > 0 (in NVLink bytes), got "
+                      f"{a.gate_network_byte_cost}")
+  if a.gate_nodes is not None:
+    if m.data != -1 and len(a.gate_nodes) != m.data:
+      raise ConfigError(f"attention.gate_nodes: one node number per data rank, got "
+                        f"{len(a.gate_nodes)} for mesh.data={m.data}")
+    if min(a.gate_nodes, default=0) < 0:
+      raise ConfigError(f"attention.gate_nodes: node numbers must be >= 0, got {list(a.gate_nodes)}")
   if not -1 < a.min_gain < 1:
     raise ConfigError(f"attention.min_gain: a fraction of the step, must be in (-1, 1) "
                       f"(attention.gate=false turns the gate off), got {a.min_gain}")

@@ -533,21 +533,40 @@ def _shifts(caps: dict[str, int], name: str) -> tuple[int, ...]:
 
 
 def exchange_bytes(attention_config, shape, plans, capacities: dict[str, int]) -> np.ndarray:
-  """Per device, the bytes one layer's exchange sends plus receives over the step's plans.
+  """Per device, the bytes one layer's exchange sends plus receives over the step's plans, in
+  NVLink bytes: across nodes (`attention.gate_nodes`) a byte counts `gate_network_byte_cost`.
   Tiled (`attention.exchange`): every off-diagonal (device, server) block travels whole, padded
   to the capacities (`c` query rows, `ckv` K/V rows), whatever the plan moves; shifted: each
   shift's blocks at that shift's capacity (`q1`.., `kv1`..); ragged: the rows that move (the
-  plans' traffic)."""
-  if attention_config.exchange == "ragged":
-    return sum(p.traffic.send + p.traffic.recv for p in plans)
-  comm = comm_model(shape, attention_config)
+  plans' traffic, spread over a device's peers in proportion to their number on each node)."""
   n = plans[0].stats.load_after.size
-  if attention_config.exchange == "shifted":  # each shift's blocks at that shift's largest
-    sent = (sum(_shifts(capacities, "q")) * comm.q_row_bytes
-            + sum(_shifts(capacities, "kv")) * comm.kv_row_bytes)
+  cost = link_costs(attention_config, n)  # [sender, receiver]
+  if attention_config.exchange == "ragged":
+    moved = sum(p.traffic.send + p.traffic.recv for p in plans)
+    return moved * (cost.sum(axis=1) - 1.0) / max(n - 1, 1)  # the diagonal's 1 is no peer
+  comm = comm_model(shape, attention_config)
+  d = np.arange(n)
+  if attention_config.exchange == "shifted":  # shift k: d sends to d + k, receives from d - k
+    block = [q * comm.q_row_bytes + kv * comm.kv_row_bytes
+             for q, kv in zip(_shifts(capacities, "q"), _shifts(capacities, "kv"))]
+    per_device = sum(b * (cost[d, (d + k) % n] + cost[(d - k) % n, d])
+                     for k, b in enumerate(block, start=1))
   else:
-    sent = (n - 1) * (capacities["c"] * comm.q_row_bytes + capacities["ckv"] * comm.kv_row_bytes)
-  return np.full(n, 2.0 * sent * len(plans))
+    block = capacities["c"] * comm.q_row_bytes + capacities["ckv"] * comm.kv_row_bytes
+    per_device = block * (cost.sum(axis=1) + cost.sum(axis=0) - 2.0)
+  return np.broadcast_to(np.asarray(per_device, np.float64) * len(plans), (n,)).copy()
+
+
+def link_costs(attention_config, n: int) -> np.ndarray:
+  """[n, n]: what a byte from data rank i to rank j costs in NVLink bytes: 1 on one node,
+  `attention.gate_network_byte_cost` between nodes (`attention.gate_nodes`; unset: one node)."""
+  nodes = attention_config.gate_nodes
+  if nodes is None:
+    return np.ones((n, n))
+  if len(nodes) != n:
+    raise ValueError(f"attention.gate_nodes: {len(nodes)} node numbers for {n} data ranks")
+  nodes = np.asarray(nodes)
+  return np.where(nodes[:, None] == nodes[None, :], 1.0, attention_config.gate_network_byte_cost)
 
 
 def dispatch_for_plans(plans, layouts, devices=None, batches=None, shapes: StepShapes | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 from typing import Any
 
 import jax
@@ -35,6 +36,31 @@ def local_rows(mesh: Mesh) -> np.ndarray | None:
     return None
   d_idx, p_idx = np.nonzero(mine)
   return np.sort(p_idx * data + d_idx)
+
+
+def data_rank_nodes(mesh: Mesh) -> tuple[int, ...]:
+  """The node (host) of each `data` rank: the host of its first device (pipe 0, tensor 0), nodes
+  numbered in order of first appearance. Hosts are told apart by host name, gathered from every
+  process (one process per host or one per GPU alike): a collective when there are several
+  processes, so every process calls it; one process is one node."""
+  process = [int(d.process_index) for d in mesh.devices[:, 0, 0]]
+  if jax.process_count() == 1:
+    return (0,) * len(process)
+  from jax.experimental import multihost_utils
+
+  name = np.zeros(256, np.uint8)
+  raw = socket.gethostname().encode()[:256]
+  name[:len(raw)] = np.frombuffer(raw, np.uint8)
+  hosts = [bytes(row).rstrip(b"\0").decode(errors="replace")
+           for row in np.asarray(multihost_utils.process_allgather(name))]
+  return nodes_of(process, hosts)
+
+
+def nodes_of(process_of_rank, host_of_process) -> tuple[int, ...]:
+  """Node numbers per rank from each rank's process and each process's host name, numbered in
+  order of first appearance (`data_rank_nodes`)."""
+  ids: dict[str, int] = {}
+  return tuple(ids.setdefault(host_of_process[p], len(ids)) for p in process_of_rank)
 
 
 def make_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:

@@ -64,6 +64,8 @@ def test_bad_literal_lists_allowed_values(override, field, allowed):
     ("data.distribution=3", "data.distribution"),
     ("model.hidden=wide", "model.hidden"),  # int | None
     ("train.peak_tflops=[1]", "train.peak_tflops"),
+    ("attention.gate_nodes=3", "attention.gate_nodes"),  # a list of node numbers
+    ("attention.gate_nodes=[0,a]", "attention.gate_nodes[1]"),
 ])
 def test_wrong_type_named(override, field):
   assert _error(override).startswith(f"{field}:")
@@ -71,6 +73,11 @@ def test_wrong_type_named(override, field):
 
 def test_section_must_be_a_mapping():
   assert _error("train=3").startswith("train:")
+
+
+def test_list_field_becomes_a_tuple_and_matches_the_mesh():
+  assert load_config(None, ["attention.gate_nodes=[0, 0, 1]"]).attention.gate_nodes == (0, 0, 1)
+  assert _error("mesh.data=4", "attention.gate_nodes=[0,1]").startswith("attention.gate_nodes:")
 
 
 def test_int_accepted_where_float_expected():
@@ -103,6 +110,8 @@ def test_tokens_per_device_multiple_of_128(tokens):
     ("attention.min_gain=-1", "attention.min_gain"),
     ("attention.gate_exchange_fixed=-0.1", "attention.gate_exchange_fixed"),
     ("attention.gate_attention_cost=-0.5", "attention.gate_attention_cost"),
+    ("attention.gate_network_byte_cost=0", "attention.gate_network_byte_cost"),
+    ("attention.gate_nodes=[0,-1]", "attention.gate_nodes"),
     ("attention.min_gain=1", "attention.min_gain"),
     ("optim.lr=-1", "optim.lr"),
     ("train.steps=0", "train.steps"),

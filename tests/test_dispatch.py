@@ -11,6 +11,7 @@ import pytest
 from distca_jax import attention as attn
 from distca_jax import dispatch
 from distca_jax import mesh as mesh_lib
+from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.planner import pair_rows
@@ -882,6 +883,61 @@ def test_shifted_exchange_equals_tiled(n, tensor, pingpong, layout):
   assert sent["shifted"] <= sent["tiled"]
   if 0 in d.shift_q + d.shift_kv:
     assert sent["shifted"] < sent["tiled"]
+
+
+def test_gate_charges_bytes_between_nodes_more():
+  """With data ranks on two nodes (`attention.gate_nodes`), each exchanged byte between nodes
+  counts `gate_network_byte_cost` NVLink bytes: the tiled exchange's blocks by their pair, the
+  shifted one's by each shift's partner, the ragged one's moved bytes by the share of the
+  device's peers on other nodes; so the gate predicts less saving. One node prices as before."""
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics
+
+  cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=prolong",
+                     "attention.impl=distca", "attention.exchange=shifted")
+  shape = resolve(cfg.model)
+  batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
+  ctx = attn.host_context(cfg.attention, batch, shape)
+  plans, caps, comm = ctx.plans, ctx.capacities, dispatch.comm_model(shape, cfg.attention)
+  one_node = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 0, 0))
+  two = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 1, 1), gate_network_byte_cost=4.0)
+  for exchange in ("tiled", "shifted", "ragged"):
+    unset, one, split = (dispatch.exchange_bytes(dataclasses.replace(a, exchange=exchange), shape,
+                                                 plans, caps)
+                         for a in (cfg.attention, one_node, two))
+    np.testing.assert_array_equal(one, unset)
+    if exchange == "tiled":  # 1 peer on the node, 2 off it; sent and received alike
+      block = caps["c"] * comm.q_row_bytes + caps["ckv"] * comm.kv_row_bytes
+      np.testing.assert_allclose(split, 2 * (1 + 2 * 4) * block * len(plans))
+    elif exchange == "shifted":  # shift 1: 0->1 on node, 1->2 off; shift 2: all off; shift 3 ~ 1
+      q, kv = dispatch._shifts(caps, "q"), dispatch._shifts(caps, "kv")
+      b = [qk * comm.q_row_bytes + kvk * comm.kv_row_bytes for qk, kvk in zip(q, kv)]
+      for d in range(4):
+        cost = lambda i, j: 1.0 if i // 2 == j // 2 else 4.0
+        want = sum(b[k - 1] * (cost(d, (d + k) % 4) + cost((d - k) % 4, d)) for k in (1, 2, 3))
+        assert split[d] == pytest.approx(want * len(plans))
+    else:
+      np.testing.assert_allclose(split, unset * (1 + 2 * 4) / 3)
+    assert (split >= unset).all() and (split > unset).any()
+    saving = lambda a, x: metrics.predicted_cad_saving(shape, batch.layout, plans, a, x)
+    assert saving(two, split) < saving(one_node, one)
+  with pytest.raises(ValueError, match="2 node numbers for 4 data ranks"):
+    dispatch.link_costs(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), 4)
+
+
+def test_trainer_records_the_nodes_of_its_data_ranks():
+  """One process is one node; a config's own node map is kept, and must cover the data ranks."""
+  from distca_jax.train.step import with_gate_nodes
+
+  cfg = small_config("mesh.data=4", "attention.impl=distca")
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])
+  assert with_gate_nodes(cfg, mesh).attention.gate_nodes == (0, 0, 0, 0)
+  mine = small_config("mesh.data=4", "attention.gate_nodes=[0,0,1,1]")
+  assert with_gate_nodes(mine, mesh).attention.gate_nodes == (0, 0, 1, 1)
+  with pytest.raises(ConfigError, match="attention.gate_nodes: one node number per data rank"):
+    with_gate_nodes(small_config("attention.gate_nodes=[0,1]"), mesh)
+  # Host names by process: ranks numbered by the first rank on each host.
+  assert mesh_lib.nodes_of([0, 0, 1, 1, 2, 3], ["b", "b", "a", "a"]) == (0, 0, 0, 0, 1, 1)
 
 
 def test_shifted_plan_that_overflows_a_shift_is_refused():

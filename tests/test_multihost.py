@@ -68,6 +68,10 @@ def test_two_processes_match_one_process(tmp_path, impl):
   np.testing.assert_allclose(two["losses"], one.losses, rtol=1e-5)
   # Every process grows the same step capacities at the same step (same global plans).
   assert two["step_shapes"] == one.step_shapes and two["compile_count"] == one.compile_count
+  # Both processes run on this host: the gate's node map (host names gathered from every
+  # process) is one node.
+  config = json.loads((out / "config.json").read_text())
+  assert config["attention"]["gate_nodes"] == [0] * 8
   # Process 1 ran the same steps but wrote no files and printed no per-step lines.
   log1 = (tmp_path / "logs" / "process_1.log").read_text()
   assert "step 1:" not in log1 and "loss " in log1

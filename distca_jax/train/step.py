@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attention_lib
 from distca_jax import mesh as mesh_lib
-from distca_jax.config import Config
+from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
 from distca_jax.models.llama import Llama
 from distca_jax.models.presets import ModelShape, resolve
@@ -58,6 +58,20 @@ def put_global(host_tree: Any, mesh: Mesh, spec: P = P("data")) -> Any:
   return jax.tree.map(one, host_tree)
 
 
+def with_gate_nodes(config: Config, mesh: Mesh) -> Config:
+  """`config` with `attention.gate_nodes` found from the mesh's processes' hosts
+  (`mesh.data_rank_nodes`, a collective with several processes) unless set; a set one must
+  have a node per data rank."""
+  a, data = config.attention, mesh.shape["data"]
+  if a.gate_nodes is not None:
+    if len(a.gate_nodes) != data:
+      raise ConfigError(f"attention.gate_nodes: one node number per data rank, got "
+                        f"{len(a.gate_nodes)} for {data} data ranks")
+    return config
+  nodes = mesh_lib.data_rank_nodes(mesh)
+  return dataclasses.replace(config, attention=dataclasses.replace(a, gate_nodes=nodes))
+
+
 class Trainer:
   """Builds the sharded model and optimizer for `config` on `mesh` and runs training steps."""
 
@@ -68,6 +82,9 @@ class Trainer:
     # (`metrics.with_kernel_gate_cost`, unless the config sets one): plan steps with
     # `trainer.config.attention`. A named kernel that cannot run the model fails here.
     self.config, self.kernel = metrics_lib.with_kernel_gate_cost(config, self.shape)
+    # ... and with the node of each data rank, unless the config sets them: the gate prices the
+    # exchange's bytes between nodes higher (`dispatch.link_costs`).
+    self.config = with_gate_nodes(self.config, mesh)
     config = self.config
     self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
     self.core_attention = attention_lib.make_core_attention(config.attention, mesh)
