@@ -104,9 +104,11 @@ class AttentionConfig:
   gate_exchange_fixed: float = 0.00936
   gate_exchange_flops_per_byte: float = 1305.0
   # Across nodes: a byte the exchange moves between data ranks on different nodes costs this many
-  # NVLink bytes (the fit above is one NVLink host's). Default 4: NVLink's ~200 GB/s per GPU each
-  # way (DESIGN.md §3, measured on 2 H200s) over the 50 GB/s per GPU network of the paper's
-  # setting (DESIGN.md "Cost model"); not measured here: refit on the cluster. `gate_nodes`: the
+  # NVLink bytes (the fit above is one NVLink host's), and a device's exchange takes as long as
+  # its busier link, within its node or across (`dispatch.exchange_bytes`, as the simulator
+  # models it). Default 4: NVLink's ~200 GB/s per GPU each way (DESIGN.md §3, measured on 2
+  # H200s) over the 50 GB/s per GPU network of the paper's setting (DESIGN.md "Cost model");
+  # not measured here: refit on the cluster. `gate_nodes`: the
   # node of each data rank; unset, the trainer finds it (processes grouped by host name; one
   # process is one node) and records it in the run's config.json; set it to plan as another
   # topology would (a list of mesh.data node numbers).

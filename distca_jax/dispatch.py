@@ -534,39 +534,47 @@ def _shifts(caps: dict[str, int], name: str) -> tuple[int, ...]:
 
 def exchange_bytes(attention_config, shape, plans, capacities: dict[str, int]) -> np.ndarray:
   """Per device, the bytes one layer's exchange sends plus receives over the step's plans, in
-  NVLink bytes: across nodes (`attention.gate_nodes`) a byte counts `gate_network_byte_cost`.
-  Tiled (`attention.exchange`): every off-diagonal (device, server) block travels whole, padded
-  to the capacities (`c` query rows, `ckv` K/V rows), whatever the plan moves; shifted: each
-  shift's blocks at that shift's capacity (`q1`.., `kv1`..); ragged: the rows that move (the
-  plans' traffic, spread over a device's peers in proportion to their number on each node)."""
+  NVLink bytes. Tiled (`attention.exchange`): every off-diagonal (device, server) block travels
+  whole, padded to the capacities (`c` query rows, `ckv` K/V rows), whatever the plan moves;
+  shifted: each shift's blocks at that shift's capacity (`q1`.., `kv1`..); ragged: the rows that
+  move (the plans' traffic, spread evenly over the device's peers). With data ranks on several
+  nodes (`attention.gate_nodes`) a device's bytes within its node and across nodes move at once
+  over different links: the busier link counts, bytes across nodes at
+  `attention.gate_network_byte_cost` NVLink bytes each (as the simulator's exchange model)."""
   n = plans[0].stats.load_after.size
-  cost = link_costs(attention_config, n)  # [sender, receiver]
+  same = same_node(attention_config, n)
   if attention_config.exchange == "ragged":
     moved = sum(p.traffic.send + p.traffic.recv for p in plans)
-    return moved * (cost.sum(axis=1) - 1.0) / max(n - 1, 1)  # the diagonal's 1 is no peer
+    if same.all():
+      return moved
+    off = (~same).sum(axis=1) / (n - 1)  # the share of the device's peers on other nodes
+    return np.maximum(moved * (1 - off), attention_config.gate_network_byte_cost * moved * off)
   comm = comm_model(shape, attention_config)
-  d = np.arange(n)
-  if attention_config.exchange == "shifted":  # shift k: d sends to d + k, receives from d - k
-    block = [q * comm.q_row_bytes + kv * comm.kv_row_bytes
-             for q, kv in zip(_shifts(capacities, "q"), _shifts(capacities, "kv"))]
-    per_device = sum(b * (cost[d, (d + k) % n] + cost[(d - k) % n, d])
-                     for k, b in enumerate(block, start=1))
+  pair = np.zeros((n, n))  # one layer's bytes per plan, [sender, receiver]
+  if attention_config.exchange == "shifted":  # shift k: block d -> d + k
+    d = np.arange(n)
+    for k, (q, kv) in enumerate(zip(_shifts(capacities, "q"), _shifts(capacities, "kv")), start=1):
+      pair[d, (d + k) % n] = q * comm.q_row_bytes + kv * comm.kv_row_bytes
   else:
-    block = capacities["c"] * comm.q_row_bytes + capacities["ckv"] * comm.kv_row_bytes
-    per_device = block * (cost.sum(axis=1) + cost.sum(axis=0) - 2.0)
-  return np.broadcast_to(np.asarray(per_device, np.float64) * len(plans), (n,)).copy()
+    pair[:] = capacities["c"] * comm.q_row_bytes + capacities["ckv"] * comm.kv_row_bytes
+    np.fill_diagonal(pair, 0.0)
+  pair *= len(plans)
+  within = np.where(same, pair, 0.0)
+  across = pair - within
+  return np.maximum(within.sum(1) + within.sum(0),
+                    attention_config.gate_network_byte_cost * (across.sum(1) + across.sum(0)))
 
 
-def link_costs(attention_config, n: int) -> np.ndarray:
-  """[n, n]: what a byte from data rank i to rank j costs in NVLink bytes: 1 on one node,
-  `attention.gate_network_byte_cost` between nodes (`attention.gate_nodes`; unset: one node)."""
+def same_node(attention_config, n: int) -> np.ndarray:
+  """[n, n] bool: whether data ranks i and j share a node (`attention.gate_nodes`; unset: one
+  node)."""
   nodes = attention_config.gate_nodes
   if nodes is None:
-    return np.ones((n, n))
+    return np.ones((n, n), bool)
   if len(nodes) != n:
     raise ValueError(f"attention.gate_nodes: {len(nodes)} node numbers for {n} data ranks")
   nodes = np.asarray(nodes)
-  return np.where(nodes[:, None] == nodes[None, :], 1.0, attention_config.gate_network_byte_cost)
+  return nodes[:, None] == nodes[None, :]
 
 
 def dispatch_for_plans(plans, layouts, devices=None, batches=None, shapes: StepShapes | None = None,

@@ -886,10 +886,12 @@ def test_shifted_exchange_equals_tiled(n, tensor, pingpong, layout):
 
 
 def test_gate_charges_bytes_between_nodes_more():
-  """With data ranks on two nodes (`attention.gate_nodes`), each exchanged byte between nodes
-  counts `gate_network_byte_cost` NVLink bytes: the tiled exchange's blocks by their pair, the
+  """With data ranks on two nodes (`attention.gate_nodes`) a device's exchange takes as long as
+  its busier link: its bytes within the node, or its bytes across nodes counted at
+  `gate_network_byte_cost` NVLink bytes each (the tiled exchange's blocks by their pair, the
   shifted one's by each shift's partner, the ragged one's moved bytes by the share of the
-  device's peers on other nodes; so the gate predicts less saving. One node prices as before."""
+  device's peers on the other node); so the gate predicts less saving. One node prices as
+  before."""
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics
 
@@ -899,30 +901,37 @@ def test_gate_charges_bytes_between_nodes_more():
   batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
   ctx = attn.host_context(cfg.attention, batch, shape)
   plans, caps, comm = ctx.plans, ctx.capacities, dispatch.comm_model(shape, cfg.attention)
+  P = len(plans)
   one_node = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 0, 0))
   two = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 1, 1), gate_network_byte_cost=4.0)
+  node = lambda i: i // 2
   for exchange in ("tiled", "shifted", "ragged"):
     unset, one, split = (dispatch.exchange_bytes(dataclasses.replace(a, exchange=exchange), shape,
                                                  plans, caps)
                          for a in (cfg.attention, one_node, two))
     np.testing.assert_array_equal(one, unset)
-    if exchange == "tiled":  # 1 peer on the node, 2 off it; sent and received alike
+    if exchange == "tiled":  # 1 peer within the node (out and in), 2 across at 4x
       block = caps["c"] * comm.q_row_bytes + caps["ckv"] * comm.kv_row_bytes
-      np.testing.assert_allclose(split, 2 * (1 + 2 * 4) * block * len(plans))
-    elif exchange == "shifted":  # shift 1: 0->1 on node, 1->2 off; shift 2: all off; shift 3 ~ 1
-      q, kv = dispatch._shifts(caps, "q"), dispatch._shifts(caps, "kv")
-      b = [qk * comm.q_row_bytes + kvk * comm.kv_row_bytes for qk, kvk in zip(q, kv)]
+      np.testing.assert_allclose(unset, 2 * 3 * block * P)
+      np.testing.assert_allclose(split, max(2 * 1, 4 * 2 * 2) * block * P)
+    elif exchange == "shifted":  # shift k: d sends b_k to d + k and receives b_k from d - k
+      b = [q * comm.q_row_bytes + kv * comm.kv_row_bytes
+           for q, kv in zip(dispatch._shifts(caps, "q"), dispatch._shifts(caps, "kv"))]
+      assert len(b) == 3
       for d in range(4):
-        cost = lambda i, j: 1.0 if i // 2 == j // 2 else 4.0
-        want = sum(b[k - 1] * (cost(d, (d + k) % 4) + cost((d - k) % 4, d)) for k in (1, 2, 3))
-        assert split[d] == pytest.approx(want * len(plans))
-    else:
-      np.testing.assert_allclose(split, unset * (1 + 2 * 4) / 3)
+        links = {True: 0.0, False: 0.0}  # within, across
+        for k in (1, 2, 3):
+          links[node(d) == node((d + k) % 4)] += b[k - 1] * P
+          links[node(d) == node((d - k) % 4)] += b[k - 1] * P
+        assert split[d] == pytest.approx(max(links[True], 4 * links[False]))
+        assert unset[d] == pytest.approx(links[True] + links[False])
+    else:  # 1 of 3 peers within the node
+      np.testing.assert_allclose(split, np.maximum(unset / 3, 4 * unset * 2 / 3))
     assert (split >= unset).all() and (split > unset).any()
     saving = lambda a, x: metrics.predicted_cad_saving(shape, batch.layout, plans, a, x)
     assert saving(two, split) < saving(one_node, one)
   with pytest.raises(ValueError, match="2 node numbers for 4 data ranks"):
-    dispatch.link_costs(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), 4)
+    dispatch.same_node(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), 4)
 
 
 def test_trainer_records_the_nodes_of_its_data_ranks():

@@ -83,7 +83,7 @@ class Trainer:
     # `trainer.config.attention`. A named kernel that cannot run the model fails here.
     self.config, self.kernel = metrics_lib.with_kernel_gate_cost(config, self.shape)
     # ... and with the node of each data rank, unless the config sets them: the gate prices the
-    # exchange's bytes between nodes higher (`dispatch.link_costs`).
+    # exchange's bytes between nodes higher (`dispatch.exchange_bytes`).
     self.config = with_gate_nodes(self.config, mesh)
     config = self.config
     self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
