@@ -947,6 +947,11 @@ def test_trainer_records_the_nodes_of_its_data_ranks():
     with_gate_nodes(small_config("attention.gate_nodes=[0,1]"), mesh)
   # Host names by process: ranks numbered by the first rank on each host.
   assert mesh_lib.nodes_of([0, 0, 1, 1, 2, 3], ["b", "b", "a", "a"]) == (0, 0, 0, 0, 1, 1)
+  # The run's log names the nodes when there are several.
+  assert metrics.describe_gate_nodes(with_gate_nodes(cfg, mesh).attention) == ""
+  assert metrics.describe_gate_nodes(dataclasses.replace(
+      mine.attention, gate_nodes=(0, 1, 1, 1), gate_network_byte_cost=2.5)) == (
+          "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes")
 
 
 def test_shifted_plan_that_overflows_a_shift_is_refused():

@@ -142,7 +142,8 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
   trainer = Trainer(config, mesh)
   if config.attention.impl == "distca" and config.attention.gate and jax.process_index() == 0:
     log("CAD gate: attention cost " + metrics_lib.describe_gate_cost(config.attention,
-                                                                     trainer.kernel))
+                                                                     trainer.kernel)
+        + metrics_lib.describe_gate_nodes(trainer.config.attention))
   config = trainer.config  # with the gate's attention cost of the kernel the run takes
   source = make_source(config, num_buffers)
   out_dir = Path(config.train.out_dir)

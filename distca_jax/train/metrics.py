@@ -84,6 +84,18 @@ def describe_gate_cost(attention_config, kernel: str) -> str:
   return f"{cost:.3g} ({GATE_FIT_KERNEL}'s: the {kernel} kernel is not measured in training steps)"
 
 
+def describe_gate_nodes(attention_config) -> str:
+  """The data ranks' nodes for the run's log, when there are several: "; 2 nodes (8, 8 data
+  ranks), a byte between them 4 NVLink bytes"; "" on one node."""
+  nodes = attention_config.gate_nodes or ()
+  counts = np.bincount(nodes) if len(nodes) else np.zeros(0, int)
+  counts = counts[counts > 0]
+  if counts.size < 2:
+    return ""
+  return (f"; {counts.size} nodes ({', '.join(map(str, counts))} data ranks), a byte between "
+          f"them {attention_config.gate_network_byte_cost:g} NVLink bytes")
+
+
 def with_kernel_gate_cost(config, shape: ModelShape):
   """`config` (a whole `Config`) with `attention.gate_attention_cost` set to the measured cost of
   the kernel `attention.kernel` resolves to for the model's head dim and dtype on the default
