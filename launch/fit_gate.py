@@ -11,10 +11,11 @@ measured saving, then plans the batch as the trainer does (ping-pong on), fits t
 overhead from the matmul time and the bytes the busiest device moves, prints the three
 `attention.gate_*` costs it implies, and predicts each batch's net saving from a fit of the
 others (leave-one-out).
-`--expect N [--expect-devices 4 2] [--expect-set k=v ...]`: then, for the sampler's first N
-batches of each distribution, the gate's decisions and the speedup its predictions give over
-those N steps, planned as the trainer plans them (a prediction from the fitted model, not a
-measurement). `--sim`: the simulator's own cost terms fit to the same
+`--expect N [--expect-devices 4 2] [--expect-set k=v ...] [--expect-per-node 8]`: then, for the
+sampler's first N batches of each distribution, the gate's decisions and the speedup its
+predictions give over those N steps, planned as the trainer plans them (with that many data
+ranks per node: the exchange's bytes across nodes cost more), a prediction from the fitted
+model, not a measurement. `--sim`: the simulator's own cost terms fit to the same
 batches.
 `--kernel-logs BASE.log OTHER.log ...` (`gpu_session.sh kfit`): one-device colocated training
 runs of the same sampled steps, one per attention kernel; per run, the step time fit as matmul
@@ -48,13 +49,15 @@ SETUP = ("model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
          "data.tokens_per_device=65536")
 
 
-def expect(steps: int, devices=(4, 2), overrides=()) -> None:
+def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
   """Per device count and distribution: the steps the gate gives CAD, and the predicted speedup
   of the gated run over the colocated one summed over the sampler's first `steps` batches,
   planned as the trainer plans them (the gate on, capacities that only grow: `StepShapes`) and,
   for comparison, with every step taking its own buckets (compilations not counted). A
   prediction from the gate's cost model, not a measurement. `overrides`: config overrides on
-  the default setup (Llama-3-8B shape with 2 layers, 64K tokens per device)."""
+  the default setup (Llama-3-8B shape with 2 layers, 64K tokens per device). `per_node`: data
+  ranks per node (consecutive ranks share one; 0: every rank on one node), as the trainer's
+  `attention.gate_nodes` would find them."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -64,10 +67,14 @@ def expect(steps: int, devices=(4, 2), overrides=()) -> None:
   cfg = load_config(None, list(SETUP) + ["attention.impl=distca", "attention.gate=true"]
                     + list(overrides))
   shape = resolve(cfg.model)
-  print(f"\n{' '.join(overrides) or 'default setup'}, {steps} steps\n"
+  nodes = f", {per_node} data ranks per node" if per_node else ""
+  print(f"\n{' '.join(overrides) or 'default setup'}{nodes}, {steps} steps\n"
         "| devices | batches | CAD steps | predicted speedup | own buckets: CAD steps, speedup "
         "| step shapes |\n|---|---|---|---|---|---|")
   for n in devices:
+    attention = cfg.attention
+    if per_node:
+      attention = dataclasses.replace(attention, gate_nodes=tuple(i // per_node for i in range(n)))
     for dist in ("pretrain", "prolong"):
       src = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
                                   shape.vocab_size, n)
@@ -76,9 +83,9 @@ def expect(steps: int, devices=(4, 2), overrides=()) -> None:
         colocated, gated, cad = 0.0, 0.0, 0
         for step in range(steps):
           batch = src.batch(step)
-          ctx = dispatch.host_context(cfg.attention, batch, shape, shapes=shapes)
+          ctx = dispatch.host_context(attention, batch, shape, shapes=shapes)
           linear, attn = metrics.colocated_flops(shape, batch.layout)
-          t = (linear + metrics.gate_attention_cost(cfg.attention) * attn).max()
+          t = (linear + metrics.gate_attention_cost(attention) * attn).max()
           runs_cad = isinstance(ctx, dispatch.StepContext)
           colocated += t
           gated += t * (1 - ctx.predicted_saving) if runs_cad else t
@@ -135,6 +142,8 @@ def main() -> None:
   ap.add_argument("--expect-devices", type=int, nargs="*", default=[4, 2])
   ap.add_argument("--expect-set", nargs="*", default=[],
                   help="config overrides for --expect (e.g. data.tokens_per_device=131072)")
+  ap.add_argument("--expect-per-node", type=int, default=0, metavar="N",
+                  help="--expect with N data ranks per node (attention.gate_nodes; 0: one node)")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
   ap.add_argument("--logs", nargs=2, action="append", default=[], metavar=("COLOCATED", "DISTCA"),
@@ -160,7 +169,7 @@ def main() -> None:
       extra += pairs
     fit(extra=extra)
   if args.expect:
-    expect(args.expect, args.expect_devices, args.expect_set)
+    expect(args.expect, args.expect_devices, args.expect_set, args.expect_per_node)
   if args.sim:
     fit_simulator()
 

@@ -1002,6 +1002,19 @@ def test_fit_gate_expect_plans_as_the_trainer(capsys):
     own_cad, own_speedup = (float(x) for x in r[4].split(","))
     assert 1 <= cad <= 6 and 1 <= own_cad <= 6 and speedup > 1.0 and own_speedup > 1.0
     assert speedup <= own_speedup + 1e-9  # padding to the run's capacities never helps
+  # The same steps on 4 devices, as one node and as two of 2: bytes across nodes cost more, so
+  # with each step's own buckets (no capacities carried between steps) the gate gives CAD no
+  # more steps and predicts no more than on one node.
+  def table(**kw):
+    launch_script("fit_gate").expect(4, devices=(4,), **kw)
+    rows = [l.split("|")[1:-1] for l in capsys.readouterr().out.splitlines() if l.startswith("| 4 |")]
+    return {r[1].strip(): tuple(float(x) for x in r[4].split(",")) for r in rows}
+
+  one, two = table(), table(per_node=2)
+  assert set(one) == set(two) == {"pretrain", "prolong"}
+  for dist in one:
+    assert two[dist][0] <= one[dist][0] and two[dist][1] <= one[dist][1] + 1e-9
+  assert any(two[d] != one[d] for d in one)
 
 
 def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
