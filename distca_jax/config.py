@@ -17,6 +17,13 @@ from typing import Any, Literal
 import yaml
 
 
+# Per-GPU bandwidth each way, GB/s: within a node over NVLink (DESIGN.md §3: a tiled all_to_all
+# on 2 H200s ran at 180-200) and across nodes (the paper's network setting, DESIGN.md "Cost
+# model"). Defaults of the CAD gate's price of a byte between nodes and of the simulator's links.
+NVLINK_GBPS = 200.0
+NETWORK_GBPS = 50.0
+
+
 class ConfigError(ValueError):
   """A configuration value is unknown, of the wrong type, or inconsistent."""
 
@@ -106,13 +113,12 @@ class AttentionConfig:
   # Across nodes: a byte the exchange moves between data ranks on different nodes costs this many
   # NVLink bytes (the fit above is one NVLink host's), and a device's exchange takes as long as
   # its busier link, within its node or across (`dispatch.exchange_bytes`, as the simulator
-  # models it). Default 4: NVLink's ~200 GB/s per GPU each way (DESIGN.md §3, measured on 2
-  # H200s) over the 50 GB/s per GPU network of the paper's setting (DESIGN.md "Cost model");
-  # not measured here: refit on the cluster. `gate_nodes`: the
+  # models it). Default 4: NVLINK_GBPS / NETWORK_GBPS (above); not measured here: refit on the
+  # cluster. `gate_nodes`: the
   # node of each data rank; unset, the trainer finds it (processes grouped by host name; one
   # process is one node) and records it in the run's config.json; set it to plan as another
   # topology would (a list of mesh.data node numbers).
-  gate_network_byte_cost: float = 4.0
+  gate_network_byte_cost: float = NVLINK_GBPS / NETWORK_GBPS
   gate_nodes: tuple[int, ...] | None = None
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 
-from distca_jax.config import ConfigError, layered
+from distca_jax.config import NETWORK_GBPS, NVLINK_GBPS, ConfigError, layered
 
 MODELS = ("llama3_8b", "llama_34b", "llama_1b")
 
@@ -33,8 +33,8 @@ class HardwareConfig:
   # card's training takes first is `mosaic`) or the path of a `launch/bench_kernels.py` table.
   time_table: str | None = None
   gpus_per_node: int = 8
-  nvlink_gbps: float = 200.0  # GB/s per GPU each way inside a node (§3: all_to_all 180-200)
-  network_gbps: float = 50.0  # GB/s per GPU across nodes (the paper's setting)
+  nvlink_gbps: float = NVLINK_GBPS  # GB/s per GPU each way inside a node (§3: all_to_all 180-200)
+  network_gbps: float = NETWORK_GBPS  # GB/s per GPU across nodes (the paper's setting)
 
 
 # The sweep axes: the fields a `sweeps` entry may override.
