@@ -188,7 +188,6 @@ def test_pingpong_halves_hold_the_batch(source):
 def test_training_mixes_gated_and_balanced_steps(tmp_path):
   """min_imbalance between the steps' imbalances: some steps run colocated attention, the others
   CAD, in one run (two executables); every step's loss is colocated's."""
-  from distca_jax.config import ConfigError
   from distca_jax.train import loop
 
   common = ["mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
