@@ -564,8 +564,10 @@ def main():
     score = {}
     for r in results["batches"]:
       score.setdefault(r["backend"], []).append(r["fwdbwd_tflops"])
-    args.table_backend = max(score, key=lambda b: np.mean(score[b])) if score else backends[0]
-  sweep = [int(x) for x in args.sweep.split(",") if x]
+    args.table_backend = (max(score, key=lambda b: np.mean(score[b])) if score else
+                          backends[0] if backends else None)
+  # No backend (`--backends ""`: the dense baseline alone, e.g. under a profiler): no table.
+  sweep = [int(x) for x in args.sweep.split(",") if x] if args.table_backend else []
   table = {"device": device, "dtype": "bfloat16", "heads": H, "kv_heads": K, "head_dim": D,
            "backend": args.table_backend, "layout": args.sweep_layout, "q": sweep, "kv": sweep,
            "fwd_ms": [[None] * len(sweep) for _ in sweep],

@@ -21,6 +21,8 @@
 #          the first N_KERNEL (default ca_tasks_bwd) launch of each of bench_kernels.py's N_BACKENDS
 #          (mosaic) on each batch of N_BATCHES (prolong pretrain) at N_CTX (65536) tokens: text
 #          reports to $OUT, the key lines printed; N_METRICS: more metrics, N_EXTRA: more ncu options
+#   ncuside 1 GPU: Nsight Compute (stall reasons, SASS counters) on the mosaic backward and on cuDNN's dense backward of
+#          equal causal area, on the first batch of N_BATCHES at N_CTX: details and SASS counters
 #   kdump  1 GPU: one round of launch/ab_mosaic.py on Pretrain 64K (D_VERSIONS, default "now=")
 #          with Mosaic GPU's dumps on: each kernel's ptxas report (registers, spills) printed, its
 #          PTX to $OUT/ptx (assemble and read it on any machine: ptxas -arch=sm_90a -o k.cubin
@@ -156,6 +158,27 @@ for suite in "$@"; do
              echo "== $b $be"; grep -E "Duration|Shared Memory Configuration|Dynamic Shared|L1/TEX Hit|L2 Hit|hit_rate|local_op|Registers Per|stalled|Warp Cycles Per Issued" "$f" | cut -c1-120
            done
          done ;;
+    ncuside) # Nsight Compute (the sections ncub takes, SourceCounters and instruction mix; `--set
+           # full` failed to profile these launches, H200) on the first backward launch of `mosaic` (ca_tasks_bwd) and of
+           # cuDNN's dense causal attention of equal causal area (its bprop kernel) on the same
+           # benchmark batch (N_BATCHES' first, N_CTX tokens): details pages and per-SASS-line
+           # counters of ours, in one archive
+           export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
+           b=${N_BATCHES:-prolong}; b=${b%% *}
+           for side in mosaic:ca_tasks_bwd dense:bprop; do
+             be=${side%%:*}; [ "$be" = dense ] && be=""
+             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout -k 10 ${N_TIMEOUT:-200} ncu \
+               --clock-control none --import-source no --section SpeedOfLight --section ComputeWorkloadAnalysis \
+               --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+               --section InstructionStats --section LaunchStats --section Occupancy --section SourceCounters -k "regex:${side#*:}" -c 1 -f \
+               -o "$OUT/ncu_${side%%:*}" python3 -P launch/bench_kernels.py --backends "$be" --datasets "$b" \
+               --contexts ${N_CTX:-65536} --sweep= --budget-s 60 2>&1 | grep -v -i warn | tail -3
+             ncu -i "$OUT/ncu_${side%%:*}.ncu-rep" --page details --print-details all > "$OUT/ncu_${side%%:*}_details.txt" 2>&1
+             ncu -i "$OUT/ncu_${side%%:*}.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${side%%:*}_sass.csv" 2>&1
+           done
+           grep -E "^  [a-z_]+|Duration|Issue Slots Busy|Warp Cycles Per Issued|Stall" "$OUT"/ncu_*_details.txt | cut -c1-140 | head -60
+           (cd "$OUT" && tar czf ncuside.tgz ncu_* && rm -f ncu_*)
+           unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 ;;
     ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
            # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
            # hang costs only its own R_TIMEOUT (SIGKILL 10 s later: a hung NCCL process that
