@@ -99,6 +99,18 @@ class Options(NamedTuple):
                       # (`forward`). -1 over 0, forward by busy GPU time: +2.4-9.8% on five
                       # of six batches, level on Pretrain 512K (H100, same process). The
                       # Mosaic forward's only (forward="triton" has its own grid)
+  explicit_barriers: bool = True  # the backward compiled without Pallas' automatic warpgroup
+                                  # barriers around every shared-memory store (one before and
+                                  # one after each, beside commit_smem's own), with the one the
+                                  # kernel needs written out (dS overwrites P while the other
+                                  # warps' dV matmul may still read it): backward +1.2% ProLong
+                                  # 64K, +1.7% Pretrain 64K alone (H200, same process)
+  early_tile_index: bool = True  # the step's query tile index (a global load, for dQ's rows)
+                                 # read at the top of the step, under the S and dP matmuls, not
+                                 # where dQ is reduced (Nsight Compute: its latency was ~2% of
+                                 # the compute warps' stall samples): backward +3.4% / +5.9%
+                                 # alone; the two: +4.0% / +8.7% backward by wall time, +1.3% /
+                                 # +2.3% f+b by busy GPU time in a second process (H200)
   fwd_heavy_first: bool = True  # forward CTAs in descending order of their key blocks, so the
                                 # short ones fill the launch's tail: +2.6-3% forward on ProLong
                                 # 64K, none on Pretrain (H100)
@@ -169,6 +181,15 @@ def _visible(keys, lo, length):
   return u32(keys - lo) < u32(length)
 
 
+def _warpgroup_barrier():
+  """bar.sync of the calling warpgroup's 128 threads (Mosaic GPU's, which Pallas does not
+  expose)."""
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  plgpu.inline_mgpu()(lambda ctx: mgpu.warpgroup_barrier())()
+
+
 def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref, *, heads: int,
             scale: float, opts: Options):
   """The kernel over the first count[kb] tiles of each key block's list: adds dQ into the float32
@@ -233,6 +254,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       dk, dv = carry
       s = idx[0]
       par = lax.rem(s, 2)
+      tile_row0 = qb_of(s) * BLOCK_Q if opts.early_tile_index else None
 
       # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile
       # needs no mask, and cheaper than branching (a lax.cond around it cost 28% in spills). One
@@ -288,6 +310,8 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
           delta = plgpu.load(stat_smem.at[1], (), layout=row_layout)
           ds = (p * (dp - tile(delta))).astype(dtype)
           plgpu.wgmma_wait(0)
+          if opts.explicit_barriers:  # every warp's share of dV's matmul has read P
+            _warpgroup_barrier()
           ds_smem.at[par, wg][...] = ds
           plgpu.commit_smem()
 
@@ -319,7 +343,7 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
                                 reduction_op="add")
 
       def dq_part():  # this warpgroup's share of the tile's dQ columns, from every key
-        rows = pl.ds(qb_of(s) * BLOCK_Q, BLOCK_Q)
+        rows = pl.ds(qb_of(s) * BLOCK_Q if tile_row0 is None else tile_row0, BLOCK_Q)
         for w in range(WGS):  # static column slices, one branch per warpgroup
 
           @pl.when((wg == w) if split else ((wg == w) & (par == w)))
@@ -372,8 +396,14 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
   def kernel_body(*refs):  # plgpu.kernel less its vmap wrapper, which refuses Ref operands
     pl.run_scoped(functools.partial(body, *refs), smem, bars, collective_axes="wg")
 
+  # Without Pallas' automatic barriers every other shared-memory store is safe as written: P
+  # (after two steps and the dS barrier between), the dQ staging (wait_smem_to_gmem ends in a
+  # warpgroup barrier) and dK / dV (after end_bar) overwrite what no warp still reads, and
+  # commit_smem's fence and barrier publish each one before a matmul or copy reads it.
+  params = plgpu.CompilerParams(approx_math=True,
+                                unsafe_no_auto_barriers=opts.explicit_barriers)
   return pl.kernel(kernel_body, out_type=[jax.ShapeDtypeStruct(k.shape, dtype)] * 2, mesh=mesh,
-                   compiler_params=plgpu.CompilerParams(approx_math=True), name="ca_tasks_bwd")(
+                   compiler_params=params, name="ca_tasks_bwd")(
       q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref)
 
 

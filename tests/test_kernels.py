@@ -321,7 +321,9 @@ _MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
                     "hoisted_descriptors": dict(step_descriptors=False),
                     "dk_then_barrier": dict(dk_under_barrier=False),
                     "fwd_persistent_3": dict(fwd_ctas=3),
-                    "lists_by_sort": dict(lists_by_scan=False)}
+                    "lists_by_sort": dict(lists_by_scan=False),
+                    "auto_barriers": dict(explicit_barriers=False),
+                    "late_tile_index": dict(early_tile_index=False)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
@@ -467,7 +469,9 @@ def test_mosaic_lowers_for_cuda():
   _, T, _, H, _, _ = case_gpu_sizes()
   for d in (64, 128):  # the backward: its default and every other code path of its options
     for opts in (dict(), dict(kq_scores=True), dict(step_descriptors=False),
-                 dict(kq_scores=True, dk_under_barrier=False)):
+                 dict(kq_scores=True, dk_under_barrier=False),
+                 dict(explicit_barriers=False, early_tile_index=False),
+                 dict(explicit_barriers=False, kq_scores=True)):
       assert "mosaic_gpu" in _export_mosaic_backward(d, mosaic.Options(**opts)).mlir_module()
   forwards = [functools.partial(mosaic.forward, heavy_first=h) for h in (True, False)] + [
       functools.partial(mosaic.forward_persistent, ctas=c) for c in (-1, 3)]
