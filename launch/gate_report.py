@@ -7,7 +7,10 @@ Reads each run's per-step log lines (`step N: ... step_s=... compile_count=... c
 with `train.progress=false`), keeps the steps on which neither run compiled, and prints the
 run-level speedup (sum of colocated step times over the sum of distca's), the same over the steps
 the gate gave CAD and over those it kept colocated, and how often each happened; then, over the
-steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one; and
+steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one,
+overall and, where the CAD steps ran at more than one exchange shape (the logged capacities
+`exchange_q_rows`, `exchange_kv_rows` and `nano_batches`, which only grow over a run), per shape:
+a cost the gate's model misses that grows with the padded blocks shows there; and
 how long the two runs' losses agree (same batches, same initialisation: the same function, until
 bf16 rounding, which the optimizer carries on, sets them apart).
 """
@@ -20,6 +23,8 @@ import sys
 import numpy as np
 
 LINE = re.compile(r"^step (\d+): (.*)$")
+# The logged exchange shape of a CAD step (its capacities: each value compiles the step once).
+SHAPE = ("exchange_q_rows", "exchange_kv_rows", "nano_batches")
 # Logged losses carry four significant digits.
 LOSS_TOLERANCE = 1e-3
 
@@ -67,6 +72,18 @@ def main(argv=None) -> int:
           f"{pairs[:, 1].mean():+.1%}; error RMS {np.sqrt(np.mean(err ** 2)):.1%}, at most "
           f"{np.abs(err).max():.1%}; same sign on {int(np.sum(np.sign(pairs[:, 0]) == np.sign(pairs[:, 1])))} "
           f"of {len(pairs)}")
+  shape_of = lambda s: tuple(int(cad[s].get(k, 0)) for k in SHAPE)
+  shapes = sorted({shape_of(s) for s in both if cad[s].get("cad") == 1.0
+                   and "cad_predicted_saving" in cad[s]})
+  if len(shapes) > 1:
+    print("\n| query rows | K/V rows | nano-batches | CAD steps | predicted | measured | "
+          "predicted - measured |\n|---|---|---|---|---|---|---|")
+    for shape in shapes:
+      sel = np.array([(cad[s]["cad_predicted_saving"], 1 - cad[s]["step_s"] / col[s]["step_s"])
+                      for s in both if cad[s].get("cad") == 1.0
+                      and "cad_predicted_saving" in cad[s] and shape_of(s) == shape])
+      print(f"| {shape[0]:,} | {shape[1]:,} | {shape[2]} | {len(sel)} | {sel[:, 0].mean():+.1%} | "
+            f"{sel[:, 1].mean():+.1%} | {(sel[:, 0] - sel[:, 1]).mean() * 100:+.1f} points |")
   steps = sorted(s for s in col.keys() & cad.keys() if "loss" in col[s] and "loss" in cad[s])
   rel = [abs(cad[s]["loss"] - col[s]["loss"]) / max(abs(col[s]["loss"]), 1e-30) for s in steps]
   apart = [s for s, r in zip(steps, rel) if r > LOSS_TOLERANCE]

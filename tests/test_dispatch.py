@@ -213,6 +213,9 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   assert [" cad_predicted_saving=" in l for l in lines if l.startswith("step ")] == cad
   assert [" nano_batches=1 " in l + " " for l in lines if l.startswith("step ")] == cad  # ping-pong off
   assert [" exchange_q_rows=" in l for l in lines if l.startswith("step ")] == cad
+  # Capacities are logged exactly (they name the step's compiled shape), not to 4 digits.
+  logged = [int(l.split("exchange_q_rows=")[1].split()[0]) for l in lines if "exchange_q_rows=" in l]
+  assert logged and all(r % 8 == 0 for r in logged), lines
   assert f"CAD on {4 - dist.colocated_steps} of 4 steps" in loop.format_summary(dist)
   # The run records the gate's attention cost it resolved: the CPU's reference kernel was not
   # measured in steps, so the fit's kernel's.
@@ -590,10 +593,31 @@ def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
   assert ("predicted saving +40.0% on average, measured +50.0%; error RMS 10.0%, at most 10.0%; "
           "same sign on 1 of 1") in out
   assert "losses within 0.1% of each other on all 5 steps" in out
+  assert "| query rows |" not in out  # one exchange shape: no per-shape table
   (tmp_path / "d.log").write_text("\n".join(cad[:3] + [cad[3].replace("loss=1", "loss=1.01"), cad[4]]))
   assert launch_script("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
   assert ("losses within 0.1% of each other up to step 3; first apart at step 4 (1.00%), apart "
           "on 1 of 5 steps") in capsys.readouterr().out
+
+
+def test_gate_report_per_exchange_shape(tmp_path, capsys):
+  """gate_report: with CAD steps at two exchange shapes, the prediction's error per shape (the
+  capacities logged with each step), so a cost that grows with the padded blocks shows."""
+  line = lambda n, s, extra="": f"step {n}: loss=1 step_s={s} compile_count=1{extra}"
+  shape = lambda kv: f" exchange_q_rows=12288 exchange_kv_rows={kv} nano_batches=2"
+  col = [line(n, 2.0) for n in range(1, 7)]
+  cad = [line(1, 9.0, " cad=0"),  # compiled (the first step): left out
+         line(2, 1.8, " cad=1 cad_predicted_saving=0.1" + shape(32768)),   # measured 10%
+         line(3, 1.6, " cad=1 cad_predicted_saving=0.2" + shape(32768)),   # measured 20%
+         line(4, 1.9, " cad=1 cad_predicted_saving=0.1" + shape(65536)),   # measured 5%
+         line(5, 1.8, " cad=1 cad_predicted_saving=0.2" + shape(65536)),   # measured 10%
+         line(6, 2.0, " cad=0")]
+  (tmp_path / "c.log").write_text("\n".join(col))
+  (tmp_path / "d.log").write_text("\n".join(cad))
+  assert launch_script("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
+  out = capsys.readouterr().out
+  assert "| 12,288 | 32,768 | 2 | 2 | +15.0% | +15.0% | +0.0 points |" in out
+  assert "| 12,288 | 65,536 | 2 | 2 | +15.0% | +7.5% | +7.5 points |" in out
 
 
 def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):

@@ -289,7 +289,7 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
       elif main and step % config.train.log_every == 0:
-        log(f"step {step + 1}: " + " ".join(f"{k}={v:.4g}" for k, v in record.items()))
+        log(f"step {step + 1}: " + " ".join(f"{k}={_log_value(v)}" for k, v in record.items()))
       # Checked here too: orbax's should_save also saves the first step a manager sees.
       if (checkpointer is not None and (step + 1) % config.checkpoint.every == 0
           and checkpointer.maybe_save(step + 1, state,
@@ -340,6 +340,12 @@ def run(config: Config, *, devices=None, log=print) -> Summary:
     if config.train.profile:
       _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, trace_dir, load_sum)
   return summary
+
+
+def _log_value(v) -> str:
+  """A step record's value in the log line: counts and capacities exactly (a 4-digit rounding
+  printed 12,288 exchange rows as 1.229e+04), measurements to 4 significant digits."""
+  return str(int(v)) if isinstance(v, (int, np.integer)) else f"{v:.4g}"
 
 
 def _out_of_time(run_start: float, max_seconds: float) -> bool:
