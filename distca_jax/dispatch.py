@@ -870,8 +870,17 @@ def _kv_grads_to_home(g_SxKxE, p: "DispatchPlan", mode="tiled"):
   with jax.named_scope("return"):
     back = _exchange(rows[T:].reshape((N, C) + rows.shape[1:]), p.recv_kv_count, p.send_kv_count,
                      mode, p.shift_kv[::-1])
-  back = _masked(p.send_kv_valid, back).reshape((-1,) + rows.shape[1:])
-  return rows[:T].at[p.send_kv_idx.reshape(-1)].add(back)
+  back = back.reshape((-1,) + rows.shape[1:])
+  return rows[:T].at[kv_return_index(p.send_kv_idx, p.send_kv_valid, T)].add(back, mode="drop")
+
+
+def kv_return_index(send_kv_idx, send_kv_valid, T: int):
+  """The local row each returned K/V gradient row adds onto, and T (past the end: the scatter
+  drops it) for every slot that carried no row: the diagonal block and the padding past each
+  block's count, whose index is 0. Added as zeros there, every one of them was an update of row
+  0: on the GPU a scatter-add of duplicate indices is atomic, so all of them contended for one
+  row, and their number grows with the blocks' capacity."""
+  return jnp.where(send_kv_valid.reshape(-1), send_kv_idx.reshape(-1), T)
 
 
 @functools.cache
