@@ -64,24 +64,21 @@ def main(argv=None) -> int:
       b = sum(cad[s]["step_s"] for s in chosen)
       print(f"| {name} | {len(chosen)} | {a:.2f} | {b:.2f} | {a / b:.3f} |")
   # The gate's prediction against the step it predicted, on the steps CAD ran.
+  cad_steps = [s for s in both if cad[s].get("cad") == 1.0 and "cad_predicted_saving" in cad[s]]
   pairs = np.array([(cad[s]["cad_predicted_saving"], 1 - cad[s]["step_s"] / col[s]["step_s"])
-                    for s in both if cad[s].get("cad") == 1.0 and "cad_predicted_saving" in cad[s]])
+                    for s in cad_steps])
   if len(pairs):
     err = pairs[:, 0] - pairs[:, 1]
     print(f"\nCAD steps: predicted saving {pairs[:, 0].mean():+.1%} on average, measured "
           f"{pairs[:, 1].mean():+.1%}; error RMS {np.sqrt(np.mean(err ** 2)):.1%}, at most "
           f"{np.abs(err).max():.1%}; same sign on {int(np.sum(np.sign(pairs[:, 0]) == np.sign(pairs[:, 1])))} "
           f"of {len(pairs)}")
-  shape_of = lambda s: tuple(int(cad[s].get(k, 0)) for k in SHAPE)
-  shapes = sorted({shape_of(s) for s in both if cad[s].get("cad") == 1.0
-                   and "cad_predicted_saving" in cad[s]})
-  if len(shapes) > 1:
+  shape_of = [tuple(int(cad[s].get(k, 0)) for k in SHAPE) for s in cad_steps]
+  if len(set(shape_of)) > 1:
     print("\n| query rows | K/V rows | nano-batches | CAD steps | predicted | measured | "
           "predicted - measured |\n|---|---|---|---|---|---|---|")
-    for shape in shapes:
-      sel = np.array([(cad[s]["cad_predicted_saving"], 1 - cad[s]["step_s"] / col[s]["step_s"])
-                      for s in both if cad[s].get("cad") == 1.0
-                      and "cad_predicted_saving" in cad[s] and shape_of(s) == shape])
+    for shape in sorted(set(shape_of)):
+      sel = pairs[[sh == shape for sh in shape_of]]
       print(f"| {shape[0]:,} | {shape[1]:,} | {shape[2]} | {len(sel)} | {sel[:, 0].mean():+.1%} | "
             f"{sel[:, 1].mean():+.1%} | {(sel[:, 0] - sel[:, 1]).mean() * 100:+.1f} points |")
   steps = sorted(s for s in col.keys() & cad.keys() if "loss" in col[s] and "loss" in cad[s])

@@ -21,8 +21,8 @@
 #          the first N_KERNEL (default ca_tasks_bwd) launch of each of bench_kernels.py's N_BACKENDS
 #          (mosaic) on each batch of N_BATCHES (prolong pretrain) at N_CTX (65536) tokens: text
 #          reports to $OUT, the key lines printed; N_METRICS: more metrics, N_EXTRA: more ncu options
-#   ncuside 1 GPU: Nsight Compute (stall reasons, SASS counters) on the mosaic backward and on cuDNN's dense backward of
-#          equal causal area, on the first batch of N_BATCHES at N_CTX: details and SASS counters
+#   ncuside 1 GPU: Nsight Compute (stall reasons, SASS counters) on the mosaic backward and on
+#          cuDNN's dense backward of equal causal area, on the first batch of N_BATCHES at N_CTX
 #   kdump  1 GPU: one round of launch/ab_mosaic.py on Pretrain 64K (D_VERSIONS, default "now=")
 #          with Mosaic GPU's dumps on: each kernel's ptxas report (registers, spills) printed, its
 #          PTX to $OUT/ptx (assemble and read it on any machine: ptxas -arch=sm_90a -o k.cubin
@@ -158,11 +158,11 @@ for suite in "$@"; do
              echo "== $b $be"; grep -E "Duration|Shared Memory Configuration|Dynamic Shared|L1/TEX Hit|L2 Hit|hit_rate|local_op|Registers Per|stalled|Warp Cycles Per Issued" "$f" | cut -c1-120
            done
          done ;;
-    ncuside) # Nsight Compute (the sections ncub takes, SourceCounters and instruction mix; `--set
-           # full` failed to profile these launches, H200) on the first backward launch of `mosaic` (ca_tasks_bwd) and of
-           # cuDNN's dense causal attention of equal causal area (its bprop kernel) on the same
-           # benchmark batch (N_BATCHES' first, N_CTX tokens): details pages and per-SASS-line
-           # counters of ours, in one archive
+    ncuside) # Nsight Compute on the first backward launch of `mosaic` (ca_tasks_bwd) and of cuDNN's
+           # dense causal attention of equal causal area (its bprop kernel) on the same benchmark
+           # batch (N_BATCHES' first, N_CTX tokens): details pages and per-SASS-line counters, in
+           # one archive. Named sections, XLA holding 60% of the memory: `--set full` with 92%
+           # failed to profile either launch (H200; which of the two mattered is not known)
            export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
            b=${N_BATCHES:-prolong}; b=${b%% *}
            for side in mosaic:ca_tasks_bwd dense:bprop; do
