@@ -176,7 +176,8 @@ for suite in "$@"; do
              ncu -i "$OUT/ncu_${side%%:*}.ncu-rep" --page details --print-details all > "$OUT/ncu_${side%%:*}_details.txt" 2>&1
              ncu -i "$OUT/ncu_${side%%:*}.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${side%%:*}_sass.csv" 2>&1
            done
-           grep -E "^  [a-z_]+|Duration|Issue Slots Busy|Warp Cycles Per Issued|Stall" "$OUT"/ncu_*_details.txt | cut -c1-140 | head -60
+           grep -E "^  [a-z_]+|Duration|Issue Slots Busy|Warp Cycles Per Issued" "$OUT"/ncu_*_details.txt | cut -c1-140
+           for side in mosaic dense; do echo "== $side"; python3 -P launch/ncu_stalls.py "$OUT/ncu_${side}_sass.csv" --top 15; done
            (cd "$OUT" && tar czf ncuside.tgz ncu_* && rm -f ncu_*)
            unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 ;;
     ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation

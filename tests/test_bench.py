@@ -222,3 +222,29 @@ def test_compile_profile(tmp_path):
   names = [line.split(maxsplit=2)[2] for line in events]
   assert any("Compile" in n for n in names), names[:20]
   assert not any(n.startswith("$") for n in names)
+
+
+def test_ncu_stalls_summary(tmp_path):
+  """ncu_stalls.py on a SASS CSV as `ncu --page source --csv --print-source sass` writes it: the
+  samples' share per stall reason (a reason the CSV has no column for counts as "other"), per
+  execution count (the warp roles of a warp-specialised kernel), and the hottest instructions in
+  program order with their top reasons."""
+  from helpers import launch_script
+
+  cols = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+          "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed", "stall_barrier",
+          "stall_long_sb", "stall_barrier (Not Issued)"]
+  rows = [["0x0", "LDG.E R2, [R4]", "10", "0", "100", "0", "10", "0"],
+          ["0x10", "BAR.SYNC R0, 0x80", "30", "0", "400", "30", "0", "30"],
+          ["0x20", "WARPGROUP.ARRIVE", "60", "0", "400", "0", "0", "0"],
+          ["0x30", "EXIT", "0", "0", "4", "0", "0", "0"]]
+  text = '"Kernel Name","k",\n' + "\n".join(",".join(f'"{c}"' for c in r) for r in [cols] + rows)
+  (tmp_path / "k.csv").write_text(text + "\n")
+  out = launch_script("ncu_stalls").summary(str(tmp_path / "k.csv"), top=3)
+  assert out.startswith("4 instructions, 100 warp-stall samples")
+  reasons = [l for l in out.splitlines() if l.startswith("| ") and l.endswith("% |")][:3]
+  assert reasons == ["| other | 60.0% |", "| barrier | 30.0% |", "| long_sb | 10.0% |"]
+  assert "| 400 | 90.0% |" in out and "| 100 | 10.0% |" in out
+  hot = out.split("top reasons |\n|---|---|---|---|---|\n")[1].splitlines()
+  assert [l.split(" | ")[0] for l in hot] == ["| 0", "| 1", "| 2"]  # program order
+  assert hot[2].endswith("| other 100% |") and hot[1].endswith("| barrier 100% |")
