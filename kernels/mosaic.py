@@ -254,6 +254,8 @@ def _launch(q_TxHD, k, v, do_TxHD, stats_2HxT, bounds_2xT, tiles, count, dq_ref,
       dk, dv = carry
       s = idx[0]
       par = lax.rem(s, 2)
+      # The step's first query row for dQ's reduce: a global load, issued here under the S and
+      # dP matmuls (early_tile_index), else where dQ is reduced.
       tile_row0 = qb_of(s) * BLOCK_Q if opts.early_tile_index else None
 
       # Each row to its visible key range [lo, lo + len), on every tile: exact where a tile

@@ -70,6 +70,9 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r distca_jax /tmp/pkg/ && cp -r kern
   && cp -r models /tmp/pkg/distca_jax/models
 export PYTHONPATH=/tmp/pkg:/tmp/site:${PYTHONPATH:-}
 CAD_TRACE=${CAD_TRACE-/tmp/trace}  # "" for no trace
+# Nsight Compute sections of the ncub and ncuside suites (ncuside adds its own).
+NCU_SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+  --section SchedulerStats --section MemoryWorkloadAnalysis"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpus.txt"
 for suite in "$@"; do
@@ -150,9 +153,7 @@ for suite in "$@"; do
            for be in ${N_BACKENDS:-mosaic}; do
              f="$OUT/ncub_${b}_${be//[:=+]/_}.txt"
              CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${N_TIMEOUT:-150} ncu --clock-control none \
-               --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-               --section SchedulerStats --section MemoryWorkloadAnalysis \
-               --metrics sm__cycles_active.avg,sm__cycles_elapsed.max,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_hit.sum${N_METRICS:+,$N_METRICS} \
+               $NCU_SECTIONS --metrics sm__cycles_active.avg,sm__cycles_elapsed.max,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld_lookup_hit.sum${N_METRICS:+,$N_METRICS} \
                ${N_EXTRA:-} -k "regex:${N_KERNEL:-ca_tasks_bwd}" -c 1 python3 -P launch/bench_kernels.py --backends $be \
                --datasets $b --contexts ${N_CTX:-65536} --sweep= --budget-s 60 > "$f" 2>&1
              echo "== $b $be"; grep -E "Duration|Shared Memory Configuration|Dynamic Shared|L1/TEX Hit|L2 Hit|hit_rate|local_op|Registers Per|stalled|Warp Cycles Per Issued" "$f" | cut -c1-120
@@ -168,9 +169,8 @@ for suite in "$@"; do
            for side in mosaic:ca_tasks_bwd dense:bprop; do
              be=${side%%:*}; [ "$be" = dense ] && be=""
              XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout -k 10 ${N_TIMEOUT:-200} ncu \
-               --clock-control none --import-source no --section SpeedOfLight --section ComputeWorkloadAnalysis \
-               --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-               --section InstructionStats --section LaunchStats --section Occupancy --section SourceCounters -k "regex:${side#*:}" -c 1 -f \
+               --clock-control none --import-source no $NCU_SECTIONS --section ComputeWorkloadAnalysis \
+               --section InstructionStats --section SourceCounters -k "regex:${side#*:}" -c 1 -f \
                -o "$OUT/ncu_${side%%:*}" python3 -P launch/bench_kernels.py --backends "$be" --datasets "$b" \
                --contexts ${N_CTX:-65536} --sweep= --budget-s 60 2>&1 | grep -v -i warn | tail -3
              ncu -i "$OUT/ncu_${side%%:*}.ncu-rep" --page details --print-details all > "$OUT/ncu_${side%%:*}_details.txt" 2>&1

@@ -808,21 +808,27 @@ def test_validate_plan_checks_the_given_devices_rows():
   assert mesh_lib.local_rows(mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])) is None  # one process
 
 
+def _global_plan(n: int, dist: str):
+  """(batch, the scheduler's global plan) of the sampler's first batch of `dist` over `n` data
+  ranks, planned as the trainer plans it (no arrays)."""
+  from distca_jax.models.presets import resolve
+  from distca_jax.schedule.plan import make_plan
+
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     f"data.distribution={dist}")
+  batch = synthetic_from_config(cfg.data, 512, n).batch(0)
+  comm = dispatch.comm_model(resolve(cfg.model), cfg.attention)
+  return batch, make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon, with_arrays=False)
+
+
 def test_kv_gradients_return_drops_the_empty_slots():
   """The K/V gradients' way home adds each returned row onto the local row it came from and
   drops every slot that carried none (the diagonal block, the padding past each block's count:
   index 0 in the plan) instead of adding zeros onto row 0: on the GPU each of those adds was an
   atomic update of row 0, all contending, more of them the larger the blocks (a 4-GPU ProLong run
   overstated the gate's saving once its K/V blocks grew to 65,536 rows)."""
-  from distca_jax.models.presets import resolve
-  from distca_jax.schedule.plan import make_plan
-
   n = 4
-  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
-                     "data.distribution=prolong")
-  batch = synthetic_from_config(cfg.data, 512, n).batch(0)
-  comm = dispatch.comm_model(resolve(cfg.model), cfg.attention)
-  plan = make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon, with_arrays=False)
+  batch, plan = _global_plan(n, "prolong")
   d = dispatch.build_dispatch(plan.tasks, batch.layout, plan.capacities.skv, plan.capacities.ctask)
   assert d.send_kv_valid.any() and (~d.send_kv_valid).any()
   for dev in range(n):
@@ -840,15 +846,8 @@ def test_kv_gradients_return_drops_the_empty_slots():
 def test_a_process_builds_only_its_devices_plan(dist):
   """build_dispatch(devices=D): D's rows and the blocks D sends or receives equal the whole
   plan's, every other row stays zero, the counts are the whole plan's, and it passes D's checks."""
-  from distca_jax.models.presets import resolve
-  from distca_jax.schedule.plan import make_plan
-
   n = 8
-  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
-                     f"data.distribution={dist}")
-  batch = synthetic_from_config(cfg.data, 512, n).batch(0)
-  comm = dispatch.comm_model(resolve(cfg.model), cfg.attention)
-  plan = make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon, with_arrays=False)
+  batch, plan = _global_plan(n, dist)
   assert (plan.tasks.server != plan.tasks.home).any()
   args = (plan.tasks, batch.layout, plan.capacities.skv, plan.capacities.ctask)
   whole = dispatch.build_dispatch(*args)
