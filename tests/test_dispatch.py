@@ -1103,3 +1103,18 @@ def test_exchange_padding_report(capsys):
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| all |")]
   tiled, pair, shift = (float(x.strip().rstrip("x")) for x in rows[0].split("|")[2:5])
   assert tiled >= pair >= shift >= 1.0 and tiled > 1.0
+
+
+def test_kv_return_bench(capsys):
+  """launch/bench_kv_return.py: a planned step's K/V return, padded to a larger capacity, gives
+  the same rows with the empty slots dropped as with them added onto row 0 (the script checks
+  and fails otherwise), one table row per nano-batch plan with every slot counted."""
+  args = ["--iters", "1", "--step", "0", "--ckv", "8192", "--set", "model.preset=tiny",
+          "data.tokens_per_device=8192"]
+  assert launch_script("bench_kv_return").main(args) == 0
+  rows = [l.split("|")[1:-1] for l in capsys.readouterr().out.splitlines()
+          if l.startswith("| ") and not l.startswith("| plan")]
+  assert len(rows) == 2  # ping-pong's two plans
+  for r in rows:
+    plan, dev, t, ckv, slots, real, empty = (int(x) for x in r[:7])
+    assert ckv == 8192 and slots == 4 * ckv and real + empty == slots and 0 < real < slots
