@@ -105,7 +105,7 @@ class AttentionConfig:
   # Triton kernel, checked on 2 H200s (`python launch/fit_gate.py` refits from measured step
   # times and prints these three as overrides): refit them for other GPUs or multi-node
   # exchanges. The attention cost, unset, is the one measured for the kernel the run's
-  # attention takes (`metrics.GATE_ATTENTION_COST`: triton 0.75, mosaic 0.624, H100; kernels
+  # attention takes (`metrics.GATE_ATTENTION_COST`: triton 0.75, mosaic 0.61; kernels
   # not measured in steps take triton's); `fit_gate.py --kernel-logs` measures another's.
   gate_attention_cost: float | None = None
   gate_exchange_fixed: float = 0.00936

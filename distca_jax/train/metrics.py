@@ -58,11 +58,12 @@ def imbalance(load: np.ndarray) -> float:
 # Attention's cost depends on the kernel, so unset (`gate_attention_cost: null`, the default) it
 # is the one measured for the kernel the step runs: triton's from the fit above; mosaic's that
 # scaled by the two kernels' attention time per FLOP in one-device colocated training steps
-# (`fit_gate.py --kernel-logs`, `gpu_session.sh kfit`; H100, Llama-3-8B shape with 2 layers,
-# ProLong 64K, 39 steps each, 2026-11-28: 344 vs 414 TF/s, 0.832; docs/PERFORMANCE.md). Kernels
-# not measured in training steps take the fit's kernel's.
+# (`fit_gate.py --kernel-logs`, `gpu_session.sh kfit`; H200, Llama-3-8B shape with 2 layers,
+# ProLong 64K, 39 steps each, 2026-11-29: 346 vs 425 TF/s, 0.813; an H100 before the twentieth
+# session's backward fixes measured 0.832; docs/PERFORMANCE.md). Kernels not measured in training
+# steps take the fit's kernel's.
 GATE_FIT_KERNEL = "triton"
-GATE_ATTENTION_COST = {"triton": 0.75, "mosaic": 0.624}
+GATE_ATTENTION_COST = {"triton": 0.75, "mosaic": 0.61}
 
 
 def gate_attention_cost(attention_config, kernel: str | None = None) -> float:
