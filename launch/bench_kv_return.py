@@ -4,12 +4,12 @@
     python3 launch/bench_kv_return.py [--dist prolong] [--step 14] [--devices 4] [--ckv 65536]
 
 The step is planned on the host as the trainer plans it (`fit_gate.SETUP`: Llama-3-8B shape with
-2 layers, 64K tokens per device). Each nano-batch plan's return on the device that gets the most rows home (`_kv_grads_to_home`'s
-last line: rows [T, KV heads, head dim] += returned [N * Ckv, ...] at `kv_return_index`) is
-timed alone, its blocks padded to `--ckv` rows when given (the capacity a run had grown to). A
-scatter-add with repeated indices is done with atomics on a GPU: the old index sent every empty
-slot onto row 0. Prints a table; both indices must give the same rows (checked, up to
-the order of a row's sums)."""
+2 layers, 64K tokens per device). Each nano-batch plan's return on the device that gets the most
+rows home (`_kv_grads_to_home`'s last line: rows [T, KV heads, head dim] += returned
+[N * Ckv, ...] at `kv_return_index`) is timed alone, its blocks padded to `--ckv` rows when given
+(the capacity a run had grown to). A scatter-add with repeated indices is done with atomics on a
+GPU: the old index sent every empty slot onto row 0. Prints a table; both indices must give the
+same rows (checked, up to the order of a row's sums)."""
 
 from __future__ import annotations
 
