@@ -20,49 +20,55 @@ import csv
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
-def read(path: str) -> tuple[list[str], list[dict[str, str]]]:
-  """(stall reason columns, one row per SASS instruction) of the CSV; the first line names the
-  kernel, the second holds the column names."""
+def _number(value: str) -> int:
+  value = (value or "").replace(",", "").strip()
+  return int(float(value)) if value not in ("-", "") else 0
+
+
+def read(path: str) -> tuple[list[str], list[dict[str, int]], list[str]]:
+  """(stall reason columns, per SASS instruction its counters by column, its source text) of the
+  CSV; the first line names the kernel, the second holds the column names. Counters are parsed
+  once here (missing or "-" as 0)."""
   with open(path, newline="") as fh:
     rows = list(csv.reader(fh))
   header = next(r for r in rows if SAMPLES in r)
-  body = [dict(zip(header, r)) for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
+  lines = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
   reasons = [h for h in header if h.startswith("stall_") and not h.endswith("(Not Issued)")]
-  return reasons, body
-
-
-def count(row: dict[str, str], key: str) -> int:
-  value = row.get(key, "") or "0"
-  return int(float(value.replace(",", ""))) if value.strip() not in ("-", "") else 0
+  numeric = {SAMPLES, "Instructions Executed", *reasons}
+  body = [{k: _number(v) for k, v in zip(header, r) if k in numeric} for r in lines]
+  at = header.index("Source") if "Source" in header else None
+  source = [r[at].strip() if at is not None else "" for r in lines]
+  return reasons, body, source
 
 
 def summary(path: str, top: int = 25) -> str:
-  reasons, body = read(path)
-  total = sum(count(r, SAMPLES) for r in body)
+  reasons, body, source = read(path)
+  total = sum(r.get(SAMPLES, 0) for r in body)
   if not total:
     return f"{path}: no warp-stall samples"
   out = [f"{len(body)} instructions, {total:,} warp-stall samples", "", "| reason | share |",
          "|---|---|"]
-  by_reason = {c: sum(count(r, c) for r in body) for c in reasons}
+  by_reason = {c: sum(r.get(c, 0) for r in body) for c in reasons}
   by_reason["stall_other"] = total - sum(by_reason.values())
   out += [f"| {c[len('stall_'):]} | {s / total:.1%} |"
           for c, s in sorted(by_reason.items(), key=lambda kv: -kv[1]) if s >= 0.005 * total]
   by_exec = collections.Counter()
   for r in body:
-    by_exec[count(r, "Instructions Executed")] += count(r, SAMPLES)
+    by_exec[r.get("Instructions Executed", 0)] += r.get(SAMPLES, 0)
   out += ["", "| times executed | share of samples |", "|---|---|"]
   out += [f"| {e:,} | {s / total:.1%} |" for e, s in by_exec.most_common(6)]
-  hot = sorted(range(len(body)), key=lambda i: -count(body[i], SAMPLES))[:top]
+  hot = sorted(range(len(body)), key=lambda i: -body[i].get(SAMPLES, 0))[:top]
   out += ["", "| line | share | times executed | instruction | top reasons |", "|---|---|---|---|---|"]
   for i in sorted(hot):
     r = body[i]
+    n = r.get(SAMPLES, 0)
     # Reasons the CSV has no column for (e.g. warpgroup_arrive) count as "other".
-    other = count(r, SAMPLES) - sum(count(r, c) for c in reasons)
-    why = sorted([(count(r, c), c[len("stall_"):]) for c in reasons] + [(other, "other")],
+    other = n - sum(r.get(c, 0) for c in reasons)
+    why = sorted([(r.get(c, 0), c[len("stall_"):]) for c in reasons] + [(other, "other")],
                  reverse=True)[:2]
-    why = ", ".join(f"{name} {n / max(count(r, SAMPLES), 1):.0%}" for n, name in why if n)
-    out.append(f"| {i} | {count(r, SAMPLES) / total:.1%} | {count(r, 'Instructions Executed'):,} | "
-               f"`{r.get('Source', '').strip()[:60]}` | {why} |")
+    why = ", ".join(f"{name} {k / max(n, 1):.0%}" for k, name in why if k)
+    out.append(f"| {i} | {n / total:.1%} | {r.get('Instructions Executed', 0):,} | "
+               f"`{source[i][:60]}` | {why} |")
   return "\n".join(out)
 
 
