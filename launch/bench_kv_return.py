@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -31,20 +30,10 @@ def padded(idx_NxC, valid_NxC, ckv: int):
   return np.pad(idx_NxC, pad), np.pad(valid_NxC, pad)
 
 
-def time_ms(fn, *args, iters=20):
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return float(np.median(times))
-
-
 def main(argv=None) -> int:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
   import fit_gate
+  from bench_kernels import median_ms
   import jax
   import jax.numpy as jnp
   from distca_jax import dispatch
@@ -94,7 +83,8 @@ def main(argv=None) -> int:
     if not np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2):
       print(f"plan {i}: the two indices gave different rows")
       return 1
-    ms_now, ms_old = (time_ms(scatter, rows, back, x, iters=args.iters) for x in (now, old))
+    ms_now, ms_old = (median_ms(scatter, rows, back, x, warmup=1, iters=args.iters)
+                      for x in (now, old))
     real = int(valid.sum())
     print(f"| {i} | {dev} | {t} | {c} | {n * c} | {real} | {n * c - real} | {ms_now:.3f} | "
           f"{ms_old:.3f} | {ms_old / ms_now:.2f} |")
