@@ -96,3 +96,38 @@ def enable_compile_cache(directory: str, min_compile_s: float = 0.0) -> None:
     compilation_cache.reset_cache()
   except Exception:  # private API moved: the settings apply from the next process on
     pass
+
+
+def add_multihost_args(parser) -> None:
+  """The launchers' multi-host arguments (`run_training` passes them to `jax.distributed`)."""
+  parser.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
+  parser.add_argument("--num-processes", type=int, help="processes in the job (multi-host)")
+  parser.add_argument("--process-id", type=int, help="this process's index (multi-host)")
+
+
+def run_training(config, args, **run_kwargs):
+  """The training loop as a launcher runs it: XLA configured for `config` (so jax must not have
+  started a backend yet), `jax.distributed` started from the multi-host arguments of `args` (or
+  the cluster's environment), `loop.run(config, **run_kwargs)`, then shut down. Returns (exit
+  code, summary): (0, summary); (3, None) if the distributed start failed; (2, None) on a
+  ConfigError the run raised; the reason printed to stderr."""
+  from distca_jax.config import ConfigError
+
+  configure_xla(cpu_devices=config.train.cpu_devices)
+  from distca_jax import mesh as mesh_lib
+  from distca_jax.train import loop
+
+  try:
+    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                    timeout_s=config.train.init_timeout_s)
+  except mesh_lib.DistributedInitError as e:
+    print(f"distributed start-up failed: {e}", file=sys.stderr)
+    return 3, None
+  try:
+    summary = loop.run(config, **run_kwargs)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2, None
+  # Only after a run every process finished: a failed process must not wait at the barrier.
+  mesh_lib.shutdown_distributed()
+  return 0, summary

@@ -26,14 +26,14 @@ from pathlib import Path
 
 
 def _parse(argv):
+  from distca_jax.launch_env import add_multihost_args
+
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", help="YAML file overriding the defaults (configs/*.yaml)")
   parser.add_argument("--warmup", type=int, default=1, help="steady steps left out of the statistics")
   parser.add_argument("--measure", type=int, default=5, help="timed steps")
   parser.add_argument("--trace", type=int, default=2, help="traced steps (after the timed ones)")
-  parser.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
-  parser.add_argument("--num-processes", type=int, help="processes in the job (multi-host)")
-  parser.add_argument("--process-id", type=int, help="this process's index (multi-host)")
+  add_multihost_args(parser)
   parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=llama_1b")
   return parser.parse_args(argv)
 
@@ -53,30 +53,18 @@ def main(argv=None) -> int:
   except (ConfigError, ValueError) as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  from distca_jax.launch_env import configure_xla
-
   # GPU command buffers (CUDA graphs) hide which HLO op each kernel belongs to from the
   # profiler; run without them (costs some launch overhead: step times are slightly high).
   if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-  configure_xla(cpu_devices=config.train.cpu_devices)
-  from distca_jax import mesh as mesh_lib
+  from distca_jax.launch_env import run_training
+
+  code, summary = run_training(config, args, log=lambda *a: None)
+  if code:
+    return code
   from distca_jax.train import loop
   from distca_jax.train import profile as profile_lib
 
-  try:
-    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                    timeout_s=config.train.init_timeout_s)
-  except mesh_lib.DistributedInitError as e:
-    print(f"distributed start-up failed: {e}", file=sys.stderr)
-    return 3
-  try:
-    summary = loop.run(config, log=lambda *a: None)
-  except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
-  # Only after a run every process finished: a failed process must not wait at the barrier.
-  mesh_lib.shutdown_distributed()
   report_path = Path(config.train.out_dir) / "profile.json"
   if report_path.exists():  # process 0 only
     print(loop.format_summary(summary))

@@ -15,11 +15,11 @@ import sys
 
 
 def _parse(argv):
+  from distca_jax.launch_env import add_multihost_args
+
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", help="YAML file overriding the defaults (configs/*.yaml)")
-  parser.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
-  parser.add_argument("--num-processes", type=int, help="processes in the job (multi-host)")
-  parser.add_argument("--process-id", type=int, help="this process's index (multi-host)")
+  add_multihost_args(parser)
   parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10")
   return parser.parse_args(argv)
 
@@ -34,25 +34,13 @@ def main(argv=None) -> int:
   except (ConfigError, ValueError) as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  from distca_jax.launch_env import configure_xla
+  from distca_jax.launch_env import run_training
 
-  configure_xla(cpu_devices=config.train.cpu_devices)
-  from distca_jax import mesh as mesh_lib
+  code, summary = run_training(config, args)
+  if code:
+    return code
   from distca_jax.train import loop
 
-  try:
-    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                    timeout_s=config.train.init_timeout_s)
-  except mesh_lib.DistributedInitError as e:
-    print(f"distributed start-up failed: {e}", file=sys.stderr)
-    return 3
-  try:
-    summary = loop.run(config)
-  except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
-  # Only after a run every process finished: a failed process must not wait at the barrier.
-  mesh_lib.shutdown_distributed()
   print(loop.format_summary(summary))
   return 0
 
