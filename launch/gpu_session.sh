@@ -23,6 +23,9 @@
 #          reports to $OUT, the key lines printed; N_METRICS: more metrics, N_EXTRA: more ncu options
 #   ncuside 1 GPU: Nsight Compute (stall reasons, SASS counters) on the mosaic backward and on
 #          cuDNN's dense backward of equal causal area, on the first batch of N_BATCHES at N_CTX
+#   ktrace 1 GPU: launch/ab_mosaic.py --trace on T_DATASETS (prolong) at each of T_CONTEXTS (65536
+#          131072) for T_VERSIONS (now=): f+b TF/s and the GPU time per call of every kernel a
+#          forward+backward runs (the attention kernels and the XLA passes around them)
 #   kdump  1 GPU: one round of launch/ab_mosaic.py on Pretrain 64K (D_VERSIONS, default "now=")
 #          with Mosaic GPU's dumps on: each kernel's ptxas report (registers, spills) printed, its
 #          PTX to $OUT/ptx (assemble and read it on any machine: ptxas -arch=sm_90a -o k.cubin
@@ -142,6 +145,11 @@ for suite in "$@"; do
          for v in ${N_VARIANTS:-}; do profile "tasks_$v" ca_tasks_bwd "--rows ours --backends mosaic:$v"; done
          (cd "$OUT" && tar czf ncu.tgz ncu_* && rm -f ncu_*)  # one file back (the tool caps the count)
          unset CUDA_VISIBLE_DEVICES JAX_PLATFORMS ;;
+    ktrace) for ctx in ${T_CONTEXTS:-65536 131072}; do
+             CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda timeout -k 10 ${T_TIMEOUT:-200} python3 -P launch/ab_mosaic.py \
+               ${T_VERSIONS:-now=} --rounds ${T_ROUNDS:-3} --datasets ${T_DATASETS:-prolong} --context $ctx --trace 2>&1 \
+               | grep -v -i warn | tee -a "$OUT/ktrace.log"
+           done ;;
     kdump) rm -rf /tmp/mgpu_dump && mkdir -p /tmp/mgpu_dump "$OUT/ptx"
            CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda MOSAIC_GPU_DUMP_TO=/tmp/mgpu_dump timeout -k 10 ${D_TIMEOUT:-240} \
              python3 -P launch/ab_mosaic.py ${D_VERSIONS:-now=} --rounds 1 --datasets pretrain 2>&1 \
