@@ -62,7 +62,7 @@ def main(argv=None) -> int:
   dtype = jnp.dtype(cfg.model.dtype)
   scatter = jax.jit(lambda rows, back, idx: rows.at[idx].add(back, mode="drop"))
   print(f"{args.dist}@{args.step}, {args.devices} devices, {jax.devices()[0].device_kind}, "
-        f"[rows, {kh}, {e}] {jnp.dtype(dtype).name}, median of {args.iters}")
+        f"[rows, {kh}, {e}] {dtype.name}, median of {args.iters}")
   print("| plan | device | T | Ckv | slots | real | empty | dropped (now) ms | onto row 0 (before) ms | "
         "before / now |")
   print("|---|---|---|---|---|---|---|---|---|---|")
