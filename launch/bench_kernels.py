@@ -39,13 +39,13 @@ import glob
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 from distca_jax import kernels
+from distca_jax.perfetto import gpu_events, intervals_union
 
 import jax
 import jax.numpy as jnp
@@ -128,15 +128,6 @@ def gpu_kernel_ms(fn, *args, calls=3) -> collections.Counter:
   return gpu_profile(fn, *args, calls=calls)[0]
 
 
-def _overlap_report():
-  """launch/overlap_report.py as a module (`python -P` leaves the script's folder off the path)."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  if here not in sys.path:
-    sys.path.insert(0, here)
-  import overlap_report
-  return overlap_report
-
-
 def gpu_profile(fn, *args, calls=3) -> tuple[collections.Counter, float]:
   """(GPU time per call of each kernel and copy `fn(*args)` runs, GPU span per call in ms) from
   a profiler trace of `calls` calls after one untraced call, each call ended by
@@ -152,7 +143,7 @@ def gpu_profile(fn, *args, calls=3) -> tuple[collections.Counter, float]:
       for _ in range(calls):
         jax.block_until_ready(fn(*args))
     path, = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
-    for _, ev in _overlap_report().gpu_events(path):
+    for _, ev in gpu_events(path):
       per_name[ev["name"][:60]] += float(ev["dur"]) / 1e3 / calls
       spans.append((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])))
   per_call = call_spans(spans, calls)
@@ -163,7 +154,7 @@ def call_spans(intervals, calls):
   """Span (first start to last end) of each of `calls` sequential calls whose GPU intervals
   (start, end) are given in any order, the calls told apart by the `calls - 1` widest idle gaps;
   [] when the intervals do not part into that many."""
-  busy = _overlap_report()._intervals_union(intervals)  # overlapping kernels: no gap inside
+  busy = intervals_union(intervals)  # overlapping kernels: no gap inside
   if len(busy) < calls:
     return []
   gaps = sorted(((busy[i + 1][0] - busy[i][1], i) for i in range(len(busy) - 1)), reverse=True)

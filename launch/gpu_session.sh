@@ -89,7 +89,7 @@ for suite in "$@"; do
            data.length_scale=1 ${CAD_EXTRA:-} 2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          if [ -n "$CAD_TRACE" ]; then
            find "$CAD_TRACE"/*-distca -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
-           python3 -P launch/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
+           python3 -P launch/tools/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
          fi ;;
     cadmem) XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/caddump --xla_dump_hlo_module_re=.*train_step.*" \
            timeout -k 10 ${CAD_TIMEOUT:-300} python3 -P launch/bench_train.py --suite cad --compile-only \
@@ -97,7 +97,7 @@ for suite in "$@"; do
            --ragged-ablation "${CAD_RAGGED-prolong}" model.preset=llama3_8b model.layers=2 \
            data.tokens_per_device=${CAD_TOKENS:-65536} data.length_scale=1 ${CAD_EXTRA:-} 2>&1 \
            | grep -v -i warn | tee -a "$OUT/cadmem.log"
-         python3 -P launch/xla_buffers.py /tmp/caddump --top 20 2>&1 | tee -a "$OUT/cadmem.log"
+         python3 -P launch/tools/xla_buffers.py /tmp/caddump --top 20 2>&1 | tee -a "$OUT/cadmem.log"
          grep -h "ragged-all-to-all(" /tmp/caddump/*after_optimizations.txt | cut -c1-400 | head -20 | tee -a "$OUT/cadmem.log" ;;
     pp) timeout -k 10 ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
            --microbatches ${PP_MICROBATCHES:-4} --warmup 1 --steps 2 --json "$OUT/pp.json" \
@@ -109,7 +109,7 @@ for suite in "$@"; do
            --batches ${PP_BATCHES:-skewed} --microbatches ${PP_MICROBATCHES:-4} model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/ppmem.log"
-         python3 -P launch/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
+         python3 -P launch/tools/xla_buffers.py /tmp/ppdump --top 25 2>&1 | tee -a "$OUT/ppmem.log" ;;
     kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
            [ "${K_TESTS:-}" = none ] || timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -rf --tb=line --disable-warnings -p no:cacheprovider \
              tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 | grep -v Warning | tail -25 | tee -a "$OUT/kernel_tests.log"

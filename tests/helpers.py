@@ -14,8 +14,12 @@ from distca_jax.config import load_config
 
 
 def launch_script(name: str):
-  """launch/<name>.py as a module (launch/ is scripts, not a package)."""
-  path = Path(__file__).resolve().parents[1] / "launch" / f"{name}.py"
+  """launch/<name>.py, or the investigation tool launch/tools/<name>.py, as a module (launch/ is
+  scripts, not a package)."""
+  launch = Path(__file__).resolve().parents[1] / "launch"
+  path = launch / f"{name}.py"
+  if not path.exists():
+    path = launch / "tools" / f"{name}.py"
   spec = importlib.util.spec_from_file_location(f"launch_{name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -2,7 +2,7 @@
 HLO. Run the program with
 `XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=.*train_step.*"`, then
 
-    python launch/xla_buffers.py DIR [--top 30]
+    python launch/tools/xla_buffers.py DIR [--top 30]
 
 For each `*after_optimizations.txt` module (scheduled HLO: text order is execution order) it
 walks the entry computation, gives every instruction that allocates (not parameters, constants,

@@ -1,6 +1,6 @@
 """How much of the all-to-all communication in a profile ran beside compute.
 
-    python launch/overlap_report.py perfetto_trace.json.gz
+    python launch/tools/overlap_report.py perfetto_trace.json.gz
 
 Reads a Chrome/Perfetto trace written by `jax.profiler` (create_perfetto_trace=True), takes the
 GPU kernel events of each device, classifies them as communication (NCCL kernels: all-to-all,
@@ -11,54 +11,16 @@ on another stream, and that fraction. Overlap that is not in the trace did not h
 
 from __future__ import annotations
 
+import argparse
 import collections
-import gzip
-import json
 import sys
 
-
-def _intervals_union(iv):
-  iv = sorted(iv)
-  out = []
-  for s, e in iv:
-    if out and s <= out[-1][1]:
-      out[-1][1] = max(out[-1][1], e)
-    else:
-      out.append([s, e])
-  return out
-
-
-def _covered(a, b_union):
-  """Length of interval a covered by the (sorted, disjoint) union b."""
-  s, e = a
-  total = 0.0
-  for bs, be in b_union:
-    if be <= s:
-      continue
-    if bs >= e:
-      break
-    total += min(e, be) - max(s, bs)
-  return total
-
-
-def gpu_events(path: str):
-  """(device process name, event) for every complete event of a GPU process in a trace."""
-  with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  names = {}
-  for ev in events:
-    if ev.get("ph") == "M" and ev.get("name") == "process_name":
-      names[ev["pid"]] = ev["args"].get("name", "")
-  for ev in events:
-    if ev.get("ph") != "X" or "dur" not in ev:
-      continue
-    proc = names.get(ev["pid"], "")
-    if "/device:GPU" in proc or "GPU" in proc:
-      yield proc, ev
+from distca_jax.perfetto import covered, gpu_events, intervals_union
 
 
 def report(path: str) -> list[dict]:
+  """Per GPU process of the trace: communication ms, the part of it beside compute ms, that
+  fraction (nan without communication) and compute ms."""
   per_dev = collections.defaultdict(lambda: {"comm": [], "compute": []})
   for proc, ev in gpu_events(path):
     name = ev.get("name", "").lower()
@@ -67,19 +29,20 @@ def report(path: str) -> list[dict]:
     per_dev[proc][kind].append((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])))
   rows = []
   for dev, d in sorted(per_dev.items()):
-    comp = _intervals_union(d["compute"])
-    comm = _intervals_union(d["comm"])
+    comp = intervals_union(d["compute"])
+    comm = intervals_union(d["comm"])
     comm_t = sum(e - s for s, e in comm)
-    covered = sum(_covered((s, e), comp) for s, e in comm)
-    rows.append({"device": dev, "comm_ms": comm_t / 1e3, "comm_overlapped_ms": covered / 1e3,
-                 "overlap": covered / comm_t if comm_t else float("nan"),
+    beside = sum(covered((s, e), comp) for s, e in comm)
+    rows.append({"device": dev, "comm_ms": comm_t / 1e3, "comm_overlapped_ms": beside / 1e3,
+                 "overlap": beside / comm_t if comm_t else float("nan"),
                  "compute_ms": sum(e - s for s, e in comp) / 1e3})
   return rows
 
 
 def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  rows = report(argv[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("trace", help="perfetto_trace.json.gz written by jax.profiler")
+  rows = report(parser.parse_args(argv).trace)
   print("| device | communication ms | of it beside compute ms | overlap | compute ms |")
   print("|---|---|---|---|---|")
   for r in rows:
