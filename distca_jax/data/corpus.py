@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from distca_jax.schema import ConfigError
+
 from .packing import _ranges
 from .sources import Batch, make_batch
 
@@ -49,8 +51,9 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _OFFSET_DTYPE = np.dtype("<i8")
 
 
-class CorpusError(ValueError):
-  """A corpus file is missing, truncated, corrupt, or does not belong with the others."""
+class CorpusError(ConfigError):
+  """A corpus file is missing, truncated, corrupt, or does not belong with the others. A
+  ConfigError: the corpus is the user's input, so a launcher reports it as one (exit status 2)."""
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -379,11 +382,35 @@ class CorpusSource:
     return make_batch(length, tokens.astype(np.int32), self.num_buffers, self.buffer_len)
 
 
+# A token file up to this size is read whole when the config is checked, for ids >= vocab_size;
+# a larger one is checked batch by batch as it is read (`CorpusSource.batch`).
+SCAN_AT_LOAD_BYTES = 256 << 20
+
+
+def check_corpus(tokens_path, offsets_path, vocab_size: int,
+                 scan_bytes: int = SCAN_AT_LOAD_BYTES) -> None:
+  """The checks a run's start-up can make, before any device work: the corpus opens
+  (`Corpus.open`), its vocabulary fits the model's `vocab_size`, some document has a next-token
+  target (two tokens or more), and, for a token file of at most `scan_bytes`, every id is below
+  the corpus's vocabulary. Raises CorpusError naming the file."""
+  corpus = Corpus.open(tokens_path, offsets_path)
+  if corpus.vocab_size > vocab_size:
+    raise CorpusError(
+        f"corpus {tokens_path} has vocab_size {corpus.vocab_size}, larger than the model's "
+        f"{vocab_size}; set model.vocab_size >= {corpus.vocab_size}")
+  if int(corpus.doc_lens.max()) < 2:
+    raise CorpusError(f"corpus {tokens_path}: every document is one token long, so no token has a "
+                      f"next-token target")
+  if corpus.tokens_path.stat().st_size <= scan_bytes:
+    top = int(corpus.tokens.max())
+    if top >= corpus.vocab_size:
+      raise CorpusError(f"corpus {tokens_path}: token id {top} >= the corpus's vocab_size "
+                        f"{corpus.vocab_size}; the file is corrupt or was built with another tokenizer")
+
+
 def corpus_from_config(data_config, num_buffers: int, vocab_size: int | None = None) -> CorpusSource:
   """A CorpusSource from `DataConfig` (`corpus_tokens`, `corpus_offsets`, `seed`,
   `tokens_per_device`), with `num_buffers` buffers (the data-axis size)."""
-  from distca_jax.config import ConfigError  # lazy: keeps the data package free of config imports
-
   d = data_config
   if d.corpus_tokens is None or d.corpus_offsets is None:
     raise ConfigError("data.corpus_tokens and data.corpus_offsets: both are required for a corpus source")

@@ -1,7 +1,7 @@
 """The shipped document-length distributions and the paper's batch sampling scheme.
 
 `doclens/` holds copies of the two distributions (see its README for provenance, Apache-2.0).
-Sampling follows DESIGN.md / the README there: split at `long_threshold`, repeat long documents
+Sampling follows the paper's scheme (docs/METHOD.md; the README in doclens/): split at `long_threshold`, repeat long documents
 `upsample_long_factor` times, optionally replace long documents by full-context ones (ProLong),
 draw without replacement, multiply by `elongate_factor`.
 """
@@ -9,6 +9,7 @@ draw without replacement, multiply by `elongate_factor`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from importlib import resources
 from pathlib import Path
@@ -20,30 +21,55 @@ BUILTIN = ("pretrain", "prolong")
 FULL_CONTEXT_TOKENS = 65_536
 
 
-def load_lengths(name_or_path: str) -> np.ndarray:
-  """Document lengths (int64, all >= 1) of a built-in distribution or a JSON list file."""
+def load_lengths(name_or_path: str, field: str = "data.distribution") -> np.ndarray:
+  """Document lengths (int64, all >= 1) of a built-in distribution or a JSON list file. A
+  ValueError whose message starts with `field` (the config field that named it) otherwise."""
   if name_or_path in BUILTIN:
-    text = resources.files("distca_jax.data").joinpath(f"doclens/{name_or_path}.json").read_text()
-    source = f"built-in distribution {name_or_path!r}"
-  else:
-    path = Path(name_or_path)
-    if not path.exists():
-      raise ValueError(
-          f"data.distribution: {name_or_path!r} is neither one of {list(BUILTIN)} nor an existing file")
-    text = path.read_text()
-    source = str(path)
+    return _builtin(name_or_path)
+  path = Path(name_or_path)
+  try:
+    if not path.is_file():
+      what = "a directory" if path.is_dir() else "neither one of {} nor an existing file".format(list(BUILTIN))
+      raise ValueError(f"{field}: {name_or_path!r} is {what}")
+    text = path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError:
+    raise ValueError(f"{field}: {path}: not a JSON text file") from None
+  except OSError as e:
+    raise ValueError(f"{field}: {path}: cannot be read ({e.strerror or e})") from None
+  return _parse(text, f"{field}: {path}")
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin(name: str) -> np.ndarray:
+  text = resources.files("distca_jax.data").joinpath(f"doclens/{name}.json").read_text()
+  lengths = _parse(text, f"built-in distribution {name!r}")
+  lengths.flags.writeable = False  # shared by every caller
+  return lengths
+
+
+def _parse(text: str, source: str) -> np.ndarray:
   try:
     values = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{source}: not valid JSON ({e})") from e
+  except (json.JSONDecodeError, RecursionError) as e:
+    raise ValueError(f"{source}: not valid JSON ({e})") from None
   if not isinstance(values, list) or not values:
     raise ValueError(f"{source}: expected a non-empty JSON list of document lengths")
   if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
     raise ValueError(f"{source}: every document length must be an integer")
-  lengths = np.asarray(values, dtype=np.int64)
-  if (lengths < 1).any():
-    raise ValueError(f"{source}: document lengths must be >= 1 (found {int(lengths.min())})")
-  return lengths
+  if not all(1 <= v < 2**53 for v in values):
+    bad = next(v for v in values if not 1 <= v < 2**53)
+    raise ValueError(f"{source}: document lengths must be >= 1 and < 2**53 (found {bad})")
+  return np.asarray(values, dtype=np.int64)
+
+
+def longest_sampled(lengths: np.ndarray, long_threshold: int, full_context_replacement: bool,
+                    elongate_factor: int, length_scale: float) -> float:
+  """The longest document `LengthSampler` can draw from `lengths` with these settings, in
+  tokens (a float: huge factors must not overflow int64 here)."""
+  longest = float(lengths.max())
+  if full_context_replacement and (lengths >= long_threshold).any():
+    longest = max(longest, float(FULL_CONTEXT_TOKENS))
+  return max(1.0, float(np.round(longest * float(elongate_factor) / float(length_scale))))
 
 
 @dataclasses.dataclass(frozen=True)

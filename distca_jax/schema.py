@@ -1,0 +1,451 @@
+"""Typed configuration schemas: frozen dataclasses, YAML files over their defaults, `key.sub=value`
+overrides, and checks that name the field. The trainer's schema (`distca_jax/config.py`) and the
+simulator's (`distca_jax/sim/config.py`) are both loaded by `load` below.
+
+A field's type says what it accepts; `Annotated` adds the checks:
+
+  bool, int, str              exactly that YAML type (a bool is not an int); ints fit 64 bits
+  float                       a finite number (an int, or a string such as `1e-4` that PyYAML
+                              reads as one); NaN and infinities are refused
+  Literal["a", "b"]           a closed set; the error lists it
+  X | None                    `null` or an X
+  tuple[X, ...]               a YAML list of X
+  tuple[D, ...], D a schema   a list of mappings, each over D's defaults
+  D, a schema                 a mapping over the current value (YAML, then overrides)
+  Annotated[X, rule, ...]     rules: `Range`, `NON_EMPTY`, `WRITABLE_DIR`; and `ONE_OR_LIST`,
+                              which lets a tuple field take one value for a one-item list
+
+Types are checked while the YAML and the overrides are merged; the rules once, on the merged
+config (so a later override may fix an earlier value). Every error is a `ConfigError` whose message
+starts with the dotted field (`optim.lr: ...`), the file, or the override it comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import re
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A configuration value is unknown, of the wrong type, out of range, or inconsistent."""
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """Bounds of a number (`ge`/`gt`/`le`/`lt`), a step (`multiple_of`), and values allowed outside
+  them (`also`, e.g. -1 for "all the rest"); `why` is said when a value is refused."""
+
+  ge: float | None = None
+  gt: float | None = None
+  le: float | None = None
+  lt: float | None = None
+  multiple_of: int | None = None
+  also: tuple = ()
+  why: str = ""
+
+  def holds(self, v) -> bool:
+    if v in self.also:
+      return True
+    return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+            and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt)
+            and (self.multiple_of is None or v % self.multiple_of == 0))
+
+  def describe(self) -> str:
+    num = lambda x: f"2**{x.bit_length() - 1}" if isinstance(x, int) and x > 2**20 and not x & (x - 1) else f"{x:g}"
+    lo = (f"[{num(self.ge)}" if self.ge is not None else f"({num(self.gt)}" if self.gt is not None else None)
+    hi = (f"{num(self.le)}]" if self.le is not None else f"{num(self.lt)})" if self.lt is not None else None)
+    if lo and hi:
+      text = f"in {lo}, {hi}"
+    elif lo:
+      text = (">= " if lo[0] == "[" else "> ") + lo[1:]
+    elif hi:
+      text = ("<= " if hi[-1] == "]" else "< ") + hi[:-1]
+    else:
+      text = ""
+    if self.multiple_of:
+      text += (", " if text else "") + f"a multiple of {self.multiple_of}"
+    if self.also:
+      text += " or " + " or ".join(str(a) for a in self.also)
+    return text
+
+  def check(self, path: str, value, item: str = "") -> None:
+    if not self.holds(value):
+      why = f" ({self.why})" if self.why else ""
+      if item:
+        raise ConfigError(f"{path}: {value!r} ({item}) must be {self.describe()}{why}")
+      raise ConfigError(f"{path}: must be {self.describe()}{why}, got {value!r}")
+
+
+class _Marker:
+  def __init__(self, name: str, text: str):
+    self.name, self.text = name, text
+
+  def __repr__(self):
+    return self.name
+
+
+# A tuple field that must hold at least one item.
+NON_EMPTY = _Marker("NON_EMPTY", "non-empty")
+# A tuple field that also takes a single value, read as a one-item list (`gpus=64`).
+ONE_OR_LIST = _Marker("ONE_OR_LIST", "or one value")
+# A directory the run writes into: it is a directory, or can be made one, and is writable.
+WRITABLE_DIR = _Marker("WRITABLE_DIR", "a writable directory")
+
+T = TypeVar("T")
+PositiveInt = Annotated[int, Range(ge=1)]
+NonNegInt = Annotated[int, Range(ge=0)]
+PositiveFloat = Annotated[float, Range(gt=0)]
+NonNegFloat = Annotated[float, Range(ge=0)]
+Probability = Annotated[float, Range(ge=0, lt=1)]  # Adam's betas, a tolerance
+Fraction = Annotated[float, Range(ge=0, le=1)]
+Seed = Annotated[int, Range(ge=0, lt=2**32, why="a uint32 seed")]
+OutputDir = Annotated[str, WRITABLE_DIR]
+# A sweep axis: a non-empty list, or one value.
+Axis = Annotated[tuple[T, ...], NON_EMPTY, ONE_OR_LIST]
+
+
+def _check_writable_dir(path: str, value: str) -> None:
+  if not value:
+    raise ConfigError(f"{path}: must name a directory, got ''")
+  try:
+    target = Path(value).expanduser()
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+      probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+      what = "is a file" if probe == target else f"lies under {str(probe)!r}, which is a file"
+      raise ConfigError(f"{path}: {value!r} {what}, not a directory")
+    # Try it: permission bits do not bind root, and a read-only mount shows only on writing.
+    try:
+      fd, name = tempfile.mkstemp(dir=probe, prefix=".distca-write-check-")
+    except OSError as e:
+      raise ConfigError(f"{path}: {value!r} is not writable ({str(probe)!r}: "
+                        f"{e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(name)
+  except ConfigError:
+    raise
+  except (OSError, ValueError) as e:  # ValueError: e.g. an embedded NUL byte
+    raise ConfigError(f"{path}: {value!r} is not a usable directory ({e})") from None
+
+
+# ----------------------------------------------------------------------------- types
+
+
+def _split(annotation) -> tuple[Any, tuple]:
+  """(the type under `Annotated`, its rules); (annotation, ()) for a plain type."""
+  if typing.get_origin(annotation) is Annotated:
+    return annotation.__origin__, annotation.__metadata__
+  return annotation, ()
+
+
+def _hints(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls, include_extras=True)
+
+
+def _coerce(path: str, annotation, value, current=None, rules: bool = False):
+  """`value` as `annotation` (a ConfigError naming `path` if it is not one). `current`: a nested
+  schema's value to merge a mapping over. `rules`: also apply the `Annotated` rules."""
+  kind, meta = _split(annotation)
+  origin, args = typing.get_origin(kind), typing.get_args(kind)
+  if ONE_OR_LIST in meta and not isinstance(value, (list, tuple)):
+    value = [value]
+  if origin is Literal:
+    if isinstance(value, bool) or value not in args:
+      raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {list(args)}")
+    out = value
+  elif origin in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    errors = []
+    for arg in args:
+      if arg is not type(None):
+        try:
+          return _coerce(path, arg, value, current, rules)
+        except ConfigError as e:
+          errors.append(str(e))
+    raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+  elif dataclasses.is_dataclass(kind):
+    if isinstance(value, kind):
+      return check(value, f"{path}.") if rules else value
+    if not isinstance(value, dict):
+      names = [f.name for f in dataclasses.fields(kind)]
+      raise ConfigError(f"{path}: expected a mapping of {names}, got {value!r}")
+    return merge(current if current is not None else kind(), value, f"{path}.")
+  elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{path}: expected a list, got {value!r}")
+    item_kind, item_rules = _split(args[0])
+    out = tuple(_coerce(f"{path}[{i}]", item_kind, v, rules=rules) for i, v in enumerate(value))
+    if rules:
+      for i, v in enumerate(out):
+        for rule in item_rules:
+          if isinstance(rule, Range):
+            rule.check(path, v, f"item {i}")
+  else:
+    out = _scalar(path, kind, value)
+  if rules:
+    for rule in meta:
+      if isinstance(rule, Range):
+        rule.check(path, out)
+      elif rule is NON_EMPTY and not out:
+        raise ConfigError(f"{path}: must not be empty")
+      elif rule is WRITABLE_DIR:
+        _check_writable_dir(path, out)
+  return out
+
+
+def _scalar(path: str, kind, value):
+  if kind is bool:
+    if isinstance(value, bool):
+      return value
+    raise ConfigError(f"{path}: expected true or false, got {value!r}")
+  if kind is int:
+    if not isinstance(value, int) or isinstance(value, bool):
+      raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if not -2**63 <= value < 2**63:
+      raise ConfigError(f"{path}: {value} does not fit in 64 bits")
+    return value
+  if kind is float:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      number = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
+    elif isinstance(value, str):
+      try:  # YAML 1.1 reads `1e-4` (no dot) as a string; accept any float literal.
+        number = float(value)
+      except ValueError:
+        pass
+    if number is None:
+      raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if not math.isfinite(number):
+      raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+    return number
+  if kind is str:
+    if isinstance(value, str):
+      return value
+    raise ConfigError(f"{path}: expected a string, got {value!r}")
+  raise ConfigError(f"{path}: unsupported field type {kind}")
+
+
+# ----------------------------------------------------------------------------- merging and checks
+
+
+def merge(obj, updates: dict, prefix: str = ""):
+  """`obj` (a schema instance) with the fields of the nested mapping `updates` replaced, each
+  coerced to its field's type. Rules are not applied (see `check`)."""
+  if not isinstance(updates, dict):
+    raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {updates!r}")
+  hints = _hints(type(obj))
+  names = [f.name for f in dataclasses.fields(obj)]
+  changes = {}
+  for key, value in updates.items():
+    path = f"{prefix}{key}"
+    if key not in names:
+      raise ConfigError(f"{path}: unknown field; known fields are {sorted(names)}")
+    changes[key] = _coerce(path, hints[key], value, current=changes.get(key, getattr(obj, key)))
+  return dataclasses.replace(obj, **changes)
+
+
+def check(obj, prefix: str = ""):
+  """Applies every field's rules (ranges, non-empty lists, writable directories) to `obj`, in
+  field order; returns `obj`."""
+  hints = _hints(type(obj))
+  for f in dataclasses.fields(obj):
+    _coerce(f"{prefix}{f.name}", hints[f.name], getattr(obj, f.name), rules=True)
+  return obj
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """PyYAML's safe loader, refusing a mapping that repeats a key (PyYAML keeps the last)."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=True)
+      if isinstance(key, typing.Hashable) and key in seen:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate key {key!r}", key_node.start_mark)
+      seen.add(key) if isinstance(key, typing.Hashable) else None
+    return super().construct_mapping(node, deep)
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+  """One line: what is wrong and where (PyYAML's own message spans several)."""
+  mark = getattr(e, "problem_mark", None)
+  what = getattr(e, "problem", None) or str(e).splitlines()[0]
+  where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+  return f"{' '.join(str(what).split())}{where}"
+
+
+def parse_yaml(text: str, where: str):
+  """`text` parsed as YAML (duplicate keys refused); a ConfigError starting with `where`."""
+  try:
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{where}: not valid YAML: {_yaml_error(e)}") from None
+  except RecursionError:
+    raise ConfigError(f"{where}: nested too deeply") from None
+
+
+def parse_override(text: str) -> dict[str, Any]:
+  """`"a.b=3"` -> `{"a": {"b": 3}}`, the value parsed as YAML (`true`, `1e-4`, `[1, 2]`)."""
+  if "=" not in text:
+    raise ConfigError(f"override {text!r}: expected key.sub=value")
+  key, raw = text.split("=", 1)
+  key = key.strip()
+  if not key or any(not part for part in key.split(".")):
+    raise ConfigError(f"override {text!r}: empty key")
+  out = parse_yaml(raw, f"override {text!r}") if raw.strip() else None
+  for part in reversed(key.split(".")):
+    out = {part: out}
+  return out
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+  """The top-level mapping of a YAML config file; a ConfigError naming the file otherwise."""
+  where = f"config file {path}"
+  path = Path(path)
+  if not path.exists():
+    raise ConfigError(f"{where} does not exist")
+  if path.is_dir():
+    raise ConfigError(f"{where}: is a directory, not a YAML file")
+  try:
+    text = path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError:
+    raise ConfigError(f"{where}: not a text (UTF-8) file") from None
+  except OSError as e:
+    raise ConfigError(f"{where}: cannot be read ({e.strerror or e})") from None
+  if "\0" in text:
+    raise ConfigError(f"{where}: not a text file (it holds NUL bytes)")
+  data = parse_yaml(text, where)
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"{where}: expected a mapping at the top level, got {type(data).__name__}")
+  return data
+
+
+def load(default, path: str | Path | None = None, overrides=()):
+  """`default` (a schema instance), then the YAML file at `path` (if any), then each `key=value`
+  override, then every field's rules. Cross-field checks are the schema module's."""
+  config = default
+  if path is not None:
+    config = merge(config, read_yaml_mapping(path))
+  for text in overrides:
+    config = merge(config, parse_override(text))
+  return check(config)
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def to_dict(obj) -> dict[str, Any]:
+  """A schema instance as nested dicts and lists (JSON- and YAML-ready)."""
+  def plain(v):
+    if isinstance(v, dict):
+      return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+      return [plain(x) for x in v]
+    return v
+  return plain(dataclasses.asdict(obj))
+
+
+def to_yaml(obj) -> str:
+  """A schema instance as YAML that `load` reads back to the same instance."""
+  return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=None, width=100)
+
+
+def describe_type(annotation) -> str:
+  """What a field accepts, in words: `int >= 1`, `one of a, b`, `list of int, or null`."""
+  kind, meta = _split(annotation)
+  origin, args = typing.get_origin(kind), typing.get_args(kind)
+  if origin is Literal:
+    text = "one of " + ", ".join(str(a) for a in args)
+  elif origin in (typing.Union, types.UnionType):
+    inner = [describe_type(a) for a in args if a is not type(None)]
+    return " | ".join(inner) + (", or null" if type(None) in args else "")
+  elif dataclasses.is_dataclass(kind):
+    text = f"a {kind.__name__} mapping"
+  elif origin is tuple:
+    text = f"list of {describe_type(args[0])}"
+    if dataclasses.is_dataclass(args[0]):
+      text = f"list of {args[0].__name__} mappings"
+  else:
+    text = kind.__name__
+  for rule in meta:
+    if isinstance(rule, Range):
+      text += f" {rule.describe()}" if rule.describe()[0] in "<>i" else f", {rule.describe()}"
+    elif rule is NON_EMPTY:
+      text = f"non-empty {text}"
+    elif isinstance(rule, _Marker):
+      text += f", {rule.text}"
+  return text
+
+
+def _yaml_scalar(value) -> str:
+  return yaml.safe_dump(to_dict(value) if dataclasses.is_dataclass(value) else
+                        list(value) if isinstance(value, tuple) else value,
+                        default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def _comments(cls) -> dict[str, str]:
+  """The comment above each field of `cls` (and one at its line's end), read from the source:
+  the first sentence, for `--help`."""
+  try:
+    lines = inspect.getsource(cls).splitlines()
+  except (OSError, TypeError):
+    return {}
+  out, block = {}, []
+  for line in lines:
+    stripped = line.strip()
+    if stripped.startswith("#"):
+      block.append(stripped.lstrip("#").strip())
+      continue
+    match = re.match(r"\s+(\w+):[^=]*=[^#]*(#\s*(.*))?$", line)
+    if match:
+      text = " ".join(block) or (match.group(3) or "")
+      sentence = re.split(r"(?<=[.;])\s|\s\(", text, maxsplit=1)[0].rstrip(".;")
+      out[match.group(1)] = sentence
+    block = []
+  return out
+
+
+def describe(schema, prefix: str = "", heading: str = "") -> list[str]:
+  """The schema as `--help` lines: per section its docstring, then every field with what it
+  accepts, its default in brackets, and the first sentence of its comment."""
+  hints, fields = _hints(schema), dataclasses.fields(schema)
+  default = schema()
+  doc = (schema.__doc__ or "").strip()
+  if doc.startswith(f"{schema.__name__}("):  # dataclass's generated docstring
+    doc = ""
+  lines = [f"{heading or prefix.rstrip('.') or 'top level'}:" + (f" {doc.splitlines()[0]}" if doc else "")]
+  comments = _comments(schema)
+  nested = []
+  for f in fields:
+    kind = _split(hints[f.name])[0]
+    item = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else None
+    if dataclasses.is_dataclass(kind):
+      nested.append((kind, f"{prefix}{f.name}.", ""))
+      continue
+    if dataclasses.is_dataclass(item):
+      nested.append((item, f"{prefix}{f.name}[i].", f"{prefix}{f.name}: each entry"))
+    value = _yaml_scalar(getattr(default, f.name))
+    lines.append(f"  {prefix}{f.name}: {describe_type(hints[f.name])}  [{value}]")
+    if comments.get(f.name):
+      lines.append(f"      {comments[f.name]}")
+  for kind, sub, head in nested:
+    lines += [""] + describe(kind, sub, head)
+  return lines
