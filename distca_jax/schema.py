@@ -28,6 +28,7 @@ import math
 import os
 import re
 import tempfile
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -363,9 +364,18 @@ def to_dict(obj) -> dict[str, Any]:
   return plain(dataclasses.asdict(obj))
 
 
+class _Dumper(yaml.SafeDumper):
+  """Sections as blocks, lists on one line (`gpus: [64, 128]`)."""
+
+
+_Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v,
+                                                                flow_style=True))
+
+
 def to_yaml(obj) -> str:
   """A schema instance as YAML that `load` reads back to the same instance."""
-  return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=None, width=100)
+  return yaml.dump(to_dict(obj), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                   width=100, allow_unicode=True)
 
 
 def describe_type(annotation) -> str:
@@ -388,6 +398,7 @@ def describe_type(annotation) -> str:
   for rule in meta:
     if isinstance(rule, Range):
       text += f" {rule.describe()}" if rule.describe()[0] in "<>i" else f", {rule.describe()}"
+      text += f" ({rule.why})" if rule.why else ""
     elif rule is NON_EMPTY:
       text = f"non-empty {text}"
     elif isinstance(rule, _Marker):
@@ -417,7 +428,7 @@ def _comments(cls) -> dict[str, str]:
     match = re.match(r"\s+(\w+):[^=]*=[^#]*(#\s*(.*))?$", line)
     if match:
       text = " ".join(block) or (match.group(3) or "")
-      sentence = re.split(r"(?<=[.;])\s|\s\(", text, maxsplit=1)[0].rstrip(".;")
+      sentence = re.split(r"(?<=\.)\s", text, maxsplit=1)[0].rstrip(".")
       out[match.group(1)] = sentence
     block = []
   return out
@@ -434,6 +445,8 @@ def describe(schema, prefix: str = "", heading: str = "") -> list[str]:
   lines = [f"{heading or prefix.rstrip('.') or 'top level'}:" + (f" {doc.splitlines()[0]}" if doc else "")]
   comments = _comments(schema)
   nested = []
+  if all(dataclasses.is_dataclass(_split(hints[f.name])[0]) for f in fields):
+    lines = []  # only sections: no heading of its own
   for f in fields:
     kind = _split(hints[f.name])[0]
     item = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else None
@@ -445,7 +458,7 @@ def describe(schema, prefix: str = "", heading: str = "") -> list[str]:
     value = _yaml_scalar(getattr(default, f.name))
     lines.append(f"  {prefix}{f.name}: {describe_type(hints[f.name])}  [{value}]")
     if comments.get(f.name):
-      lines.append(f"      {comments[f.name]}")
+      lines += textwrap.wrap(comments[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
   for kind, sub, head in nested:
-    lines += [""] + describe(kind, sub, head)
+    lines += ([""] if lines else []) + describe(kind, sub, head)
   return lines

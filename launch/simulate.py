@@ -12,6 +12,10 @@ fraction of GPU time not computing, predicted step time, and CAD's speedup over 
 Writes `out_dir/sim.csv`, `out_dir/loads.png` (per-rank attention load before/after scheduling,
 first point, first batch) and `out_dir/speedup.png` (speedup against GPU count).
 The model behind the numbers: distca_jax/sim/engine.py; against the paper: docs/SIMULATOR.md.
+
+Settings: the defaults below, then the `--config` YAML file, then `field=value` overrides (values
+read as YAML: `gpus=[64,128]`; one value is a list of one). `--print-config` prints the resolved
+configuration as YAML and exits. A bad value is one `config error: <field>: ...` line, exit 2.
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ from pathlib import Path
 
 import numpy as np
 
-from distca_jax.config import ConfigError
-from distca_jax.sim.config import load_sim_config
+from distca_jax.schema import ConfigError, describe, to_yaml
+from distca_jax.sim.config import SimConfig, load_sim_config
 from distca_jax.sim.engine import SYSTEMS, make_simulator, points, summarize
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  schema = "\n".join(["configuration (distca_jax/sim/config.py; type, [default], the field's "
+                      "comment):", ""] + describe(SimConfig))
+  ap = argparse.ArgumentParser(description=__doc__, epilog=schema,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", default=None, help="YAML file overriding distca_jax/sim/config.py")
+  ap.add_argument("--print-config", action="store_true",
+                  help="print the resolved configuration as YAML and exit (nothing runs)")
   ap.add_argument("--dump-plans", default=None, metavar="DIR",
                   help="write each CAD plan as JSON (format: schedule/plan.py Plan.dump_json)")
   ap.add_argument("--per-batch", action="store_true",
@@ -45,6 +54,9 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  if args.print_config:
+    print(to_yaml(cfg), end="")
+    return 0
   out_dir = Path(cfg.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   dump = Path(args.dump_plans) if args.dump_plans else None

@@ -5,6 +5,14 @@
 
 With no accelerator, JAX's CPU backend is split into `train.cpu_devices` simulated devices (8 by
 default) so the mesh code paths are the ones a GPU cluster runs.
+
+Settings: the defaults below, then the `--config` YAML file, then `section.field=value` overrides
+(values read as YAML: `true`, `1e-4`, `[0, 1]`). `--print-config` prints the resolved
+configuration as YAML (a file `--config` reads back) and exits without training. Checkpoints:
+`checkpoint.every=N` saves every N steps and when the run ends, into `checkpoint.dir`
+(`<train.out_dir>/checkpoints` unless set); the same command run again resumes from the newest
+one (`checkpoint.resume=false` starts afresh). A bad value stops the run before JAX starts with
+one `config error: <field>: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -15,10 +23,17 @@ import sys
 
 
 def _parse(argv):
+  from distca_jax.config import Config
   from distca_jax.launch_env import add_multihost_args
+  from distca_jax.schema import describe
 
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  schema = "\n".join(["configuration (distca_jax/config.py; type, [default], the field's comment):",
+                      ""] + describe(Config))
+  parser = argparse.ArgumentParser(description=__doc__, epilog=schema,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", help="YAML file overriding the defaults (configs/*.yaml)")
+  parser.add_argument("--print-config", action="store_true",
+                      help="print the resolved configuration as YAML and exit (nothing runs)")
   add_multihost_args(parser)
   parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=10")
   return parser.parse_args(argv)
@@ -27,22 +42,24 @@ def _parse(argv):
 def main(argv=None) -> int:
   args = _parse(argv)
   # Config first (no jax import yet): the CPU device count must be set before jax starts.
-  from distca_jax.config import ConfigError, load_config
+  from distca_jax.config import ConfigError, load_config, to_yaml
 
   try:
     config = load_config(args.config, args.overrides)
-  except (ConfigError, ValueError) as e:
+  except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  if args.print_config:
+    print(to_yaml(config), end="")
+    return 0
   from distca_jax.launch_env import run_training
 
   code, summary = run_training(config, args)
-  if code:
-    return code
-  from distca_jax.train import loop
+  if summary is not None:  # also a run SIGTERM / SIGINT stopped (code 128 + the signal's number)
+    from distca_jax.train import loop
 
-  print(loop.format_summary(summary))
-  return 0
+    print(loop.format_summary(summary))
+  return code
 
 
 if __name__ == "__main__":

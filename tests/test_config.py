@@ -248,3 +248,396 @@ def test_min_imbalance_default_per_path():
   assert (a.min_imbalance_for(pipelined=False), a.min_imbalance_for(pipelined=True)) == (1.0, 1.25)
   a = load_config(None, ["attention.min_imbalance=1.5"]).attention
   assert (a.min_imbalance_for(pipelined=False), a.min_imbalance_for(pipelined=True)) == (1.5, 1.5)
+
+
+# ----------------------------------------------------------------------------- every field's range
+
+
+def _leaf_fields(schema, prefix=""):
+  """(dotted path, annotation) of every leaf field of a schema (sections walked, not listed)."""
+  import dataclasses
+
+  from distca_jax.schema import _hints, _split
+
+  hints = _hints(schema)
+  for f in dataclasses.fields(schema):
+    kind = _split(hints[f.name])[0]
+    if dataclasses.is_dataclass(kind):
+      yield from _leaf_fields(kind, f"{prefix}{f.name}.")
+    else:
+      yield f"{prefix}{f.name}", hints[f.name]
+
+
+def _numeric(annotation) -> bool:
+  import typing
+
+  from distca_jax.schema import _split
+
+  kind = _split(annotation)[0]
+  args = [a for a in typing.get_args(kind) if a is not type(None)]
+  if typing.get_origin(kind) is tuple:
+    return _numeric(args[0])
+  if args and typing.get_origin(kind) is not typing.Literal:  # X | None
+    return any(_numeric(a) for a in args)
+  return kind in (int, float)
+
+
+def _has_range(annotation) -> bool:
+  import typing
+
+  from distca_jax.schema import Range, _split
+
+  kind, rules = _split(annotation)
+  if any(isinstance(r, Range) for r in rules):
+    return True
+  args = [a for a in typing.get_args(kind) if a is not type(None)]
+  if typing.get_origin(kind) is tuple:
+    return _has_range(args[0])
+  return bool(args) and typing.get_origin(kind) is not typing.Literal and all(_has_range(a) for a in args)
+
+
+def _schemas():
+  from distca_jax.sim.config import SimConfig, Sweep
+
+  return [Config, SimConfig, Sweep]
+
+
+@pytest.mark.parametrize("schema", _schemas(), ids=lambda s: s.__name__)
+def test_every_numeric_field_declares_its_range(schema):
+  """A new int or float field must say its range in its type (schema.PositiveInt, Range(...)):
+  an unchecked count is how `train.log_every=0` once crashed after compiling."""
+  unchecked = [path for path, ann in _leaf_fields(schema) if _numeric(ann) and not _has_range(ann)]
+  assert not unchecked
+
+
+@pytest.mark.parametrize("override, field, phrase", [
+    ("optim.lr=.nan", "optim.lr", "finite"),
+    ("optim.lr=.inf", "optim.lr", "finite"),
+    ("optim.lr=nan", "optim.lr", "finite"),
+    ("optim.lr=1e400", "optim.lr", "finite"),
+    ("optim.lr=0", "optim.lr", "> 0"),
+    ("optim.b1=2", "optim.b1", "[0, 1)"),
+    ("optim.b1=1", "optim.b1", "[0, 1)"),
+    ("optim.b2=1.5", "optim.b2", "[0, 1)"),
+    ("optim.b2=-0.1", "optim.b2", "[0, 1)"),
+    ("optim.clip_norm=-1", "optim.clip_norm", "> 0"),
+    ("optim.clip_norm=0", "optim.clip_norm", "> 0"),
+    ("optim.weight_decay=-5", "optim.weight_decay", ">= 0"),
+    ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio", "[0, 1]"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps", ">= 0"),
+    ("optim.decay_steps=0", "optim.decay_steps", ">= 1"),
+    ("train.log_every=0", "train.log_every", ">= 1"),
+    ("train.cpu_devices=-3", "train.cpu_devices", ">= 0"),
+    ("train.stop_at_step=0", "train.stop_at_step", ">= 1"),
+    ("train.max_seconds=-1", "train.max_seconds", ">= 0"),
+    ("train.max_seconds=.nan", "train.max_seconds", "finite"),
+    ("train.init_timeout_s=0", "train.init_timeout_s", ">= 1"),
+    ("train.seed=-1", "train.seed", "[0, 2**32)"),
+    ("train.seed=4294967296", "train.seed", "[0, 2**32)"),
+    ("train.peak_tflops=0", "train.peak_tflops", "> 0"),
+    ("train.profile_start=0", "train.profile_start", ">= 1"),
+    ("train.profile_steps=0", "train.profile_steps", ">= 1"),
+    ("train.profile_warmup=-1", "train.profile_warmup", ">= 0"),
+    ("data.seed=-1", "data.seed", "[0, 2**32)"),
+    ("data.length_scale=.nan", "data.length_scale", "finite"),
+    ("data.length_scale=-2", "data.length_scale", "> 0"),
+    ("data.long_threshold=0", "data.long_threshold", ">= 1"),
+    ("data.upsample_long_factor=0", "data.upsample_long_factor", ">= 1"),
+    ("model.norm_eps=-1", "model.norm_eps", "> 0"),
+    ("model.norm_eps=0", "model.norm_eps", "> 0"),
+    ("model.rope_theta=0", "model.rope_theta", "> 0"),
+    ("model.hidden=0", "model.hidden", ">= 1"),
+    ("mesh.data=-2", "mesh.data", "-1"),
+    ("checkpoint.every=-1", "checkpoint.every", ">= 0"),
+    ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
+    ("attention.epsilon=.nan", "attention.epsilon", "finite"),
+    ("attention.gate_exchange_flops_per_byte=-1", "attention.gate_exchange_flops_per_byte", ">= 0"),
+    ("train.steps=99999999999999999999", "train.steps", "64 bits"),
+])
+def test_range_refused_at_load(override, field, phrase):
+  msg = _error(override)
+  assert msg.startswith(f"{field}:") and phrase in msg
+
+
+def test_range_checked_after_every_override():
+  """Ranges apply to the merged config: a later override may fix an earlier bad value."""
+  assert load_config(None, ["optim.lr=-1", "optim.lr=0.5"]).optim.lr == 0.5
+
+
+def test_tiny_yaml_is_the_default_job():
+  assert load_config(ROOT / "configs" / "tiny.yaml", []) == Config()
+
+
+# ----------------------------------------------------------------------------- input files
+
+
+def _write(tmp_path, name, data) -> Path:
+  path = tmp_path / name
+  path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
+  return path
+
+
+@pytest.mark.parametrize("data, phrase", [
+    ("train:\n  steps: [1\n", "not valid YAML"),
+    ("train:\n  steps: 3\n   lr: 2\n", "not valid YAML"),
+    ("a: b: c\n", "not valid YAML"),
+    ("train:\n  steps: 3\ntrain:\n  seed: 1\n", "duplicate key 'train'"),
+    ("train:\n  steps: 3\n  steps: 4\n", "duplicate key 'steps'"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "not a text"),
+    (b"train:\n  steps: 3\x00\n", "NUL"),
+])
+def test_bad_yaml_file_names_the_file(tmp_path, data, phrase):
+  path = _write(tmp_path, "bad.yaml", data)
+  msg = _error(path=path)
+  assert msg.startswith(f"config file {path}") and phrase in msg and "\n" not in msg
+
+
+def test_config_file_that_is_a_directory(tmp_path):
+  msg = _error(path=tmp_path)
+  assert msg.startswith(f"config file {tmp_path}") and "directory" in msg
+
+
+def test_duplicate_key_inside_an_override_value():
+  from distca_jax.sim.config import load_sim_config
+
+  with pytest.raises(ConfigError, match="override .*duplicate key 'gpus'"):
+    load_sim_config(None, ["sweeps=[{gpus: 64, gpus: 128}]"])
+
+
+@pytest.mark.parametrize("override", ["train.steps=[1,", "train.steps={a", "model.preset=@x"])
+def test_override_value_not_yaml(override):
+  msg = _error(override)
+  assert msg.startswith("override") and "not valid YAML" in msg
+
+
+@pytest.mark.parametrize("content, phrase", [
+    ("not json", "not valid JSON"),
+    ("{}", "non-empty JSON list"),
+    ("[]", "non-empty JSON list"),
+    ("[1, 2.5]", "integer"),
+    ("[3, -2]", ">= 1"),
+    ("[0]", ">= 1"),
+    ("[1, 99999999999999999999]", "< 2**53"),
+    ("[1, 1, 1]", "one token long"),
+    (b"\xff\xfe\x00binary", "not a JSON text file"),
+])
+def test_distribution_file_refused_at_load(tmp_path, content, phrase):
+  path = _write(tmp_path, "lens.json", content)
+  msg = _error(f"data.distribution={path}")
+  assert msg.startswith("data.distribution:") and phrase in msg
+
+
+@pytest.mark.parametrize("value, phrase", [
+    ("nope", "neither one of ['pretrain', 'prolong']"),
+    ("/nonexistent/lens.json", "nor an existing file"),
+])
+def test_distribution_name_refused_at_load(value, phrase):
+  msg = _error(f"data.distribution={value}")
+  assert msg.startswith("data.distribution:") and phrase in msg
+
+
+def test_distribution_directory_refused(tmp_path):
+  assert "directory" in _error(f"data.distribution={tmp_path}")
+
+
+def test_distribution_without_targets_refused():
+  """Scaled down far enough every document is one token long: no token has a target."""
+  msg = _error("data.length_scale=1e9")
+  assert msg.startswith("data.distribution:") and "next-token target" in msg
+  # ProLong's 64K full-context documents survive a scale that flattens Pretrain.
+  load_config(None, ["data.distribution=prolong", "data.length_scale=20000"])
+  assert _error("data.elongate_factor=1000000000000000000").startswith("data.elongate_factor:")
+
+
+@pytest.mark.parametrize("field", ["train.out_dir", "checkpoint.dir", "train.compile_cache_dir"])
+def test_output_directory_that_is_a_file(tmp_path, field):
+  path = _write(tmp_path, "file", "x")
+  assert "not a directory" in _error(f"{field}={path}")
+  assert "which is a file" in _error(f"{field}={path}/run")
+
+
+def test_output_directory_not_writable(tmp_path):
+  # /proc takes no new files, even from root (whom permission bits do not stop).
+  msg = _error("train.out_dir=/proc/distca_run")
+  assert msg.startswith("train.out_dir:") and "not writable" in msg
+  assert _error("train.out_dir=''").startswith("train.out_dir:")
+  load_config(None, [f"train.out_dir={tmp_path / 'new' / 'run'}"])  # made later, by the run
+  assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- the launchers
+
+
+def _help(script) -> str:
+  import contextlib
+  import io
+
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as info:
+    launch_script(script).main(["--help"])
+  assert info.value.code == 0
+  return out.getvalue()
+
+
+@pytest.mark.parametrize("script, schema", [("train", Config), ("simulate", None)])
+def test_help_lists_every_field(script, schema):
+  """--help is generated from the schema: every field with its type and default, closed sets
+  spelled out."""
+  from distca_jax.sim.config import SimConfig, Sweep
+
+  text = _help(script)
+  if schema is None:
+    fields = list(_leaf_fields(SimConfig)) + [(f"sweeps[i].{p}", a) for p, a in _leaf_fields(Sweep)]
+  else:
+    fields = list(_leaf_fields(schema))
+  lines = {line.split(":")[0].strip(): line for line in text.splitlines() if line.startswith("  ")}
+  for path, _ in fields:
+    assert path in lines, path
+  if script == "train":
+    assert "one of colocated, distca" in lines["attention.impl"]
+    assert "[30]" in lines["train.steps"] and "int >= 1" in lines["train.steps"]
+    assert "checkpoint.every" in text and "resume" in text
+
+
+def _print_config(script, argv, capsys) -> str:
+  assert launch_script(script).main(["--print-config", *argv]) == 0
+  return capsys.readouterr().out
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+  argv = ["attention.impl=distca", "attention.gate_nodes=[0, 0, 1, 1]", "mesh.data=4",
+          "optim.lr=1e-4", "train.out_dir=runs/x y", "data.full_context_replacement=true"]
+  printed = _print_config("train", argv, capsys)
+  path = _write(tmp_path, "printed.yaml", printed)
+  assert load_config(path, []) == load_config(None, argv)
+  assert load_config(path, []).attention.gate_nodes == (0, 0, 1, 1)
+
+
+def test_sim_print_config_round_trips(tmp_path, capsys):
+  from distca_jax.sim.config import load_sim_config
+
+  argv = ["gpus=64", "sweeps=[{models: llama_34b, gpus: [128, 256]}]", "hardware.network_gbps=25"]
+  printed = _print_config("simulate", argv, capsys)
+  path = _write(tmp_path, "printed.yaml", printed)
+  assert load_sim_config(path, []) == load_sim_config(None, argv)
+
+
+def test_print_config_runs_nothing(tmp_path, capsys):
+  out = tmp_path / "run"
+  _print_config("train", [f"train.out_dir={out}"], capsys)
+  _print_config("simulate", [f"out_dir={out}"], capsys)
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("script, argv, field", [
+    ("train", ["optim.lr=.nan"], "optim.lr"),
+    ("train", ["data.distribution=/nonexistent/lens.json"], "data.distribution"),
+    ("simulate", ["epsilon=2"], "epsilon"),
+])
+def test_refused_value_exits_2_before_jax(script, argv, field):
+  """The user's view: exit status 2, one `config error:` line, no traceback, JAX never started."""
+  import subprocess
+  import sys
+
+  code = ("import runpy, sys; rc = runpy.run_path(sys.argv[1])['main'](sys.argv[2:]); "
+          "print('jax' in sys.modules); sys.exit(rc)")
+  proc = subprocess.run([sys.executable, "-c", code, f"launch/{script}.py", *argv], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.startswith(f"config error: {field}:") and proc.stderr.count("\n") == 1
+  assert "Traceback" not in proc.stderr and proc.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- fuzz
+
+
+def _fuzz_value(annotation, default):
+  import typing
+
+  from hypothesis import strategies as st
+
+  from distca_jax.schema import _split
+
+  kind = _split(annotation)[0]
+  args = typing.get_args(kind)
+  special = st.sampled_from(list(args)) if typing.get_origin(kind) is typing.Literal else st.nothing()
+  # Strings stay relative and inside the test's directory: some fields are output directories.
+  text = st.text(max_size=12).filter(lambda s: not s.startswith(("/", "~")) and ".." not in s)
+  scalar = st.one_of(
+      st.integers(-3, 10), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+      st.sampled_from([0, 1, -1, 2**31, 2**32, 2**63, 10**30, 0.5, 1e-300, 1e300]),
+      st.booleans(), st.none(), text, special, st.just(default))
+  return st.one_of(scalar, st.lists(scalar, max_size=4), st.dictionaries(text, scalar, max_size=2))
+
+
+def _fuzz_overrides(schema):
+  from hypothesis import strategies as st
+
+  from distca_jax.schema import to_dict
+
+  defaults = to_dict(schema())
+
+  def default(path):
+    value = defaults
+    for key in path.split("."):
+      value = value[key]
+    return value
+
+  fields = list(_leaf_fields(schema))
+  pick = st.sampled_from(fields).flatmap(
+      lambda f: st.tuples(st.just(f[0]), _fuzz_value(f[1], default(f[0]))))
+  return st.lists(pick, min_size=1, max_size=3)
+
+
+def _override_text(path, value) -> str:
+  import yaml
+
+  dumped = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+  return f"{path}={dumped.removesuffix('...').strip()}"
+
+
+def _fuzz(loader, pairs, tmp_path, raw):
+  import contextlib
+
+  overrides = [_override_text(p, v) for p, v in pairs] + ([raw] if raw is not None else [])
+  with contextlib.chdir(tmp_path):
+    try:
+      return loader(None, overrides)
+    except ConfigError as e:
+      assert str(e) and "\n" not in str(e)  # one line for the user
+      return None
+
+
+def test_fuzz_trainer_config_values(tmp_path):
+  """Random values (NaN, inf, negative, huge, wrong types, lists, mappings) for random fields:
+  the loader returns a config that passes every check, or raises ConfigError; never anything
+  else."""
+  from hypothesis import HealthCheck, given, settings
+  from hypothesis import strategies as st
+
+  from distca_jax.config import validate
+
+  @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+  @given(_fuzz_overrides(Config), st.none() | st.none() | st.text(max_size=20))
+  def run(pairs, raw):
+    config = _fuzz(load_config, pairs, tmp_path, raw)
+    if config is not None:
+      validate(config)
+
+  run()
+
+
+def test_fuzz_sim_config_values(tmp_path):
+  from hypothesis import HealthCheck, given, settings
+  from hypothesis import strategies as st
+
+  from distca_jax.sim.config import SimConfig, load_sim_config, validate
+
+  @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+  @given(_fuzz_overrides(SimConfig), st.none() | st.none() | st.text(max_size=20))
+  def run(pairs, raw):
+    config = _fuzz(load_sim_config, pairs, tmp_path, raw)
+    if config is not None:
+      validate(config)
+
+  run()
