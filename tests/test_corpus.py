@@ -290,3 +290,50 @@ def test_deterministic_and_resumable(built):
       np.testing.assert_array_equal(getattr(got, field), getattr(want[k], field), err_msg=field)
   c = _source(out, 2, 128, seed=8)
   assert not np.array_equal(c.batch(0).tokens, want[0].tokens)
+
+
+# ----------------------------------------------------------------------------- checks at config load
+
+
+def _corpus_overrides(tokens: Path, offsets: Path) -> list[str]:
+  return ["data.source=corpus", f"data.corpus_tokens={tokens}", f"data.corpus_offsets={offsets}"]
+
+
+def test_config_load_checks_the_corpus(built, tmp_path):
+  """Before JAX starts: a good corpus loads; ids past the vocabulary, a vocabulary larger than
+  the model's, and missing files are config errors naming the corpus."""
+  from distca_jax.config import load_config
+  from distca_jax.data.corpus import check_corpus
+
+  _, out, _ = built
+  tokens, offsets = _copy_corpus(out, tmp_path / "c")
+  assert load_config(None, _corpus_overrides(tokens, offsets)).data.source == "corpus"
+
+  raw = tokens.read_bytes()
+  bad = bytearray(raw)
+  bad[-2:] = np.array([60_000], "<u2").tobytes()
+  tokens.write_bytes(bytes(bad))
+  with pytest.raises(ConfigError, match=f"data.corpus_tokens: corpus {tokens}: token id 60000 >= "):
+    load_config(None, _corpus_overrides(tokens, offsets))
+  # A token file too large to read at start-up is checked batch by batch, as a ConfigError too.
+  check_corpus(tokens, offsets, vocab_size=512, scan_bytes=16)
+  with pytest.raises(ConfigError, match="id 60000 >= vocab_size"):
+    for step in range(100):
+      CorpusSource(tokens, offsets, 2, 16).batch(step)
+  tokens.write_bytes(raw)
+
+  with pytest.raises(CorpusError, match=f"corpus {tokens} has vocab_size .* larger than the model's 5"):
+    check_corpus(tokens, offsets, vocab_size=5)
+  with pytest.raises(ConfigError, match="data.corpus_tokens: corpus offsets file .*does not exist"):
+    load_config(None, _corpus_overrides(tokens, tmp_path / "nowhere.bin"))
+
+
+def test_config_load_refuses_a_corpus_without_targets(tmp_path):
+  """Every document one token long: no token has a next-token target, so nothing would train."""
+  from distca_jax.config import load_config
+
+  with CorpusWriter(tmp_path, vocab_size=10) as w:
+    for i in range(20):
+      w.add([i % 10])
+  with pytest.raises(ConfigError, match="data.corpus_tokens: .*every document is one token long"):
+    load_config(None, _corpus_overrides(tmp_path / "tokens.bin", tmp_path / "offsets.bin"))
