@@ -186,7 +186,10 @@ class TrainConfig:
   # With mesh.pipe > 1 they flow through the pipeline (distca_jax/pipeline.py); must be 1 otherwise.
   microbatches: PositiveInt = 1
   log_every: PositiveInt = 1
-  out_dir: OutputDir = "runs/default"
+  # The run's directory (config.json, summary.json, tb/, checkpoints/). None: a new one per run,
+  # runs/<config file's name, or default>-<YYYYmmdd-HHMMSS>, linked as runs/latest. Set it to an
+  # earlier run's directory to resume that run (train/rundir.py).
+  out_dir: OutputDir | None = None
   tensorboard: bool = True
   progress: bool = True
   # Simulated host devices when no accelerator is present (0: leave XLA's default).
@@ -218,12 +221,15 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Orbax checkpoints. `every=0` turns them off."""
+  """Orbax checkpoints, every `every` steps and where the run ends. `every=0` turns them off."""
 
-  every: NonNegInt = 0
+  every: NonNegInt = 500
   keep: PositiveInt = 3
   dir: OutputDir | None = None  # None: <train.out_dir>/checkpoints
+  # Resume from the directory's newest good checkpoint (unreadable or non-finite ones skipped).
   resume: bool = True
+  # Resume from this step's checkpoint instead (an error if it has none).
+  step: PositiveInt | None = None
 
 
 @dataclasses.dataclass(frozen=True)

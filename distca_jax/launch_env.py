@@ -27,7 +27,7 @@ GPU flags (`GPU_XLA_FLAGS`):
 Deliberately not set: `--xla_gpu_enable_pipelined_*` and while-loop double buffering (they pay
 off for scanned layers, which our model does not use, and have had correctness bugs), and
 `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer` (only for the optional
-ragged_all_to_all path, see DESIGN.md).
+ragged exchange, `attention.exchange=ragged`).
 
 Environment (`GPU_ENV`, set unless already set):
 
@@ -39,6 +39,10 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+
+# Re-exported: launchers and tests turn the cache on through this module.
+from distca_jax.compile_cache import enable_compile_cache  # noqa: F401
 
 GPU_XLA_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -79,25 +83,6 @@ def _backends_started() -> bool:
     return False
 
 
-def enable_compile_cache(directory: str, min_compile_s: float = 0.0) -> None:
-  """Turns on JAX's persistent compilation cache in `directory`: a restarted or resumed run (and
-  every process of a multi-host job that shares the directory) loads the step's executable
-  instead of compiling it again. Safe to call after jax has started; entries are keyed by the
-  program, the jax/XLA versions and the flags, so a stale entry is never used."""
-  import jax
-
-  jax.config.update("jax_compilation_cache_dir", str(directory))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  try:
-    # The cache is set up once, at the first compilation; re-read the settings now.
-    from jax._src import compilation_cache
-
-    compilation_cache.reset_cache()
-  except Exception:  # private API moved: the settings apply from the next process on
-    pass
-
-
 def add_multihost_args(parser) -> None:
   """The launchers' multi-host arguments (`run_training` passes them to `jax.distributed`)."""
   parser.add_argument("--coordinator", help="jax.distributed coordinator host:port (multi-host)")
@@ -108,14 +93,19 @@ def add_multihost_args(parser) -> None:
 def run_training(config, args, **run_kwargs):
   """The training loop as a launcher runs it: XLA configured for `config` (so jax must not have
   started a backend yet), `jax.distributed` started from the multi-host arguments of `args` (or
-  the cluster's environment), `loop.run(config, **run_kwargs)`, then shut down. Returns (exit
-  code, summary): (0, summary); (3, None) if the distributed start failed; (2, None) on a
-  ConfigError the run raised; the reason printed to stderr."""
+  the cluster's environment), `loop.run(config, **run_kwargs)`, then shut down. The run's
+  directory, unless `train.out_dir` is set, is named after `args.config`'s file (`default`
+  without one). Returns (exit code, summary): (0, summary); (128 + the signal's number,
+  summary) for a run SIGTERM or SIGINT stopped (it saved a checkpoint and its summary);
+  (3, None) if the distributed start failed; (2, None) on a ConfigError the run raised; (1,
+  None) when a step became non-finite or a checkpoint could not be read or saved. The reason is
+  one line on stderr."""
   from distca_jax.config import ConfigError
 
   configure_xla(cpu_devices=config.train.cpu_devices)
   from distca_jax import mesh as mesh_lib
-  from distca_jax.train import loop
+  from distca_jax.train import loop, stopping
+  from distca_jax.train.checkpoint import CheckpointError
 
   try:
     mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
@@ -123,11 +113,18 @@ def run_training(config, args, **run_kwargs):
   except mesh_lib.DistributedInitError as e:
     print(f"distributed start-up failed: {e}", file=sys.stderr)
     return 3, None
+  run_kwargs.setdefault("name", Path(args.config).stem if getattr(args, "config", None) else "default")
   try:
     summary = loop.run(config, **run_kwargs)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2, None
+  except CheckpointError as e:
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    return 1, None
+  except loop.NonFiniteError as e:
+    print(f"training stopped: {e}", file=sys.stderr)
+    return 1, None
   # Only after a run every process finished: a failed process must not wait at the barrier.
   mesh_lib.shutdown_distributed()
-  return 0, summary
+  return stopping.exit_code(summary.interrupted), summary

@@ -20,18 +20,28 @@ What this layer adds to orbax:
     stored `extra` against what the caller expects (e.g. the model shape), and turns orbax's
     low-level failures into `NoCheckpointError`, `CheckpointMismatchError` or
     `CheckpointCorruptError` naming the step and the problem.
+  * A save that fails (a full disk, a directory that went away) raises `CheckpointSaveError`, one
+    line naming the directory and the cause, at the next `check_saves()` (the loop calls it at
+    every step boundary) rather than at the next save; `maybe_save` refuses up front a save the
+    disk has no room for (`space_problem`).
+  * `restore_newest_good` falls back from a checkpoint that cannot be read, or that the caller
+    finds bad (e.g. not finite), to the newest one that is good.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
+
+from distca_jax.train.finite import leaf_name
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,38 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class CheckpointCorruptError(CheckpointError):
   """A checkpoint's files are unreadable: truncated, garbled, or partly deleted."""
+
+
+class CheckpointSaveError(CheckpointError):
+  """A save failed or would not fit: the message is one line naming the directory and the cause."""
+
+
+# Free space a save needs beyond the checkpoint's own bytes (metadata, OCDBT manifests, slack).
+SPACE_HEADROOM_BYTES = 16 << 20
+
+
+def state_bytes(state: Any) -> int:
+  """Bytes of every array of `state` (the global arrays, all processes' shards together: what a
+  checkpoint of it writes to a shared directory)."""
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype"))
+
+
+def space_problem(directory: str | Path, needed_bytes: int) -> str | None:
+  """Why `directory` (or its nearest existing parent) cannot take `needed_bytes` more (None: it
+  can)."""
+  path = Path(directory).absolute()
+  while not path.exists() and path != path.parent:
+    path = path.parent
+  free = shutil.disk_usage(path).free
+  needed = needed_bytes + SPACE_HEADROOM_BYTES
+  if free >= needed:
+    return None
+  return (f"{_gib(free)} free on the disk of {directory}, a checkpoint needs {_gib(needed)}: free "
+          f"space, lower checkpoint.keep, or set checkpoint.dir to another disk")
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
 class Checkpointer:
@@ -125,18 +167,45 @@ class Checkpointer:
       return False
     if step in self._manager.all_steps():
       return False  # already saved (e.g. a forced save at the last step that was also periodic)
-    return bool(self._manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)),
-        force=force))
+    self.check_saves()
+    # Older steps beyond `keep` are deleted only after this save commits: it needs room of its own.
+    problem = space_problem(self.directory, state_bytes(state))
+    if problem:
+      raise CheckpointSaveError(f"cannot save checkpoint step {step}: {problem}")
+    with self._save_errors(f"saving checkpoint step {step}"):
+      return bool(self._manager.save(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)),
+          force=force))
+
+  def check_saves(self) -> None:
+    """Raises CheckpointSaveError if a background save has failed since the last call; cheap
+    (no waiting): the loop calls it at every step boundary."""
+    with self._save_errors("a background checkpoint save"):
+      self._manager.check_for_errors()
 
   def wait(self) -> None:
-    """Blocks until every started save is on disk (and re-raises a background save's error)."""
-    self._manager.wait_until_finished()
+    """Blocks until every started save is on disk (and raises a background save's error as
+    CheckpointSaveError)."""
+    with self._save_errors("a background checkpoint save"):
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+
+  @contextlib.contextmanager
+  def _save_errors(self, what: str):
+    """Any error inside becomes one CheckpointSaveError line naming `what`, the directory and the
+    root cause (orbax's own tracebacks of a failed write run to hundreds of lines)."""
+    try:
+      yield
+    except CheckpointError:
+      raise
+    except Exception as e:
+      raise CheckpointSaveError(f"{what} to {self.directory} failed: {_brief(e)}") from e
 
   def __enter__(self) -> "Checkpointer":
     return self
@@ -198,6 +267,40 @@ class Checkpointer:
           f"{where}: cannot read its arrays ({_brief(e)}); the files are corrupt or "
           f"incomplete. Other complete steps: {[s for s in steps if s != step]}") from e
     return state, extra
+
+  def restore_newest_good(self, restore: Callable[[int], tuple[Any, dict]], step: int | None = None,
+                          problem: Callable[[Any], str | None] = lambda state: None,
+                          ) -> tuple[Any, dict, list[str]]:
+    """(state, extra, skipped) of the newest complete checkpoint that `restore(step)` reads and
+    in whose state `problem` finds nothing (it returns None, else why the state is bad); with
+    `step`, that checkpoint or an error. `skipped`: one "step s (why)" per newer checkpoint
+    passed over, for the caller to report.
+
+    Raises NoCheckpointError when there is no checkpoint (or no complete `step`), and
+    CheckpointCorruptError when none is good (or `step` is not). CheckpointMismatchError from
+    `restore` passes through: a checkpoint of another model is not a damaged step to skip.
+    """
+    if step is not None:
+      self.read_extra(step)  # NoCheckpointError naming the complete steps if it has none
+      candidates = [step]
+    else:
+      candidates = self.all_steps()[::-1]
+      if not candidates:
+        self.read_extra()  # NoCheckpointError saying why
+    skipped = []
+    for s in candidates:
+      try:
+        state, extra = restore(s)
+      except CheckpointCorruptError as e:
+        why = f"unreadable: {_brief(e.__cause__ or e, 160)}"
+      else:
+        why = problem(state)
+        if why is None:
+          return state, extra, skipped
+      if step is not None:
+        raise CheckpointCorruptError(f"checkpoint step {s} in {self.directory}: {why}")
+      skipped.append(f"step {s} ({why})")
+    raise CheckpointCorruptError(f"no good checkpoint in {self.directory}: {'; '.join(skipped)}")
 
   def read_extra(self, step: int | None = None) -> tuple[int, dict]:
     """(step, its `extra` dict) of checkpoint `step` (default: the latest complete one), without
@@ -262,15 +365,7 @@ class Checkpointer:
 def _path_name(path) -> str:
   """`state/opt/0/mu/w` for a pytree key path. Orbax stores NamedTuples (optax states) as dicts,
   so attribute and dict keys must read the same."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(["state", *parts])
+  return "/".join(["state", leaf_name(path)])
 
 
 def _diff(expect: Any, stored: Any, path: str) -> list[str]:

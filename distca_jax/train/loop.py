@@ -1,5 +1,8 @@
 """The training loop: data prefetch, jitted steps, metrics, TensorBoard, checkpoints, summary.
 
+`run` reads as its steps: set up the run (mesh, trainer, data, the run's directory, resume), train
+step by step until the last step or a stop, then write the summary.
+
 Host work for step k+1 (sampling documents, packing, the attention context — for CAD the
 scheduler's plan) runs in a background thread while the devices run step k; `host_wait_s` in the
 summary is the total time the loop waited for it (0 means the host never stalled the devices).
@@ -7,8 +10,17 @@ summary is the total time the loop waited for it (0 means the host never stalled
 Resuming. The data source is a pure function of the step (`source.batch(step)`), so the data
 iterator's state is the step counter, saved in each checkpoint's `extra` with the model shape.
 A run resumed from step s therefore trains on exactly the batches and learning rates the
-uninterrupted run would have, and its losses are identical. `train.stop_at_step` (and
-`train.max_seconds`) end a run early with a final checkpoint.
+uninterrupted run would have, and its losses are identical. A run into a directory with
+checkpoints resumes from the newest good one (`checkpoint.step` picks another); one that is
+unreadable or not finite is skipped, saying so in one line. Checkpoints are taken every
+`checkpoint.every` steps and where the run ends.
+
+Stopping. `train.stop_at_step`, `train.max_seconds`, SIGTERM and SIGINT end a run at a step
+boundary with a checkpoint and the summary (`stopping.py`); a signal's run reports it
+(`Summary.interrupted`) and the launcher exits with 128 + its number. No state is saved before
+its step's update is checked: a NaN or Inf in the loss, the gradients or the updated parameters
+or optimizer moments stops the run (`NonFiniteError`, naming the step, the quantity and the first
+bad leaf) with the last good checkpoint as the newest.
 
 Multi-process. Every process runs this loop on the same global batch (each supplies the shards
 its devices hold); metrics are replicated scalars, so every process reads the same values. Only
@@ -20,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import queue
 import threading
 import time
@@ -31,56 +42,23 @@ import jax
 import numpy as np
 
 from distca_jax import attention as attention_lib
+from distca_jax import gate as gate_lib
 from distca_jax import mesh as mesh_lib
+from distca_jax.compile_cache import enable_compile_cache
 from distca_jax.config import Config, ConfigError, to_dict
-from distca_jax.dispatch import StepShapes
+from distca_jax.schedule.capacities import StepShapes
 from distca_jax.models.presets import resolve
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train import profile as profile_lib
+from distca_jax.train import rundir
+from distca_jax.train import stopping
+from distca_jax.train.checkpoint import Checkpointer, space_problem, state_bytes
+from distca_jax.train.finite import NonFiniteError, check_step
+from distca_jax.train.resume import restore_any_layout, resume
 from distca_jax.train.step import Trainer
+from distca_jax.train.summary import Summary, format_summary, peak_memory, write_profile
 
-
-class NonFiniteError(FloatingPointError):
-  """Loss or gradients became NaN/Inf; the message names the step and the quantity."""
-
-
-@dataclasses.dataclass
-class Summary:
-  steps: int
-  losses: list[float]
-  step_times_s: list[float]
-  compile_s: float
-  compile_count: int
-  tokens_per_s: float
-  mfu: float | None
-  host_wait_s: float
-  attention_imbalance: float
-  devices: int
-  mesh_shape: dict[str, int]
-  # First global step this invocation ran (0, or the step a checkpoint resumed from).
-  start_step: int = 0
-  # Mean max/mean attention imbalance the CAD scheduler reaches (None: not planned).
-  attention_imbalance_after: float | None = None
-  # Steady-state step time (s): median and 90th percentile, profiled steps excluded.
-  step_time_median_s: float = float("nan")
-  step_time_p90_s: float = float("nan")
-  # Peak bytes in use per local device (None where the backend keeps no statistics, e.g. CPU).
-  peak_memory_bytes: list[int] | None = None
-  # With mesh.pipe > 1: micro-batches per step and the schedule's bubble fraction (stage-ticks
-  # without a micro-batch, whose devices only serve attention under CAD).
-  microbatches: int = 1
-  pipeline_bubble: float = 0.0
-  # attention.impl=distca: steps that ran colocated attention because the gate
-  # (attention.gate / min_imbalance) stopped them (None: colocated attention configured, or a
-  # pipelined run).
-  colocated_steps: int | None = None
-  # Shapes the step took in this run (dispatch.StepShapes: a capacity grew, the first step's
-  # included, or a resumed run first used the capacities its checkpoint kept); each compiles the
-  # step once, so compile_count is this, plus any compilation the profiler adds.
-  step_shapes: int = 0
-
-  def as_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+__all__ = ["NonFiniteError", "Summary", "format_summary", "make_source", "restore_any_layout", "run"]
 
 
 def make_source(config: Config, num_buffers: int):
@@ -130,313 +108,358 @@ class Prefetcher:
       self._queue.get_nowait()
 
 
-def run(config: Config, *, devices=None, log=print) -> Summary:
-  """Trains for `config.train.steps` steps (resuming from the latest checkpoint if any)."""
-  if config.train.compile_cache_dir:
-    from distca_jax.launch_env import enable_compile_cache
+@dataclasses.dataclass
+class Job:
+  """What a run fixes before its first step."""
 
+  config: Config            # with the gate's attention cost and nodes the trainer resolved
+  mesh: Any
+  trainer: Trainer
+  source: Any
+  out_dir: Path
+  main: bool                # process 0: the one that writes files
+  last_step: int            # train.steps, or train.stop_at_step if sooner
+  checkpointer: Checkpointer | None
+  start_step: int           # 0, or the step the run resumed from
+  shapes: StepShapes        # step capacities: only grow; a resumed run starts from its checkpoint's
+  init_s: float             # model init and restore time (counted in Summary.compile_s)
+
+
+@dataclasses.dataclass
+class Progress:
+  """The state and what the loop accumulates step by step for the summary."""
+
+  state: Any
+  losses: list[float] = dataclasses.field(default_factory=list)
+  times: list[float] = dataclasses.field(default_factory=list)  # steps neither compiled nor traced
+  flops_done: float = 0.0
+  tokens_done: float = 0.0
+  host_wait: float = 0.0
+  compile_s: float = 0.0
+  imbalances: list[float] = dataclasses.field(default_factory=list)
+  imbalances_after: list[float] = dataclasses.field(default_factory=list)
+  load_sum: list = dataclasses.field(default_factory=lambda: [None, None])  # before / after
+  colocated_steps: int | None = None
+  step_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # capacities as of the step
+  saved_step: int | None = None
+  interrupted: str | None = None
+  tracing: bool = False
+  traced_steps: int = 0
+  last_args: Any = None     # (state, arrays, ctx) of the last traced step, for the profile
+
+
+def run(config: Config, *, devices=None, log=print, name: str = "run") -> Summary:
+  """Trains `config` from step 0 or the run directory's newest good checkpoint to
+  `config.train.steps` (or an earlier stop), and returns the summary (also in summary.json).
+
+  `name` names the run's directory when `train.out_dir` is unset (`rundir.choose`). SIGTERM and
+  SIGINT stop it after the step they arrive in (`Summary.interrupted`). Raises NonFiniteError,
+  ConfigError (a directory that cannot be reused, a disk too small) and the checkpoint errors.
+  """
+  if config.train.compile_cache_dir:
     enable_compile_cache(config.train.compile_cache_dir)
+  with stopping.StopSignals() as signals:
+    job, state = _set_up(config, devices, log, name)
+    if job.start_step >= job.last_step:
+      log(f"{job.out_dir}: complete at step {job.start_step} (train.steps={config.train.steps}); "
+          f"raise train.steps to train on")
+      if job.checkpointer is not None:
+        job.checkpointer.close()
+      return _summary(job, Progress(state=state))
+    progress = _train(job, state, signals, log)
+  summary = _summary(job, progress)
+  if job.main:
+    (job.out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
+    if config.train.profile:
+      write_profile(job.config, job.out_dir, summary, job.trainer, progress.last_args,
+                    progress.traced_steps, job.out_dir / "trace", progress.load_sum)
+  return summary
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
+  """Mesh, trainer, data source, the run's directory and the state: fresh or restored."""
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  shape = resolve(config.model)
-  num_buffers = mesh.shape["data"]
   trainer = Trainer(config, mesh)
-  if config.attention.impl == "distca" and config.attention.gate and jax.process_index() == 0:
-    log("CAD gate: attention cost " + metrics_lib.describe_gate_cost(config.attention,
-                                                                     trainer.kernel)
-        + metrics_lib.describe_gate_nodes(trainer.config.attention))
-  config = trainer.config  # with the gate's attention cost of the kernel the run takes
-  source = make_source(config, num_buffers)
-  out_dir = Path(config.train.out_dir)
   main = jax.process_index() == 0
+  if config.attention.impl == "distca" and config.attention.gate and main:
+    log("CAD gate: attention cost " + gate_lib.describe_gate_cost(config.attention, trainer.kernel)
+        + gate_lib.describe_gate_nodes(trainer.config.attention))
+  config = trainer.config  # with the gate's attention cost of the kernel the run takes
+  source = make_source(config, mesh.shape["data"])
+  if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
+    raise ConfigError("train.profile_start and train.profile_steps: must be >= 1")
+  out_dir, named = rundir.choose(config.train.out_dir, name)
+  ck = config.checkpoint
+  ck_dir = Path(ck.dir) if ck.dir else out_dir / "checkpoints"
+  has_steps = rundir.check_reuse(ck_dir, ck.every, ck.resume)
   if main:
+    changes = rundir.config_changes(out_dir / "config.json", config) if has_steps else []
+    if changes:
+      log(f"{out_dir}: resuming with a config that differs from its config.json in "
+          + "; ".join(changes))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+    if named:
+      rundir.link_latest(out_dir)
+    log(f"run directory {out_dir}" + (f" ({rundir.RUNS / rundir.LATEST} links it)" if named else ""))
   last_step = config.train.steps
   if config.train.stop_at_step is not None:
     last_step = min(last_step, config.train.stop_at_step)
-  profiling = config.train.profile and main
-  if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
-    raise ConfigError("train.profile_start and train.profile_steps: must be >= 1")
 
   t0 = time.perf_counter()
   state = trainer.init_state(config.train.seed)
-  start_step = 0
-  # Step capacities only grow, so a step compiles only when one does; a resumed run starts from
-  # the capacities its checkpoint's steps had reached.
   shapes = StepShapes()
-  checkpointer = None
-  if config.checkpoint.every > 0:
-    from distca_jax.train.checkpoint import Checkpointer
+  checkpointer, start_step = None, 0
+  if ck.every > 0:
+    problem = space_problem(ck_dir, state_bytes(state))
+    if problem:
+      raise ConfigError(f"checkpoint.dir: {problem}")
+    checkpointer = Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep)
+    if ck.resume:
+      state, extra = resume(checkpointer, trainer, state, ck.step, main, log)
+      if extra is not None:
+        start_step = int(extra["step"])
+        shapes.sizes.update(extra.get("step_shapes", {}))
+  job = Job(config=config, mesh=mesh, trainer=trainer, source=source, out_dir=out_dir, main=main,
+            last_step=last_step, checkpointer=checkpointer, start_step=start_step, shapes=shapes,
+            init_s=time.perf_counter() - t0)
+  return job, state
 
-    checkpointer = Checkpointer(config.checkpoint.dir or str(out_dir / "checkpoints"),
-                                save_every=config.checkpoint.every, keep=config.checkpoint.keep)
-    if config.checkpoint.resume and checkpointer.latest_step() is not None:
-      state, extra = restore_any_layout(checkpointer, trainer, state,
-                                        expect={"model": dataclasses.asdict(shape)})
-      start_step = int(extra["step"])
-      shapes.sizes.update(extra.get("step_shapes", {}))
-      log(f"resumed from checkpoint at step {start_step}" + (
-          f" (saved with {extra['pipeline_stages']} pipeline stages, now {trainer.stages})"
-          if extra.get("pipeline_stages", 1) != trainer.stages else ""))
-    elif config.checkpoint.resume and main:
-      log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")
-  init_s = time.perf_counter() - t0
 
-  microbatches = config.train.microbatches
-  rows = mesh_lib.local_rows(mesh)  # each process checks the plans of the rows it feeds
+# ----------------------------------------------------------------------------- the loop
 
-  def make_item(step):
-    if trainer.pipeline is not None:
-      from distca_jax import pipeline
 
-      mbs = [source.batch(step * microbatches + i) for i in range(microbatches)]
-      ctx = pipeline.host_context(config.attention, mbs, mesh.shape["pipe"], shape, rows, shapes)
-      return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
-    batch = source.batch(step)
-    ctx = attention_lib.host_context(config.attention, batch, shape, rows, shapes=shapes)
-    loads = profile_lib.attention_loads(ctx, batch.layout, shape, config.attention,
-                                        tensor_parallel=mesh.shape["tensor"],
-                                        plan_after=config.train.imbalance_after)
-    return batch, ctx, loads, dict(shapes.sizes)  # the capacities as of this step, to save
-
-  device_kind = mesh.devices.flat[0].device_kind
-  peak = metrics_lib.peak_flops_per_device(device_kind, config.train.peak_tflops)
-  writer = _tensorboard(out_dir, config.train.tensorboard and main)
-  bar = _progress(config.train.progress and main, start_step, last_step)
-  prefetch = Prefetcher(make_item, start_step, last_step)
-  losses, times, flops_done, tokens_done = [], [], 0.0, 0.0
-  host_wait = 0.0
-  compile_s = 0.0
-  imbalances, imbalances_after = [], []
-  load_sum = [None, None]  # per-device attention load summed over the run, before / after
-  trace_dir = out_dir / "trace"
-  tracing = False
-  traced_steps = 0
-  colocated_steps = 0 if config.attention.impl == "distca" and trainer.pipeline is None else None
-  last_args = None
-  saved_step = None
+def _train(job: Job, state, signals: stopping.StopSignals, log) -> Progress:
+  """Runs steps start_step .. last_step - 1, checkpointing as configured, until the end or a stop
+  every process agrees on; the final checkpoint is taken where the run ends."""
+  c = job.config
+  colocated = 0 if c.attention.impl == "distca" and job.trainer.pipeline is None else None
+  p = Progress(state=state, colocated_steps=colocated)
+  report = _Reporter(job, log)
+  prefetch = Prefetcher(lambda step: _host_item(job, step), job.start_step, job.last_step)
   run_start = time.perf_counter()
-  local_devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   try:
-    for _ in range(start_step, last_step):
-      t_wait = time.perf_counter()
-      step, batch, ctx, (load_before, load_after), step_sizes = prefetch.get()
-      host_wait += time.perf_counter() - t_wait if step > start_step else 0.0
-      if profiling and step + 1 == config.train.profile_start:
-        trace_dir.mkdir(parents=True, exist_ok=True)
-        jax.profiler.start_trace(str(trace_dir), profiler_options=profile_lib.trace_options())
-        tracing = True
-      t_step = time.perf_counter()
-      arrays, ctx_dev = trainer.put_batch(batch, ctx)
-      compiles_before = trainer.compile_count()
-      state, m = trainer.step(state, arrays, ctx_dev)
-      m = jax.device_get(m)  # replicated scalars: every process holds them
-      dt = time.perf_counter() - t_step
-      compiled = trainer.compile_count() != compiles_before
-      if tracing:
-        traced_steps += 1
-        last_args = (state, arrays, ctx_dev)
-        if traced_steps == config.train.profile_steps:
-          jax.profiler.stop_trace()
-          tracing = False
-      elif compiled:
-        compile_s += dt  # this step's time is dominated by compilation
-      else:
-        times.append(dt)
-      _check_finite(step, m)
-      loss = float(m["loss"])
-      losses.append(loss)
-      flops = metrics_lib.step_flops(shape, batch.layout)
-      ran_cad = None
-      if colocated_steps is not None:  # a distca step the gate stopped runs colocated
-        ran_cad = not isinstance(ctx, attention_lib.ColocatedContext)
-        colocated_steps += not ran_cad
-      # A pipelined step's loads are summed over its ticks; each tick waits for its slowest
-      # device, so its imbalance is the mean over ticks of each tick's.
-      tick_imbalance = ctx.imbalance() if trainer.pipeline is not None else None
-      imb = tick_imbalance[0] if tick_imbalance else metrics_lib.imbalance(load_before)
-      imbalances.append(imb)
-      load_sum[0] = load_before if load_sum[0] is None else load_sum[0] + load_before
-      record = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                "step_s": dt, "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
-                "compile_count": trainer.compile_count()}
-      if ran_cad is not None:
-        record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)
-      if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
-        record["cad_predicted_saving"] = ctx.predicted_saving
-        record["nano_batches"] = len(ctx.batches)  # streams: 2 with ping-pong
-        # Rows per exchanged block (query, K/V): the run's capacities, what the exchange sends.
-        record["exchange_q_rows"] = ctx.capacities["c"]
-        record["exchange_kv_rows"] = ctx.capacities["ckv"]
-      if load_after is not None:
-        imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
-        record["attention_imbalance_after"] = imbalances_after[-1]
-        load_sum[1] = load_after if load_sum[1] is None else load_sum[1] + load_after
-      if peak is not None:
-        record["mfu"] = flops / dt / (peak * mesh.size)
-      if not compiled:
-        flops_done += flops
-        tokens_done += float(m["tokens"])
-      memory = _peak_memory(local_devices)
-      if memory is not None:
-        record["peak_memory_gib"] = max(memory) / 2**30
-      if writer is not None and (step % config.train.log_every == 0):
-        for key, value in record.items():
-          writer.add_scalar(f"train/{key}", value, step + 1)
-        for d, b in zip(local_devices, memory or ()):
-          writer.add_scalar(f"memory/peak_gib/device{d.id}", b / 2**30, step + 1)
-      if bar is not None:
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        bar.update(1)
-      elif main and step % config.train.log_every == 0:
-        log(f"step {step + 1}: " + " ".join(f"{k}={_log_value(v)}" for k, v in record.items()))
-      # Checked here too: orbax's should_save also saves the first step a manager sees.
-      if (checkpointer is not None and (step + 1) % config.checkpoint.every == 0
-          and checkpointer.maybe_save(step + 1, state,
-                                      _extra(step + 1, shape, trainer.stages, step_sizes))):
-        saved_step = step + 1
-      if config.train.max_seconds is not None and _out_of_time(run_start, config.train.max_seconds):
-        if main:
-          log(f"stopping at step {step + 1}: train.max_seconds={config.train.max_seconds} reached")
+    for _ in range(job.start_step, job.last_step):
+      step, record = _run_step(job, p, prefetch)
+      report(step, record)
+      if job.checkpointer is not None:
+        job.checkpointer.check_saves()  # a background save that failed stops the run now
+        if (step + 1) % c.checkpoint.every == 0:
+          _save(job, p, step + 1)
+      signum, out_of_time = stopping.agree(signals, run_start, c.train.max_seconds)
+      if signum or out_of_time:
+        p.interrupted = stopping.signal_name(signum)
+        if job.main:
+          log(f"stopping at step {step + 1}: " + (f"{p.interrupted} received" if signum else
+                                                  f"train.max_seconds={c.train.max_seconds} reached"))
         break
-    done = start_step + len(losses)
-    if checkpointer is not None and losses and saved_step != done and done < config.train.steps:
-      # An early stop (stop_at_step, max_seconds) keeps its progress: checkpoint where it ended.
-      checkpointer.maybe_save(done, state, _extra(done, shape, trainer.stages, step_sizes),
-                              force=True)
-  finally:
-    prefetch.close()
-    if tracing:
-      jax.profiler.stop_trace()
-    if bar is not None:
-      bar.close()
-    if checkpointer is not None:
-      checkpointer.wait()
-      checkpointer.close()
-    if writer is not None:
-      writer.close()
+    if job.checkpointer is not None and p.losses:
+      _save(job, p, job.start_step + len(p.losses))  # where the run ends (a no-op if just saved)
+  except BaseException:
+    _close(job, p, prefetch, report, quiet=True)
+    raise
+  _close(job, p, prefetch, report, quiet=False)
+  return p
 
+
+def _host_item(job: Job, step: int):
+  """(batch, attention context, (load before, load after), capacities) of `step`: the host's
+  work, on the prefetch thread."""
+  c, trainer, shape, shapes = job.config, job.trainer, job.trainer.shape, job.shapes
+  rows = mesh_lib.local_rows(job.mesh)  # each process checks the plans of the rows it feeds
+  if trainer.pipeline is not None:
+    from distca_jax import pipeline
+
+    m = c.train.microbatches
+    mbs = [job.source.batch(step * m + i) for i in range(m)]
+    ctx = pipeline.host_context(c.attention, mbs, job.mesh.shape["pipe"], shape, rows, shapes)
+    return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
+  batch = job.source.batch(step)
+  ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=shapes)
+  loads = profile_lib.attention_loads(ctx, batch.layout, shape, c.attention,
+                                      tensor_parallel=job.mesh.shape["tensor"],
+                                      plan_after=c.train.imbalance_after)
+  return batch, ctx, loads, dict(shapes.sizes)  # the capacities as of this step, to save
+
+
+def _run_step(job: Job, p: Progress, prefetch: Prefetcher) -> tuple[int, dict[str, float]]:
+  """One step: its inputs from the prefetcher, the jitted update, the checks on its results
+  (before anything of it can be saved), and its record for the log."""
+  c, trainer = job.config, job.trainer
+  t_wait = time.perf_counter()
+  step, batch, ctx, (load_before, load_after), p.step_sizes = prefetch.get()
+  p.host_wait += time.perf_counter() - t_wait if step > job.start_step else 0.0
+  if c.train.profile and job.main and step + 1 == c.train.profile_start:
+    (job.out_dir / "trace").mkdir(parents=True, exist_ok=True)
+    jax.profiler.start_trace(str(job.out_dir / "trace"), profiler_options=profile_lib.trace_options())
+    p.tracing = True
+  t_step = time.perf_counter()
+  arrays, ctx_dev = trainer.put_batch(batch, ctx)
+  compiles_before = trainer.compile_count()
+  p.state, m = trainer.step(p.state, arrays, ctx_dev)
+  m = jax.device_get(m)  # replicated scalars: every process holds them
+  dt = time.perf_counter() - t_step
+  compiled = trainer.compile_count() != compiles_before
+  if p.tracing:
+    p.traced_steps += 1
+    p.last_args = (p.state, arrays, ctx_dev)
+    if p.traced_steps == c.train.profile_steps:
+      jax.profiler.stop_trace()
+      p.tracing = False
+  elif compiled:
+    p.compile_s += dt  # this step's time is dominated by compilation
+  else:
+    p.times.append(dt)
+  check_step(step, m, p.state)
+  return step, _record(job, p, m, dt, compiled, batch, ctx, load_before, load_after)
+
+
+def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, load_before,
+            load_after) -> dict[str, float]:
+  """The step's log record; adds the step to the run's totals in `p`."""
+  loss = float(m["loss"])
+  p.losses.append(loss)
+  flops = metrics_lib.step_flops(job.trainer.shape, batch.layout)
+  ran_cad = None
+  if p.colocated_steps is not None:  # a distca step the gate stopped runs colocated
+    ran_cad = ctx.cad
+    p.colocated_steps += not ran_cad
+  # A pipelined step's loads are summed over its ticks; each tick waits for its slowest device,
+  # so its imbalance is the mean over ticks of each tick's.
+  tick_imbalance = ctx.imbalance() if job.trainer.pipeline is not None else None
+  imb = tick_imbalance[0] if tick_imbalance else metrics_lib.imbalance(load_before)
+  p.imbalances.append(imb)
+  p.load_sum[0] = load_before if p.load_sum[0] is None else p.load_sum[0] + load_before
+  record = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+            "step_s": dt, "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
+            "compile_count": job.trainer.compile_count()}
+  if ran_cad is not None:
+    record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)
+  if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
+    record["cad_predicted_saving"] = ctx.predicted_saving
+    record["nano_batches"] = len(ctx.batches)  # streams: 2 with ping-pong
+    # Rows per exchanged block (query, K/V): the run's capacities, what the exchange sends.
+    record["exchange_q_rows"] = ctx.capacities.c
+    record["exchange_kv_rows"] = ctx.capacities.ckv
+  if load_after is not None:
+    p.imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
+    record["attention_imbalance_after"] = p.imbalances_after[-1]
+    p.load_sum[1] = load_after if p.load_sum[1] is None else p.load_sum[1] + load_after
+  peak = _peak_flops(job)
+  if peak is not None:
+    record["mfu"] = flops / dt / (peak * job.mesh.size)
+  if not compiled:
+    p.flops_done += flops
+    p.tokens_done += float(m["tokens"])
+  return record
+
+
+def _save(job: Job, p: Progress, step: int) -> None:
+  """Checkpoints the state as step `step` unless that step is saved already."""
+  extra = {"step": step, "model": dataclasses.asdict(job.trainer.shape),
+           "pipeline_stages": job.trainer.stages, "step_shapes": p.step_sizes}
+  # `extra`: the data iterator's state (the step), the model shape it belongs to, the pipeline
+  # stages of its parameter layout, and the step capacities its steps had reached, so a resumed
+  # run does not compile its way back up to them.
+  if p.saved_step != step and job.checkpointer.maybe_save(step, p.state, extra, force=True):
+    p.saved_step = step
+
+
+def _close(job: Job, p: Progress, prefetch: Prefetcher, report, quiet: bool) -> None:
+  """Ends the prefetcher, the trace, the reporter and the checkpointer (waiting for its last
+  save). `quiet`: an error is already on its way out; a second one must not replace it."""
+  prefetch.close()
+  if p.tracing:
+    jax.profiler.stop_trace()
+    p.tracing = False
+  report.close()
+  if job.checkpointer is not None:
+    try:
+      job.checkpointer.close()
+    except Exception:
+      if not quiet:
+        raise
+
+
+class _Reporter:
+  """The step's record to TensorBoard (every train.log_every steps), the progress bar or a log
+  line (process 0 only)."""
+
+  def __init__(self, job: Job, log):
+    c, self.job, self.log = job.config, job, log
+    self.writer = _tensorboard(job.out_dir, c.train.tensorboard and job.main)
+    self.bar = _progress(c.train.progress and job.main, job.start_step, job.last_step)
+    self.local_devices = [d for d in job.mesh.devices.flat if d.process_index == jax.process_index()]
+
+  def __call__(self, step: int, record: dict[str, float]) -> None:
+    every = self.job.config.train.log_every
+    memory = peak_memory(self.local_devices)
+    if memory is not None:
+      record["peak_memory_gib"] = max(memory) / 2**30
+    if self.writer is not None and step % every == 0:
+      for key, value in record.items():
+        self.writer.add_scalar(f"train/{key}", value, step + 1)
+      for d, b in zip(self.local_devices, memory or ()):
+        self.writer.add_scalar(f"memory/peak_gib/device{d.id}", b / 2**30, step + 1)
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+      self.bar.update(1)
+    elif self.job.main and step % every == 0:
+      self.log(f"step {step + 1}: " + " ".join(f"{k}={_log_value(v)}" for k, v in record.items()))
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    if self.writer is not None:
+      self.writer.close()
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _summary(job: Job, p: Progress) -> Summary:
+  times, trainer, mesh = p.times, job.trainer, job.mesh
   steady = sum(times)
   stats = profile_lib.step_time_stats(times)
-  memory = _peak_memory(local_devices)
+  peak = _peak_flops(job)
   bubble = 0.0
   if trainer.pipeline is not None:
     from distca_jax import pipeline
 
-    bubble = pipeline.Schedule(trainer.stages, microbatches).bubble_fraction
-  summary = Summary(
-      steps=len(losses), losses=losses, step_times_s=times, compile_s=compile_s + init_s,
+    bubble = pipeline.Schedule(trainer.stages, job.config.train.microbatches).bubble_fraction
+  return Summary(
+      steps=len(p.losses), losses=p.losses, step_times_s=times, compile_s=p.compile_s + job.init_s,
       compile_count=trainer.compile_count(),
-      tokens_per_s=tokens_done / steady if steady else float("nan"),
-      mfu=(flops_done / steady / (peak * mesh.size)) if (peak and steady) else None,
-      host_wait_s=host_wait, attention_imbalance=float(np.mean(imbalances)) if imbalances else 1.0,
-      devices=mesh.size, mesh_shape=dict(mesh.shape), start_step=start_step,
-      attention_imbalance_after=float(np.mean(imbalances_after)) if imbalances_after else None,
+      tokens_per_s=p.tokens_done / steady if steady else float("nan"),
+      mfu=(p.flops_done / steady / (peak * mesh.size)) if (peak and steady) else None,
+      host_wait_s=p.host_wait,
+      attention_imbalance=float(np.mean(p.imbalances)) if p.imbalances else 1.0,
+      devices=mesh.size, mesh_shape=dict(mesh.shape), start_step=job.start_step,
+      attention_imbalance_after=float(np.mean(p.imbalances_after)) if p.imbalances_after else None,
       step_time_median_s=stats["median_s"], step_time_p90_s=stats["p90_s"],
-      peak_memory_bytes=memory, microbatches=microbatches, pipeline_bubble=bubble,
-      colocated_steps=colocated_steps, step_shapes=shapes.growths)
-  if main:
-    (out_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
-    if config.train.profile:
-      _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, trace_dir, load_sum)
-  return summary
+      peak_memory_bytes=peak_memory([d for d in mesh.devices.flat
+                                     if d.process_index == jax.process_index()]),
+      microbatches=job.config.train.microbatches, pipeline_bubble=bubble,
+      colocated_steps=p.colocated_steps, step_shapes=job.shapes.growths,
+      attention=job.config.attention.impl, out_dir=str(job.out_dir), saved_step=p.saved_step,
+      interrupted=p.interrupted)
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def _peak_flops(job: Job) -> float | None:
+  return metrics_lib.peak_flops_per_device(job.mesh.devices.flat[0].device_kind,
+                                           job.config.train.peak_tflops)
 
 
 def _log_value(v) -> str:
   """A step record's value in the log line: counts and capacities exactly (a 4-digit rounding
   printed 12,288 exchange rows as 1.229e+04), measurements to 4 significant digits."""
   return str(int(v)) if isinstance(v, (int, np.integer)) else f"{v:.4g}"
-
-
-def _out_of_time(run_start: float, max_seconds: float) -> bool:
-  """Whether the run has used its time. Every process decides by process 0's clock: processes
-  that stopped at different steps would leave the others blocked in the next step's collectives."""
-  out = time.perf_counter() - run_start > max_seconds
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    out = bool(multihost_utils.broadcast_one_to_all(np.asarray(out)))
-  return out
-
-
-def _extra(step: int, shape, stages: int, step_shapes: dict[str, int]) -> dict[str, Any]:
-  """Checkpoint `extra`: the data iterator's state (the step), the model shape it belongs to,
-  the pipeline stages of its parameter layout, and the step capacities (`StepShapes.sizes`)
-  its steps had reached, so a resumed run does not compile its way back up to them."""
-  return {"step": step, "model": dataclasses.asdict(shape), "pipeline_stages": stages,
-          "step_shapes": step_shapes}
-
-
-def restore_any_layout(checkpointer, trainer, state, expect: dict[str, Any]) -> tuple[Any, dict]:
-  """Restores the latest checkpoint into `state`'s shardings, whatever the pipeline stages it was
-  saved with (`extra["pipeline_stages"]`, 1 when absent): a checkpoint of another layout is read
-  in its own layout (shardings XLA derives from the current ones through the relayout) and
-  converted (`Trainer.relayout`), so a run can resume with more, fewer or no pipeline stages."""
-  import jax
-
-  step, stored = checkpointer.read_extra()  # restore that same step below
-  saved, now = int(stored.get("pipeline_stages", 1)), trainer.stages
-  abstract = lambda tree, shardings: jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-  current = jax.tree.map(lambda x: x.sharding, state)
-  if saved == now:
-    return checkpointer.restore(step, abstract_state=abstract(state, current), expect=expect)
-  to_saved = jax.jit(lambda s: trainer.relayout(s, now, saved))
-  saved_shardings = to_saved.lower(state).compile().output_shardings
-  restored, extra = checkpointer.restore(
-      step, abstract_state=abstract(jax.eval_shape(to_saved, state), saved_shardings), expect=expect)
-  to_now = jax.jit(lambda s: trainer.relayout(s, saved, now), out_shardings=current)
-  return to_now(restored), extra
-
-
-def _peak_memory(devices) -> list[int] | None:
-  """Peak bytes in use per device since start (None where the backend keeps no statistics)."""
-  out = []
-  for d in devices:
-    try:
-      stats = d.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-      stats = None
-    if not stats or "peak_bytes_in_use" not in stats:
-      return None
-    out.append(int(stats["peak_bytes_in_use"]))
-  return out
-
-
-def _write_profile(config, out_dir, summary, trainer, last_args, traced_steps, trace_dir, load_sum):
-  """profile.json (compile time, step-time stats, per-phase breakdown, attention load) and the
-  per-device load PNG."""
-  report: dict[str, Any] = {
-      "compile_s": summary.compile_s, "compile_count": summary.compile_count,
-      "step_time": profile_lib.step_time_stats(summary.step_times_s[config.train.profile_warmup:]),
-      "trace_dir": None, "traced_steps": traced_steps, "phases": None, "attention_load": None,
-      "peak_memory_bytes": summary.peak_memory_bytes}
-  xplane = profile_lib.find_xplane(trace_dir) if traced_steps else None
-  if xplane is not None and last_args is not None:
-    state, arrays, ctx = last_args
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    # Same shapes as the traced step: served from the jit cache, not recompiled.
-    hlo = trainer.compiled_text(abstract, arrays, ctx)
-    report["trace_dir"] = str(trace_dir)
-    report["phases"] = profile_lib.phase_breakdown(xplane, hlo, module="train_step", steps=traced_steps)
-  before, after = load_sum
-  if before is not None:
-    png = profile_lib.plot_loads(before, after, out_dir / "attention_load.png",
-                                 title=f"attention load per device, {summary.steps} steps summed",
-                                 step_imbalance=(summary.attention_imbalance, summary.attention_imbalance_after))
-    report["attention_load"] = {
-        "before": [float(x) for x in before], "after": None if after is None else [float(x) for x in after],
-        # Mean over steps of each step's max/mean (the sums above even out over steps).
-        "imbalance_before": summary.attention_imbalance,
-        "imbalance_after": summary.attention_imbalance_after, "png": str(png)}
-  profile_lib.write_report(out_dir, report)
-
-
-def _check_finite(step: int, m) -> None:
-  if not math.isfinite(float(m["loss"])):
-    raise NonFiniteError(f"step {step + 1}: loss is {float(m['loss'])}")
-  if not bool(m["grads_finite"]):
-    raise NonFiniteError(f"step {step + 1}: gradients contain NaN or Inf (grad_norm={float(m['grad_norm'])})")
 
 
 def _tensorboard(out_dir: Path, enabled: bool):
@@ -453,25 +476,3 @@ def _progress(enabled: bool, start: int, total: int):
   from tqdm import tqdm
 
   return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-def format_summary(s: Summary) -> str:
-  med = float(np.median(s.step_times_s)) if s.step_times_s else float("nan")
-  lines = [
-      f"devices {s.devices} mesh {s.mesh_shape}; steps {s.steps}; compiled {s.compile_count}x"
-      + (f"; pipeline: {s.microbatches} micro-batches, bubble {s.pipeline_bubble:.0%}"
-         if s.mesh_shape.get("pipe", 1) > 1 else ""),
-      f"loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}" if s.losses else "no steps run",
-      f"compile+init {s.compile_s:.1f}s; median step {med * 1e3:.1f} ms; {s.tokens_per_s:,.0f} tokens/s",
-      f"MFU {s.mfu * 100:.1f}%" if s.mfu is not None else "MFU n/a (unknown peak: set train.peak_tflops)",
-      f"attention imbalance (max/mean) colocated {s.attention_imbalance:.2f}"
-      + (f", scheduled {s.attention_imbalance_after:.2f}" if s.attention_imbalance_after is not None else "")
-      + f"; host wait {s.host_wait_s:.2f}s",
-  ]
-  if s.colocated_steps:
-    lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran "
-                 f"colocated attention (predicted saving below attention.min_gain, or imbalance "
-                 f"below attention.min_imbalance)")
-  if s.peak_memory_bytes:
-    lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")
-  return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""What a training run reports at its end: the `Summary` record (summary.json), its text form,
+and the profile report (profile.json, attention_load.png) of a profiled run."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distca_jax.train import profile as profile_lib
+
+
+@dataclasses.dataclass
+class Summary:
+  steps: int
+  losses: list[float]
+  step_times_s: list[float]
+  compile_s: float
+  compile_count: int
+  tokens_per_s: float
+  mfu: float | None
+  host_wait_s: float
+  attention_imbalance: float
+  devices: int
+  mesh_shape: dict[str, int]
+  # First global step this invocation ran (0, or the step a checkpoint resumed from).
+  start_step: int = 0
+  # Mean max/mean attention imbalance the CAD scheduler reaches (None: not planned). In a
+  # colocated run (`attention`) it is what CAD's plan would reach, computed but not run.
+  attention_imbalance_after: float | None = None
+  # Steady-state step time (s): median and 90th percentile, profiled steps excluded.
+  step_time_median_s: float = float("nan")
+  step_time_p90_s: float = float("nan")
+  # Peak bytes in use per local device (None where the backend keeps no statistics, e.g. CPU).
+  peak_memory_bytes: list[int] | None = None
+  # With mesh.pipe > 1: micro-batches per step and the schedule's bubble fraction (stage-ticks
+  # without a micro-batch, whose devices only serve attention under CAD).
+  microbatches: int = 1
+  pipeline_bubble: float = 0.0
+  # attention.impl=distca: steps that ran colocated attention because the gate
+  # (attention.gate / min_imbalance) stopped them (None: colocated attention configured, or a
+  # pipelined run).
+  colocated_steps: int | None = None
+  # Shapes the step took in this run (dispatch.StepShapes: a capacity grew, the first step's
+  # included, or a resumed run first used the capacities its checkpoint kept); each compiles the
+  # step once, so compile_count is this, plus any compilation the profiler adds.
+  step_shapes: int = 0
+  # attention.impl of the run: "colocated" or "distca".
+  attention: str = "colocated"
+  # The run's directory (config.json, summary.json, checkpoints/, tb/).
+  out_dir: str = ""
+  # The newest checkpoint this invocation committed (None: none).
+  saved_step: int | None = None
+  # The signal that stopped the run at a step boundary ("SIGTERM", "SIGINT"; None: not stopped).
+  interrupted: str | None = None
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def format_summary(s: Summary) -> str:
+  """The summary as the launcher prints it: a few lines, one topic each."""
+  med = float(np.median(s.step_times_s)) if s.step_times_s else None
+  timing = (f"median step {med * 1e3:.1f} ms; {s.tokens_per_s:,.0f} tokens/s" if med is not None
+            else "median step n/a (every step compiled; run more steps to time one)")
+  imbalance = f"attention imbalance (max/mean) colocated {s.attention_imbalance:.2f}"
+  if s.attention_imbalance_after is not None:
+    imbalance += (f", CAD-scheduled {s.attention_imbalance_after:.2f}" if s.attention == "distca"
+                  else f"; CAD's plan would reach {s.attention_imbalance_after:.2f} "
+                       f"(planned, not run: attention.impl=distca runs it)")
+  lines = [
+      f"devices {s.devices} mesh {s.mesh_shape}; steps {s.steps}; compiled {s.compile_count}x"
+      + (f"; pipeline: {s.microbatches} micro-batches, bubble {s.pipeline_bubble:.0%}"
+         if s.mesh_shape.get("pipe", 1) > 1 else ""),
+      f"loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}" if s.losses else "no steps run",
+      f"compile+init {s.compile_s:.1f}s; {timing}",
+      f"MFU {s.mfu * 100:.1f}%" if s.mfu is not None else "MFU n/a (unknown peak: set train.peak_tflops)",
+      imbalance + f"; host wait {s.host_wait_s:.2f}s",
+  ]
+  if s.colocated_steps is not None and s.steps:
+    if s.colocated_steps:
+      lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran "
+                   f"colocated attention (predicted saving below attention.min_gain, or imbalance "
+                   f"below attention.min_imbalance)")
+    else:
+      lines.append(f"CAD on {s.steps} of {s.steps} steps")
+  if s.peak_memory_bytes:
+    lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")
+  if s.interrupted:
+    saved = (f"checkpoint at step {s.saved_step}" if s.saved_step is not None
+             else "no checkpoint (checkpoint.every=0)")
+    lines.append(f"stopped by {s.interrupted} after step {s.start_step + s.steps}; {saved}; "
+                 f"resume: the same command with train.out_dir={s.out_dir}")
+  return "\n".join(lines)
+
+
+def peak_memory(devices) -> list[int] | None:
+  """Peak bytes in use per device since start (None where the backend keeps no statistics)."""
+  out = []
+  for d in devices:
+    try:
+      stats = d.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+      stats = None
+    if not stats or "peak_bytes_in_use" not in stats:
+      return None
+    out.append(int(stats["peak_bytes_in_use"]))
+  return out
+
+
+def write_profile(config, out_dir: Path, summary: Summary, trainer, last_args, traced_steps: int,
+                  trace_dir: Path, load_sum) -> None:
+  """profile.json (compile time, step-time stats, per-phase breakdown, attention load) and the
+  per-device load PNG."""
+  import jax
+
+  report: dict[str, Any] = {
+      "compile_s": summary.compile_s, "compile_count": summary.compile_count,
+      "step_time": profile_lib.step_time_stats(summary.step_times_s[config.train.profile_warmup:]),
+      "trace_dir": None, "traced_steps": traced_steps, "phases": None, "attention_load": None,
+      "peak_memory_bytes": summary.peak_memory_bytes}
+  xplane = profile_lib.find_xplane(trace_dir) if traced_steps else None
+  if xplane is not None and last_args is not None:
+    state, arrays, ctx = last_args
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    # Same shapes as the traced step: served from the jit cache, not recompiled.
+    hlo = trainer.compiled_text(abstract, arrays, ctx)
+    report["trace_dir"] = str(trace_dir)
+    report["phases"] = profile_lib.phase_breakdown(xplane, hlo, module="train_step", steps=traced_steps)
+  before, after = load_sum
+  if before is not None:
+    png = profile_lib.plot_loads(before, after, out_dir / "attention_load.png",
+                                 title=f"attention load per device, {summary.steps} steps summed",
+                                 step_imbalance=(summary.attention_imbalance, summary.attention_imbalance_after))
+    report["attention_load"] = {
+        "before": [float(x) for x in before], "after": None if after is None else [float(x) for x in after],
+        # Mean over steps of each step's max/mean (the sums above even out over steps).
+        "imbalance_before": summary.attention_imbalance,
+        "imbalance_after": summary.attention_imbalance_after, "png": str(png)}
+  profile_lib.write_report(out_dir, report)
