@@ -139,7 +139,7 @@ def _check_writable_dir(path: str, value: str) -> None:
     os.unlink(name)
   except ConfigError:
     raise
-  except (OSError, ValueError) as e:  # ValueError: e.g. an embedded NUL byte
+  except (OSError, ValueError, RuntimeError) as e:  # a NUL byte; `~user` with no such user
     raise ConfigError(f"{path}: {value!r} is not a usable directory ({e})") from None
 
 
@@ -222,11 +222,11 @@ def _scalar(path: str, kind, value):
     return value
   if kind is float:
     number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      number = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
-    elif isinstance(value, str):
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
       try:  # YAML 1.1 reads `1e-4` (no dot) as a string; accept any float literal.
         number = float(value)
+      except OverflowError:  # an int past float's range
+        number = math.inf
       except ValueError:
         pass
     if number is None:
@@ -270,16 +270,19 @@ def check(obj, prefix: str = ""):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-  """PyYAML's safe loader, refusing a mapping that repeats a key (PyYAML keeps the last)."""
+  """PyYAML's safe loader, refusing a mapping that repeats a key (PyYAML keeps the last one)."""
 
   def construct_mapping(self, node, deep=False):
     seen = set()
     for key_node, _ in node.value:
+      if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat keys by design
+        continue
       key = self.construct_object(key_node, deep=True)
-      if isinstance(key, typing.Hashable) and key in seen:
-        raise yaml.constructor.ConstructorError(
-            None, None, f"duplicate key {key!r}", key_node.start_mark)
-      seen.add(key) if isinstance(key, typing.Hashable) else None
+      if isinstance(key, typing.Hashable):
+        if key in seen:
+          raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                  key_node.start_mark)
+        seen.add(key)
     return super().construct_mapping(node, deep)
 
 

@@ -180,8 +180,9 @@ def _check_time_table(name_or_path: str, models) -> None:
 
   try:
     table = TimeTable.load(name_or_path)
-  except ValueError as e:
-    raise ConfigError(f"hardware.time_table: {e}") from None
+  except (ValueError, OSError) as e:
+    where = "" if name_or_path in str(e) else f"{name_or_path}: "
+    raise ConfigError(f"hardware.time_table: {where}{e}") from None
   for m in models:
     if PRESETS[m].head_dim != table.head_dim:
       raise ConfigError(f"hardware.time_table: {name_or_path!r} was measured at head dim "
