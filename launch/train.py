@@ -8,11 +8,15 @@ default) so the mesh code paths are the ones a GPU cluster runs.
 
 Settings: the defaults below, then the `--config` YAML file, then `section.field=value` overrides
 (values read as YAML: `true`, `1e-4`, `[0, 1]`). `--print-config` prints the resolved
-configuration as YAML (a file `--config` reads back) and exits without training. Checkpoints:
-`checkpoint.every=N` saves every N steps and when the run ends, into `checkpoint.dir`
-(`<train.out_dir>/checkpoints` unless set); the same command run again resumes from the newest
-one (`checkpoint.resume=false` starts afresh). A bad value stops the run before JAX starts with
-one `config error: <field>: ...` line and exit status 2.
+configuration as YAML (a file `--config` reads back) and exits without training. A bad value stops
+the command before JAX starts with one `config error: <field>: ...` line and exit status 2.
+
+Outputs: each run writes config.json, summary.json, tb/ and checkpoints/ into `train.out_dir`;
+unset, into a new `runs/<config name>-<YYYYmmdd-HHMMSS>`, linked as `runs/latest`. Checkpoints are
+saved every `checkpoint.every` steps and where the run ends. Resume: the same command with
+`train.out_dir=` that run's directory (e.g. `runs/latest`) continues from its newest good
+checkpoint (`checkpoint.step=N` picks one); a directory that holds another run's checkpoints is
+never silently started over.
 """
 
 from __future__ import annotations
