@@ -53,7 +53,7 @@ PRESETS: dict[str, ModelShape] = {
 
 def resolve(model_config) -> ModelShape:
   """Preset shape with every explicitly set field of `model_config` applied; validated."""
-  from distca_jax.config import ConfigError
+  from distca_jax.schema import ConfigError  # the schema module: no cycle with config.py
 
   if model_config.preset == "custom":
     base = {}
