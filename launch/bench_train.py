@@ -38,7 +38,7 @@ def _batches(kind: str, num_buffers: int, T: int, config, vocab: int):
   if step:
     raise ValueError(f"{kind}@{step}: only sampled batches (pretrain, prolong) take a step")
   if kind == "skewed":  # device 0: one long document; the others: many short ones
-    short = 2048
+    short = min(2048, T // 4)  # below 8K tokens (CPU tests): four short documents per device
     lens = np.concatenate([[T], np.full((num_buffers - 1) * T // short, short)])
   elif kind == "uniform":  # nothing to balance: equal documents everywhere
     lens = np.full(num_buffers * T // 8192, 8192)

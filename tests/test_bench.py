@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def test_cad_suite(tmp_path):
   the streams they ran, and every variant computes the same loss."""
   rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", "pretrain", "skewed",
                    "--pingpong-ablation", "skewed", "mesh.data=2", "model.layers=1",
-                   "attention.gate=false", tokens=2048)  # skewed: [2048] + [2048]
+                   "attention.gate=false")  # skewed at 512 tokens: [512] + 4 x [128]
   by = {(r["batch"], r["variant"]): r for r in rows}
   assert set(by) == {("pretrain", "colocated"), ("pretrain", "distca"), ("skewed", "colocated"),
                      ("skewed", "distca"), ("skewed", "distca-single")}
@@ -58,8 +59,6 @@ def test_pipeline_suite(tmp_path):
 def test_scheduler_bench_modes(capsys):
   """bench_scheduler.py's three modes on small sizes: the planner table, the trainer's host path
   per step (the gate off, so every batch takes the CAD path) and the exchange's pair usage."""
-  from helpers import launch_script
-
   bench = launch_script("bench_scheduler")
   bench.main(["--devices", "16", "--tokens", "16384", "--batches", "1", "--repeats", "1",
               "--arrays-devices", "4", "--dist", "prolong"])
@@ -109,11 +108,7 @@ def test_bench_kernels_call_spans_and_views(capsys):
   """--gpu-time's pieces: the GPU span per call found from a trace's kernel intervals (calls
   parted at the widest gaps, overlapping kernels inside a call), and its table of views with
   ratios to the dense baseline by the same view."""
-  sys.path.insert(0, str(ROOT / "launch"))
-  try:
-    import bench_kernels
-  finally:
-    sys.path.remove(str(ROOT / "launch"))
+  bench_kernels = launch_script("bench_kernels")
   # Three calls: [0, 10) with a kernel [2, 12) overlapping; [100, 105) + [106, 110); [300, 301).
   intervals = [(106, 110), (0, 10), (300, 301), (2, 12), (100, 105)]
   assert bench_kernels.call_spans(intervals, 3) == [12.0, 10.0, 1.0]
@@ -147,11 +142,7 @@ def test_bench_kernels_geometry(monkeypatch):
   """--geometry: per batch, rows against the equal-area dense length and the tiles' area over
   the causal area; one document of the dense length is its own dense equivalent, and many short
   documents of the same total rows have a shorter dense length and more tile area."""
-  sys.path.insert(0, str(ROOT / "launch"))
-  try:
-    import bench_kernels
-  finally:
-    sys.path.remove(str(ROOT / "launch"))
+  bench_kernels = launch_script("bench_kernels")
   from distca_jax.kernels import make_task_table
 
   def batch(lens):
@@ -174,11 +165,7 @@ def test_ab_mosaic_versions():
   """ab_mosaic.py's NAME=SPEC arguments: an Options spec of the package's kernel, or another
   kernel file imported beside the package's (its relative imports resolve); a bad option is an
   error before anything runs."""
-  sys.path.insert(0, str(ROOT / "launch"))
-  try:
-    import ab_mosaic
-  finally:
-    sys.path.remove(str(ROOT / "launch"))
+  ab_mosaic = launch_script("ab_mosaic")
   from distca_jax.kernels import mosaic
   assert callable(ab_mosaic.load_version("now", ""))
   assert callable(ab_mosaic.load_version("three", "stages=3"))
@@ -194,11 +181,7 @@ def test_ab_mosaic_trace_plumbing():
   """ab_mosaic.py --trace's table: a profiler trace of forward+backward calls is written, found
   and read (on the CPU there are no GPU kernels in it, so the table is empty)."""
   import jax.numpy as jnp
-  sys.path.insert(0, str(ROOT / "launch"))
-  try:
-    import ab_mosaic
-  finally:
-    sys.path.remove(str(ROOT / "launch"))
+  ab_mosaic = launch_script("ab_mosaic")
   q = jnp.ones((8, 2, 4))
   run = ab_mosaic.bk.timer(lambda q, k, v, t: q * k * v * t, q, q, q, q, jnp.float32(2.0))
   out = ab_mosaic.kernel_table("cpu", run)
@@ -229,8 +212,6 @@ def test_ncu_stalls_summary(tmp_path):
   samples' share per stall reason (a reason the CSV has no column for counts as "other"), per
   execution count (the warp roles of a warp-specialised kernel), and the hottest instructions in
   program order with their top reasons."""
-  from helpers import launch_script
-
   cols = ["Address", "Source", "Warp Stall Sampling (All Samples)",
           "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed", "stall_barrier",
           "stall_long_sb", "stall_barrier (Not Issued)"]
