@@ -118,7 +118,10 @@ OutputDir = Annotated[str, WRITABLE_DIR]
 Axis = Annotated[tuple[T, ...], NON_EMPTY, ONE_OR_LIST]
 
 
-def _check_writable_dir(path: str, value: str) -> None:
+def check_writable_dir(path: str, value: str) -> None:
+  """A ConfigError naming `path` unless `value` is a directory, or a path one can be made at, that
+  this process can write into (tried with a temporary file: permission bits do not bind root, and
+  a read-only mount shows only on writing)."""
   if not value:
     raise ConfigError(f"{path}: must name a directory, got ''")
   try:
@@ -129,7 +132,6 @@ def _check_writable_dir(path: str, value: str) -> None:
     if probe.exists() and not probe.is_dir():
       what = "is a file" if probe == target else f"lies under {str(probe)!r}, which is a file"
       raise ConfigError(f"{path}: {value!r} {what}, not a directory")
-    # Try it: permission bits do not bind root, and a read-only mount shows only on writing.
     try:
       fd, name = tempfile.mkstemp(dir=probe, prefix=".distca-write-check-")
     except OSError as e:
@@ -205,7 +207,7 @@ def _coerce(path: str, annotation, value, current=None, rules: bool = False):
       elif rule is NON_EMPTY and not out:
         raise ConfigError(f"{path}: must not be empty")
       elif rule is WRITABLE_DIR:
-        _check_writable_dir(path, out)
+        check_writable_dir(path, out)
   return out
 
 
@@ -416,8 +418,8 @@ def _yaml_scalar(value) -> str:
 
 
 def _comments(cls) -> dict[str, str]:
-  """The comment above each field of `cls` (and one at its line's end), read from the source:
-  the first sentence, for `--help`."""
+  """The comment above each field of `cls` (or the one at its line's end), read from the source:
+  its first sentence (two if the first is short), for `--help`."""
   try:
     lines = inspect.getsource(cls).splitlines()
   except (OSError, TypeError):
@@ -431,8 +433,10 @@ def _comments(cls) -> dict[str, str]:
     match = re.match(r"\s+(\w+):[^=]*=[^#]*(#\s*(.*))?$", line)
     if match:
       text = " ".join(block) or (match.group(3) or "")
-      sentence = re.split(r"(?<=\.)\s", text, maxsplit=1)[0].rstrip(".")
-      out[match.group(1)] = sentence
+      sentences = re.split(r"(?<=\.)\s", text)
+      # The first sentence, and the second where the first is short (often a bare label).
+      short = len(sentences) > 1 and len(sentences[0]) < 80
+      out[match.group(1)] = " ".join(sentences[:2] if short else sentences[:1]).rstrip(".")
     block = []
   return out
 

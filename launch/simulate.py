@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distca_jax.schema import ConfigError, describe, to_yaml
+from distca_jax.schema import ConfigError, check_writable_dir, describe, to_yaml
 from distca_jax.sim.config import SimConfig, load_sim_config
 from distca_jax.sim.engine import SYSTEMS, make_simulator, points, summarize
 
@@ -51,6 +51,8 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   try:
     cfg = load_sim_config(args.config, args.overrides)
+    if args.dump_plans:
+      check_writable_dir("--dump-plans", args.dump_plans)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
