@@ -46,7 +46,8 @@ def main(argv=None) -> int:
   print("| device | communication ms | of it beside compute ms | overlap | compute ms |")
   print("|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['device']} | {r['comm_ms']:.2f} | {r['comm_overlapped_ms']:.2f} | {r['overlap']:.0%} | {r['compute_ms']:.2f} |")
+    print(f"| {r['device']} | {r['comm_ms']:.2f} | {r['comm_overlapped_ms']:.2f} | "
+          f"{r['overlap']:.0%} | {r['compute_ms']:.2f} |")
   return 0
 
 

@@ -58,7 +58,8 @@ def peak_buffers(hlo_text: str) -> tuple[int, str, list[tuple[int, str, str]]]:
     operands = re.findall(r"%([\w.\-]+)", rest.split("metadata=")[0])
     order.append(name)
     if opcode in _NO_ALLOC:  # aliases what its operands hold
-      sources[name] = set() if opcode == "parameter" else set().union(*(sources.get(o, set()) for o in operands))
+      sources[name] = (set() if opcode == "parameter"
+                       else set().union(*(sources.get(o, set()) for o in operands)))
       size[name] = 0
     else:
       sources[name], size[name] = {name}, _nbytes(type_text)
@@ -85,7 +86,8 @@ def peak_buffers(hlo_text: str) -> tuple[int, str, list[tuple[int, str, str]]]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("dump_dir")
   parser.add_argument("--top", type=int, default=30)
   args = parser.parse_args(argv)
