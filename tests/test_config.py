@@ -288,8 +288,8 @@ def _has_range(annotation) -> bool:
   from distca_jax.schema import Range, _split
 
   kind, rules = _split(annotation)
-  if any(isinstance(r, Range) for r in rules):
-    return True
+  if any(isinstance(r, Range) for r in rules) or typing.get_origin(kind) is typing.Literal:
+    return True  # a Literal is a closed set (e.g. the `auto` of `int >= 1 | auto`)
   args = [a for a in typing.get_args(kind) if a is not type(None)]
   if typing.get_origin(kind) is tuple:
     return _has_range(args[0])
