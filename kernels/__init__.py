@@ -26,18 +26,16 @@ from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owne
 BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
 
 
-# Backends per platform, first choice first (launch/bench_kernels.py, H100; docs/PERFORMANCE.md,
-# section Kernels). Kernel alone, head dim 128, same process (2026-11-27): mosaic (Mosaic GPU
-# forward and one-kernel backward) 0.91x / 0.83x dense cuDNN forward+backward by busy GPU time on
-# the Pretrain / ProLong 64K batches (0.86-0.94x at 128K-512K), triton 0.67-0.76x; cudnn (cuDNN
-# forward + Triton backward) within noise of triton; pallas 0.57-0.64x (H200). `auto` takes the
-# first one that is installed and runs the call's head dim, dtype and GPU (`unsupported`), after
-# putting first the backends that lead at that head dim (`LEADS_AT`). On CPU only the reference
-# is fast enough to matter (Pallas runs interpreted).
+# Backends per platform, first choice first, by the kernels' forward+backward time against dense
+# cuDNN causal attention (launch/bench_kernels.py; docs/PERFORMANCE.md, Kernels): on a GPU triton,
+# mosaic (first where it runs: `LEADS_AT`), cudnn (cuDNN's forward with our Triton backward, level
+# with triton), pallas.
+# `auto` takes the first one that is installed and runs the call's head dim, dtype and GPU
+# (`unsupported`), after putting first the backends that lead at that head dim (`LEADS_AT`). On
+# CPU only the reference is fast enough to matter (Pallas runs interpreted).
 FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
-# mosaic leads at head dims 64 and 128, where it was measured in training steps (ProLong 64K, 16
-# layers, H100, same machine): at 128 (Llama-3-8B shape, 2026-11-28) 0.9% faster than triton,
-# compile + first step 58 vs 75 s; at 64 (llama_1b, 2026-11-28) 1.6% faster, compile 35 vs 44 s.
+# mosaic leads at head dims 64 and 128, where it was also measured faster than triton in whole
+# training steps, compile included (docs/PERFORMANCE.md, Kernels).
 LEADS_AT = {"mosaic": (64, 128)}
 
 log = logging.getLogger(__name__)

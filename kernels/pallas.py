@@ -14,87 +14,33 @@ tests on small shapes). Three kernels, all block-sparse through `blocks.py`:
 Softmax runs in base 2 (`exp2`, scale folded with log2(e)); the LSE returned is natural log.
 Rows outside every task give O = 0, LSE = -inf, and zero gradients; no NaN can arise because
 masked scores are -inf and every max/LSE that can be -inf is replaced by 0 before subtraction.
+
+Shapes: T query rows, S key rows, H query heads, K KV heads, G = H / K, D head dim; inside a
+kernel B rows of a query block and N rows of a key block (q_BxD, k_NxD, s_BxN).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .blocks import cdiv, key_task_ranges, query_schedule, task_q_blocks
+from .blocks import key_task_ranges, query_schedule, task_q_blocks
+from .common import (CPU_CONFIG, LN2, LOG2E, NEG_INF, Config, backward_stats, from_stats,
+                     gpu_config, pad_rows, padded)
 from .tasks import TaskTable
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-NEG_INF = float("-inf")
-
-
-class Config(NamedTuple):
-  """Tile sizes (rows) and Triton launch parameters. All block sizes are powers of two."""
-
-  block_q: int = 128        # forward
-  block_k: int = 64
-  block_q_dq: int = 128     # dQ kernel
-  block_k_dq: int = 64
-  block_q_dkv: int = 64     # dK/dV kernel
-  block_k_dkv: int = 128
-  num_warps: int = 8
-  num_stages: int = 3
-  num_warps_bwd: int = 8    # dK/dV kernel (and dQ unless num_warps_dq is set)
-  num_stages_bwd: int = 2
-  num_warps_dq: int | None = None
-  num_stages_dq: int | None = None
-  # Fused backward: the dK/dV kernel also adds each tile's dQ into a float32 buffer with atomics
-  # (5 matmuls per tile instead of 3 + 4 over two kernels), and the dQ kernel is not run.
-  fused_bwd: bool = False
-  # Triton only: the dK/dV kernel computes S^T = K Q^T (no register transposes of P and dS).
-  bwd_transposed: bool = False
-
-
-# H200, d = 128, bf16, measured by launch/bench_kernels.py --tune (docs/PERFORMANCE.md, Kernels):
-# forward 128 x 128 tiles, 8 warps, 3 stages (3% over 128 x 64); backward 64 x 64 tiles, 4 warps,
-# 2 stages (twice the backward throughput of 128 x 64 / 64 x 128 at 8 warps; the fused backward
-# with atomic dQ was 1.5-6x slower). Small tiles on CPU keep interpret mode cheap and exercise the
-# multi-block paths on small test shapes.
-# Triton's transposed dK/dV step: +2% backward on an H100 (378 vs 370 TF/s, same run); its
-# 32 x 128 and 64 x 128 dK/dV tiles were 2-3x slower.
-GPU_CONFIG = Config(block_q=128, block_k=128, block_q_dq=64, block_k_dq=64, block_q_dkv=64,
-                    block_k_dkv=64, num_warps=8, num_stages=3, num_warps_bwd=4, num_stages_bwd=2,
-                    bwd_transposed=True)
-CPU_CONFIG = Config(16, 16, 16, 16, 16, 16, 4, 1, 4, 1)
-# GPU tiles per head dim, shared by the Pallas and Triton backends (launch/bench_kernels.py --tune
-# --head-dim D writes its best here for the rest of its run). A head dim not listed takes the
-# config of the smallest listed one above it (or the largest listed): tiles that fit a larger
-# head dim's registers and shared memory fit a smaller one's.
-# d = 64 and 256: `bench_kernels.py --tune triton --head-dim D` on an H100 (PERFORMANCE.md, "Tiles
-# per head dim"); at 256 d = 128's tiles ask for twice the shared memory there is, and the dK/dV
-# accumulators want 8 warps.
-GPU_CONFIGS: dict[int, Config] = {
-    64: GPU_CONFIG._replace(block_k=64, num_warps=4, num_stages_bwd=3),
-    128: GPU_CONFIG,
-    256: GPU_CONFIG._replace(block_k=64, num_stages=2, num_warps_bwd=8),
-}
-
-
-def gpu_config(head_dim: int) -> Config:
-  """The GPU tiles for `head_dim` (see GPU_CONFIGS)."""
-  dims = sorted(GPU_CONFIGS)
-  return GPU_CONFIGS[next((d for d in dims if d >= head_dim), dims[-1])]
 
 
 def _dot_nt(a, b):
-  """a [m, d] @ b[n, d]^T -> float32 [m, n]."""
+  """a [m, c] @ b [n, c]^T -> float32 [m, n]."""
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _dot_tn(a, b):
-  """a [m, n]^T @ b[m, d] -> float32 [n, d]."""
+  """a [m, n]^T @ b [m, c] -> float32 [n, c]."""
   return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -128,24 +74,24 @@ def _fwd_kernel(kb_lo_ref, kb_flo_ref, kb_fhi_ref, kb_hi_ref, lo_ref, hi_ref, q_
                 v_ref, o_ref, lse_ref, *, scale2, block_k):
   q_BxD = q_ref[...]
   lo_B, hi_B = lo_ref[...], hi_ref[...]
-  block_q, d = q_BxD.shape
+  block_q, D = q_BxD.shape
 
   def body(kb, carry, masked):
     acc_BxD, m_B, l_B = carry
-    k_KxD = k_ref[pl.ds(kb * block_k, block_k), :]
-    v_KxD = v_ref[pl.ds(kb * block_k, block_k), :]
-    s_BxK = _dot_nt(q_BxD, k_KxD) * scale2
+    k_NxD = k_ref[pl.ds(kb * block_k, block_k), :]
+    v_NxD = v_ref[pl.ds(kb * block_k, block_k), :]
+    s_BxN = _dot_nt(q_BxD, k_NxD) * scale2
     if masked:
-      s_BxK = jnp.where(_row_mask(lo_B, hi_B, kb, block_k), s_BxK, NEG_INF)
-    m_new = jnp.maximum(m_B, jnp.max(s_BxK, axis=1))
+      s_BxN = jnp.where(_row_mask(lo_B, hi_B, kb, block_k), s_BxN, NEG_INF)
+    m_new = jnp.maximum(m_B, jnp.max(s_BxN, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row that has seen nothing yet
-    p_BxK = jnp.exp2(s_BxK - m_safe[:, None])
+    p_BxN = jnp.exp2(s_BxN - m_safe[:, None])
     alpha = jnp.exp2(m_B - m_safe)
-    l_B = alpha * l_B + jnp.sum(p_BxK, axis=1)
-    acc_BxD = alpha[:, None] * acc_BxD + _dot_nn(p_BxK.astype(v_KxD.dtype), v_KxD)
+    l_B = alpha * l_B + jnp.sum(p_BxN, axis=1)
+    acc_BxD = alpha[:, None] * acc_BxD + _dot_nn(p_BxN.astype(v_NxD.dtype), v_NxD)
     return acc_BxD, m_new, l_B
 
-  carry = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
+  carry = (jnp.zeros((block_q, D), jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
   acc_BxD, m_B, l_B = _three_runs(kb_lo_ref[0], kb_flo_ref[0], kb_fhi_ref[0], kb_hi_ref[0], body,
                                   carry)
@@ -198,14 +144,14 @@ def _dq_kernel(kb_lo_ref, kb_flo_ref, kb_fhi_ref, kb_hi_ref, lo_ref, hi_ref, lse
   scale2 = scale * LOG2E
 
   def body(kb, dq_BxD, masked):
-    k_KxD = k_ref[pl.ds(kb * block_k, block_k), :]
-    v_KxD = v_ref[pl.ds(kb * block_k, block_k), :]
-    s_BxK = _dot_nt(q_BxD, k_KxD) * scale2
+    k_NxD = k_ref[pl.ds(kb * block_k, block_k), :]
+    v_NxD = v_ref[pl.ds(kb * block_k, block_k), :]
+    s_BxN = _dot_nt(q_BxD, k_NxD) * scale2
     if masked:
-      s_BxK = jnp.where(_row_mask(lo_B, hi_B, kb, block_k), s_BxK, NEG_INF)
-    p_BxK = jnp.exp2(s_BxK - lse2_B[:, None])
-    ds_BxK = p_BxK * (_dot_nt(do_BxD, v_KxD) - delta_B[:, None])
-    return dq_BxD + _dot_nn(ds_BxK.astype(k_KxD.dtype), k_KxD)
+      s_BxN = jnp.where(_row_mask(lo_B, hi_B, kb, block_k), s_BxN, NEG_INF)
+    p_BxN = jnp.exp2(s_BxN - lse2_B[:, None])
+    ds_BxN = p_BxN * (_dot_nt(do_BxD, v_NxD) - delta_B[:, None])
+    return dq_BxD + _dot_nn(ds_BxN.astype(k_NxD.dtype), k_NxD)
 
   dq_BxD = _three_runs(kb_lo_ref[0], kb_flo_ref[0], kb_fhi_ref[0], kb_hi_ref[0], body,
                        jnp.zeros(q_BxD.shape, jnp.float32))
@@ -219,45 +165,45 @@ def _dkv_kernel(t_lo_ref, t_hi_ref, qs_ref, ql_ref, ks_ref, kl_ref, lse2_ref, de
   else:
     dk_ref, dv_ref = out_refs
   kb = pl.program_id(0)
-  k_KxD, v_KxD = k_ref[...], v_ref[...]
-  block_k = k_KxD.shape[0]
+  k_NxD, v_NxD = k_ref[...], v_ref[...]
+  block_k = k_NxD.shape[0]
   scale2 = scale * LOG2E
-  cols_1xK = kb * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+  cols_1xN = kb * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
   def task_body(t, carry):
     qs, ql, ks, kl = qs_ref[t], ql_ref[t], ks_ref[t], kl_ref[t]
     qb_lo, f_lo, f_hi, qb_hi = task_q_blocks(qs, ql, ks, kl, kb, block_q, block_k)
 
     def body(qb, carry, g, masked):
-      dk_KxD, dv_KxD = carry
+      dk_NxD, dv_NxD = carry
       rows = pl.ds(qb * block_q, block_q)
       q_BxD, do_BxD = q_ref[rows, g, :], do_ref[rows, g, :]
       lse2_B, delta_B = lse2_ref[g, rows], delta_ref[g, rows]
-      s_BxK = _dot_nt(q_BxD, k_KxD) * scale2
+      s_BxN = _dot_nt(q_BxD, k_NxD) * scale2
       if masked:
         r_Bx1 = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-        mask = ((r_Bx1 >= qs) & (r_Bx1 < qs + ql) & (cols_1xK >= ks)
-                & (cols_1xK <= ks + kl - ql + (r_Bx1 - qs)))
-        s_BxK = jnp.where(mask, s_BxK, NEG_INF)
-      p_BxK = jnp.exp2(s_BxK - lse2_B[:, None])
-      dv_KxD = dv_KxD + _dot_tn(p_BxK.astype(do_BxD.dtype), do_BxD)
-      ds_BxK = p_BxK * (_dot_nt(do_BxD, v_KxD) - delta_B[:, None])
-      dk_KxD = dk_KxD + _dot_tn(ds_BxK.astype(q_BxD.dtype), q_BxD)
+        mask = ((r_Bx1 >= qs) & (r_Bx1 < qs + ql) & (cols_1xN >= ks)
+                & (cols_1xN <= ks + kl - ql + (r_Bx1 - qs)))
+        s_BxN = jnp.where(mask, s_BxN, NEG_INF)
+      p_BxN = jnp.exp2(s_BxN - lse2_B[:, None])
+      dv_NxD = dv_NxD + _dot_tn(p_BxN.astype(do_BxD.dtype), do_BxD)
+      ds_BxN = p_BxN * (_dot_nt(do_BxD, v_NxD) - delta_B[:, None])
+      dk_NxD = dk_NxD + _dot_tn(ds_BxN.astype(q_BxD.dtype), q_BxD)
       if fused:
         from jax.experimental.pallas import triton as plgpu
-        dq_BxD = _dot_nn(ds_BxK.astype(k_KxD.dtype), k_KxD) * scale
+        dq_BxD = _dot_nn(ds_BxN.astype(k_NxD.dtype), k_NxD) * scale
         plgpu.atomic_add(dq_ref, (rows, jnp.int32(g), slice(None)), dq_BxD)
-      return dk_KxD, dv_KxD
+      return dk_NxD, dv_NxD
 
     for g in range(group):  # static: one walk per query head of the group
       carry = _three_runs(qb_lo, f_lo, f_hi, qb_hi,
                           lambda qb, c, masked, g=g: body(qb, c, g, masked), carry)
     return carry
 
-  zeros = jnp.zeros(k_KxD.shape, jnp.float32)
-  dk_KxD, dv_KxD = lax.fori_loop(t_lo_ref[0], t_hi_ref[0], task_body, (zeros, zeros))
-  dk_ref[...] = (dk_KxD * scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv_KxD.astype(dv_ref.dtype)
+  zeros = jnp.zeros(k_NxD.shape, jnp.float32)
+  dk_NxD, dv_NxD = lax.fori_loop(t_lo_ref[0], t_hi_ref[0], task_body, (zeros, zeros))
+  dk_ref[...] = (dk_NxD * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv_NxD.astype(dv_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
@@ -267,10 +213,7 @@ def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse
   T, H, D = q_TxHxD.shape
   S, K, _ = k_SxKxD.shape
   G = H // K
-  # The LSE cotangent enters as a shift of delta: dS = P * (dP - (rowsum(dO*O) - dLSE)).
-  delta_HxT = row_delta(do_TxHxD, o_TxHxD).T - dlse_HxT
-  # Rows that see nothing have LSE -inf; 0 keeps (-inf) - LSE from becoming NaN.
-  lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0)
+  lse2_HxT, delta_HxT = backward_stats(do_TxHxD, o_TxHxD, lse_HxT, dlse_HxT)
 
   if not cfg.fused_bwd:
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
@@ -334,49 +277,6 @@ def _backward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_HxT, do_TxHxD, dlse
 # --------------------------------------------------------------------------------- interface
 
 
-def row_delta(do_TxHxD, o_TxHxD):
-  """rowsum(dO * O) per query row and head, float32 [T, H], in a pass of its own. Left to fuse
-  with the [H, T] transpose and the statistics around it, XLA read dO and O in the transposed
-  order at ~0.6 TB/s: 1.7 ms beside a 13 ms attention backward on ProLong 64K, 0.35 ms this way
-  (H100 profile)."""
-  f32 = jnp.float32
-  return jax.lax.optimization_barrier(jnp.sum(do_TxHxD.astype(f32) * o_TxHxD.astype(f32), -1))
-
-
-def _pad_rows(x, rows):
-  return x if x.shape[0] == rows else jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-
-
-def _pow2(n):
-  return 1 << max(n - 1, 0).bit_length()
-
-
-def _padded(cfg: Config, T: int, S: int, tasks: TaskTable):
-  """(T, S) rounded up to every kernel's block sizes, and the task table padded to a power-of-two
-  capacity (Triton wants power-of-two block shapes, and the dK/dV kernel reads the whole table).
-  Shared by the Pallas and the Triton backends."""
-  row_q = max(cfg.block_q, cfg.block_q_dq, cfg.block_q_dkv)
-  row_k = max(cfg.block_k, cfg.block_k_dq, cfg.block_k_dkv)
-  C = tasks.q_start.shape[-1]
-  tasks = TaskTable(*(_pad_rows(jnp.asarray(a, jnp.int32), _pow2(C)) for a in tasks))
-  return cdiv(T, row_q) * row_q, cdiv(S, row_k) * row_k, tasks
-
-
-def from_stats(backward, cfg: Config, q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD,
-               lse_TxH, do_TxHxD, dlse_TxH, scale: float):
-  """dQ, dK, dV from saved O and LSE through `backward` (a backend's padded-shape backward,
-  called as backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg)): pads the rows and
-  the table, runs it, cuts the padding off."""
-  T, S = q_TxHxD.shape[0], k_SxKxD.shape[0]
-  Tp, Sp, tasks = _padded(cfg, T, S, tasks)
-  lse_HxT = jnp.pad(lse_TxH.T, [(0, 0), (0, Tp - T)], constant_values=NEG_INF)
-  dlse_HxT = jnp.pad(dlse_TxH.T.astype(jnp.float32), [(0, 0), (0, Tp - T)])
-  dq, dk, dv = backward(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
-                        tasks, _pad_rows(o_TxHxD, Tp), lse_HxT, _pad_rows(do_TxHxD, Tp),
-                        dlse_HxT, scale, cfg)
-  return dq[:T], dk[:S], dv[:S]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, cfg, interpret):
   o, lse_HxT = _forward(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale, cfg, interpret)
@@ -415,8 +315,8 @@ def attention(q_TxHxD: jax.Array, k_SxKxD: jax.Array, v_SxKxD: jax.Array, tasks:
     interpret = jax.default_backend() == "cpu"
   cfg = config or (CPU_CONFIG if interpret else gpu_config(D))
   scale = D ** -0.5 if scale is None else float(scale)
-  Tp, Sp, tasks = _padded(cfg, T, S, tasks)
-  o, lse_HxT = _attention(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp), _pad_rows(v_SxKxD, Sp),
+  Tp, Sp, tasks = padded(cfg, T, S, tasks)
+  o, lse_HxT = _attention(pad_rows(q_TxHxD, Tp), pad_rows(k_SxKxD, Sp), pad_rows(v_SxKxD, Sp),
                           tasks, scale, cfg, bool(interpret))
   return o[:T], lse_HxT[:, :T].T
 

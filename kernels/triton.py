@@ -8,12 +8,15 @@ with grid (key block, KV head), looping over tasks and over the query heads of t
 group and shared-prefix sums happen in registers. Row-major [rows, heads, D] layouts as given, no
 transposes. Requires `jax_triton` (and `triton`); fp32 inputs use TF32 dots (tests hold fp32 to
 1e-5 on CPU only).
+
+Shapes: T query rows, S key rows, H query heads, KH (launchers: K) KV heads, D head dim; BQ and
+BK rows of a query and a key block. In-kernel tiles are named by role (q, k, s, p, ...) and are
+[BQ, D], [BK, D], [BQ, BK] as in `pallas.py`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +24,8 @@ import triton
 import triton.language as tl
 
 from .blocks import key_task_ranges, query_schedule
-from .pallas import Config, _pad_rows, _padded, from_stats, gpu_config, row_delta
+from .common import LOG2E, Config, backward_stats, from_stats, gpu_config, pad_rows, padded
 from .tasks import TaskTable
-
-LOG2E = math.log2(math.e)
 
 
 def _jt():
@@ -36,8 +37,10 @@ def _jt():
 
 
 @triton.jit
-def _fwd_step(acc, m, l, q, k_base, v_base, kb, lo, hi, scale2, k_stride,
-              D: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr):
+def _scores(q, k_base, v_base, kb, lo, hi, scale2, k_stride, D: tl.constexpr, BK: tl.constexpr,
+            MASKED: tl.constexpr):
+  """Key block kb's K and V [BK, D] and the query block's scores S = Q K^T * scale2 [BQ, BK], each
+  row's masked to its keys [lo, hi) when MASKED."""
   cols = kb * BK + tl.arange(0, BK)
   dd = tl.arange(0, D)
   offs = cols.to(tl.int64)[:, None] * k_stride + dd[None, :]
@@ -47,6 +50,35 @@ def _fwd_step(acc, m, l, q, k_base, v_base, kb, lo, hi, scale2, k_stride,
   if MASKED:
     s = tl.where((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]), s,
                  float("-inf"))
+  return s, k, v
+
+
+@triton.jit
+def _query_block(Q, LO, HI, KB, NQ: tl.constexpr, H: tl.constexpr, KH: tl.constexpr,
+                 D: tl.constexpr, BQ: tl.constexpr):
+  """The program's query block (heaviest, longest-prefix, first) and head: (head, its KV head,
+  the block's rows, their offsets into [T, H, D], Q [BQ, D], each row's keys [lo, hi), and the
+  block's key-block runs kb_lo <= kb_full_lo <= kb_full_hi <= kb_hi)."""
+  qb = NQ - 1 - tl.program_id(0)
+  h = tl.program_id(1)
+  kh = h // (H // KH)
+  rows = qb * BQ + tl.arange(0, BQ)
+  dd = tl.arange(0, D)
+  q_offs = (rows.to(tl.int64)[:, None] * H + h) * D + dd[None, :]
+  q = tl.load(Q + q_offs)
+  lo = tl.load(LO + rows)
+  hi = tl.load(HI + rows)
+  kb_lo = tl.load(KB + qb * 4)
+  kb_flo = tl.load(KB + qb * 4 + 1)
+  kb_fhi = tl.load(KB + qb * 4 + 2)
+  kb_hi = tl.load(KB + qb * 4 + 3)
+  return h, kh, rows, q_offs, q, lo, hi, kb_lo, kb_flo, kb_fhi, kb_hi
+
+
+@triton.jit
+def _fwd_step(acc, m, l, q, k_base, v_base, kb, lo, hi, scale2, k_stride,
+              D: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr):
+  s, k, v = _scores(q, k_base, v_base, kb, lo, hi, scale2, k_stride, D, BK, MASKED)
   m_new = tl.maximum(m, tl.max(s, 1))
   m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
   p = tl.math.exp2(s - m_safe[:, None])
@@ -60,19 +92,8 @@ def _fwd_step(acc, m, l, q, k_base, v_base, kb, lo, hi, scale2, k_stride,
 def _fwd_kernel(Q, K, V, LO, HI, KB, O, LSE, scale2: tl.constexpr, T: tl.constexpr,
                 NQ: tl.constexpr, H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr,
                 BQ: tl.constexpr, BK: tl.constexpr):
-  qb = NQ - 1 - tl.program_id(0)  # heaviest (longest-prefix) query blocks first
-  h = tl.program_id(1)
-  kh = h // (H // KH)
-  rows = qb * BQ + tl.arange(0, BQ)
-  dd = tl.arange(0, D)
-  q_offs = (rows.to(tl.int64)[:, None] * H + h) * D + dd[None, :]
-  q = tl.load(Q + q_offs)
-  lo = tl.load(LO + rows)
-  hi = tl.load(HI + rows)
-  kb_lo = tl.load(KB + qb * 4)
-  kb_flo = tl.load(KB + qb * 4 + 1)
-  kb_fhi = tl.load(KB + qb * 4 + 2)
-  kb_hi = tl.load(KB + qb * 4 + 3)
+  h, kh, rows, q_offs, q, lo, hi, kb_lo, kb_flo, kb_fhi, kb_hi = _query_block(
+      Q, LO, HI, KB, NQ, H, KH, D, BQ)
   acc = tl.zeros([BQ, D], tl.float32)
   m = tl.full([BQ], float("-inf"), tl.float32)
   l = tl.zeros([BQ], tl.float32)
@@ -94,15 +115,7 @@ def _fwd_kernel(Q, K, V, LO, HI, KB, O, LSE, scale2: tl.constexpr, T: tl.constex
 @triton.jit
 def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, lo, hi, scale2, k_stride,
              D: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr):
-  cols = kb * BK + tl.arange(0, BK)
-  dd = tl.arange(0, D)
-  offs = cols.to(tl.int64)[:, None] * k_stride + dd[None, :]
-  k = tl.load(k_base + offs)
-  v = tl.load(v_base + offs)
-  s = tl.dot(q, tl.trans(k)) * scale2
-  if MASKED:
-    s = tl.where((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]), s,
-                 float("-inf"))
+  s, k, v = _scores(q, k_base, v_base, kb, lo, hi, scale2, k_stride, D, BK, MASKED)
   p = tl.math.exp2(s - lse2[:, None])
   ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
   return dq + tl.dot(ds.to(k.dtype), k)
@@ -112,22 +125,11 @@ def _dq_step(dq, q, do, lse2, delta, k_base, v_base, kb, lo, hi, scale2, k_strid
 def _dq_kernel(Q, K, V, DO, LSE2, DELTA, LO, HI, KB, DQ, scale: tl.constexpr, T: tl.constexpr,
                NQ: tl.constexpr, H: tl.constexpr, KH: tl.constexpr, D: tl.constexpr,
                BQ: tl.constexpr, BK: tl.constexpr):
-  qb = NQ - 1 - tl.program_id(0)
-  h = tl.program_id(1)
-  kh = h // (H // KH)
-  rows = qb * BQ + tl.arange(0, BQ)
-  dd = tl.arange(0, D)
-  q_offs = (rows.to(tl.int64)[:, None] * H + h) * D + dd[None, :]
-  q = tl.load(Q + q_offs)
+  h, kh, rows, q_offs, q, lo, hi, kb_lo, kb_flo, kb_fhi, kb_hi = _query_block(
+      Q, LO, HI, KB, NQ, H, KH, D, BQ)
   do = tl.load(DO + q_offs)
   lse2 = tl.load(LSE2 + h * T + rows)
   delta = tl.load(DELTA + h * T + rows)
-  lo = tl.load(LO + rows)
-  hi = tl.load(HI + rows)
-  kb_lo = tl.load(KB + qb * 4)
-  kb_flo = tl.load(KB + qb * 4 + 1)
-  kb_fhi = tl.load(KB + qb * 4 + 2)
-  kb_hi = tl.load(KB + qb * 4 + 3)
   scale2 = scale * 1.4426950408889634
   dq = tl.zeros([BQ, D], tl.float32)
   k_base = K + kh * D
@@ -287,8 +289,7 @@ def _backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg: Config):
   T, H, D = q.shape
   S, K, _ = k.shape
   jt = _jt()
-  delta_HxT = row_delta(do, o).T - dlse_HxT
-  lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0)
+  lse2_HxT, delta_HxT = backward_stats(do, o, lse_HxT, dlse_HxT)
   if not cfg.fused_bwd:
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
     nq = T // bq
@@ -351,9 +352,9 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   if cfg.fused_bwd and cfg.bwd_transposed:
     raise ValueError("triton backend: fused_bwd and bwd_transposed cannot be combined")
   scale = D ** -0.5 if scale is None else float(scale)
-  Tp, Sp, tasks = _padded(cfg, T, S, tasks)
-  o, lse_HxT = _attention(_pad_rows(q_TxHxD, Tp), _pad_rows(k_SxKxD, Sp),
-                          _pad_rows(v_SxKxD, Sp), tasks, scale, cfg)
+  Tp, Sp, tasks = padded(cfg, T, S, tasks)
+  o, lse_HxT = _attention(pad_rows(q_TxHxD, Tp), pad_rows(k_SxKxD, Sp),
+                          pad_rows(v_SxKxD, Sp), tasks, scale, cfg)
   return o[:T], lse_HxT[:, :T].T
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from distca_jax import kernels
-from distca_jax.kernels import blocks, make_task_table, pallas
+from distca_jax.kernels import blocks, common, make_task_table, pallas
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -221,7 +221,7 @@ def test_bfloat16(backend, case):
 @pytest.mark.parametrize("backend", _backends())
 def test_bfloat16_gpu_sizes(backend, head_dim):
   """Lengths not multiples of 128, shared prefixes, q << kv, at GQA 4 and the head dims whose GPU
-  tiles are tuned (each runs its own tiles, `pallas.gpu_config`)."""
+  tiles are tuned (each runs its own tiles, `common.gpu_config`)."""
   tasks, T, S, H, K, _ = case_gpu_sizes()
   D = head_dim
   why = kernels.unsupported(backend, D, jnp.bfloat16)
@@ -239,9 +239,9 @@ def test_bfloat16_gpu_sizes(backend, head_dim):
 
 def test_gpu_config_per_head_dim(monkeypatch):
   """A tuned head dim takes its own tiles; others the next larger tuned one's, else the largest."""
-  a, b = pallas.GPU_CONFIG._replace(block_q=16), pallas.GPU_CONFIG._replace(block_q=32)
-  monkeypatch.setattr(pallas, "GPU_CONFIGS", {64: a, 256: b})
-  assert [pallas.gpu_config(d).block_q for d in (32, 64, 96, 128, 256, 512)] == [16, 16, 32, 32,
+  a, b = common.GPU_CONFIG._replace(block_q=16), common.GPU_CONFIG._replace(block_q=32)
+  monkeypatch.setattr(common, "GPU_CONFIGS", {64: a, 256: b})
+  assert [common.gpu_config(d).block_q for d in (32, 64, 96, 128, 256, 512)] == [16, 16, 32, 32,
                                                                                  32, 32]
 
 
@@ -252,7 +252,7 @@ def test_pallas_fused_backward_float32():
   from distca_jax.kernels import pallas
   tasks, T, S, H, K, D = case_mixed()
   q, k, v, do, dlse = _inputs(T, S, H, K, D, jnp.float32)
-  cfg = pallas.CPU_CONFIG._replace(fused_bwd=True)
+  cfg = common.CPU_CONFIG._replace(fused_bwd=True)
   (o, lse), vjp = jax.vjp(lambda q, k, v: pallas.attention(q, k, v, tasks, config=cfg), q, k, v)
   got = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
   want = oracle(q, k, v, tasks, do, dlse)[2:]
@@ -296,7 +296,7 @@ def test_bfloat16_backward_variants(backend, variant, case):
   if backend == "pallas" and variant == "untransposed":
     pytest.skip("Pallas has one dK/dV step")
   mod = __import__(f"distca_jax.kernels.{backend}", fromlist=["attention"])
-  _check_config_grads(mod, pallas.gpu_config(128)._replace(**_BWD_VARIANTS[variant]), case, 128,
+  _check_config_grads(mod, common.gpu_config(128)._replace(**_BWD_VARIANTS[variant]), case, 128,
                       f"{backend} {variant}")
 
 
@@ -313,32 +313,19 @@ def _check_config_grads(mod, cfg, case, head_dim, what):
     assert _rel(g, w) < 1e-2, f"{what} {name}: rel err {_rel(g, w):.2e}"
 
 
-_MOSAIC_VARIANTS = {"grid_kv_head_major": dict(kv_major=False), "memory_regs40":
-                    dict(memory_registers=40), "forward_triton": dict(forward="triton"),
-                    "fwd_in_order": dict(fwd_heavy_first=False, fwd_ctas=0),
-                    "fwd_per_unit": dict(fwd_ctas=0),
-                    "kq_scores": dict(kq_scores=True),
-                    "hoisted_descriptors": dict(step_descriptors=False),
-                    "dk_then_barrier": dict(dk_under_barrier=False),
-                    "fwd_persistent_3": dict(fwd_ctas=3),
-                    "lists_by_sort": dict(lists_by_scan=False),
-                    "auto_barriers": dict(explicit_barriers=False),
-                    "late_tile_index": dict(early_tile_index=False)}
-
-
 @pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
 @pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes, case_overlap])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("ctas", [0, -1, 3])
+@pytest.mark.parametrize("ctas", [-1, 3])
 def test_mosaic_forward(case, head_dim, ctas):
   """The Mosaic GPU forward's O and LSE against the oracle, bf16 (rows that see nothing: O = 0,
-  LSE = -inf); ctas 0: a CTA per (query tile, head), else `forward_persistent` with one CTA per
-  SM (-1) or 3 (many units each: both Q buffers reused, every round's deal)."""
-  from distca_jax.kernels import mosaic
+  LSE = -inf), with one persistent CTA per SM (-1) or 3 (many units each: both Q buffers reused,
+  every round's deal)."""
+  from distca_jax.kernels import mosaic_fwd
   tasks, T, S, H, K, _ = case()
   q, k, v, do, dlse = _inputs(T, S, H, K, head_dim, jnp.bfloat16)
   table = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
-  fwd = (functools.partial(mosaic.forward_persistent, ctas=ctas) if ctas else mosaic.forward)
+  fwd = functools.partial(mosaic_fwd.forward, ctas=ctas)
   o, lse = jax.jit(lambda q, k, v: fwd(q, k, v, table, head_dim ** -0.5))(q, k, v)
   want_o, want_lse = oracle(q, k, v, tasks, do, dlse)[:2]
   dead = ~np.isfinite(want_lse)
@@ -346,19 +333,6 @@ def test_mosaic_forward(case, head_dim, ctas):
   assert (np.asarray(o, np.float32)[dead] == 0).all()
   assert _rel(o, want_o) < 1e-2, f"O: rel err {_rel(o, want_o):.2e}"
   assert np.abs(np.asarray(lse)[~dead] - want_lse[~dead]).max() < 2e-2
-
-
-@pytest.mark.skipif(not ON_GPU, reason="Hopper GPU kernel")
-@pytest.mark.parametrize("variant", list(_MOSAIC_VARIANTS))
-@pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes, case_overlap])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_mosaic_variants(variant, case, head_dim):
-  """The mosaic backward's non-default options (the shipped ones are in test_bfloat16), bf16."""
-  from distca_jax.kernels import mosaic
-  if _MOSAIC_VARIANTS[variant].get("forward") == "triton" and not _have_jax_triton():
-    pytest.skip("the Triton forward needs jax-triton")
-  _check_config_grads(mosaic, mosaic.Options()._replace(**_MOSAIC_VARIANTS[variant]), case,
-                      head_dim, f"mosaic {variant}")
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -386,13 +360,17 @@ def test_mosaic_visit_lists(seed):
   """Every visible (query row, key) pair lies in a (query tile, key block) the lists visit, once;
   lists are in row order and `count` long. The kernel masks each element to its row's range, so
   covering is what it needs (a superset costs time only)."""
-  from distca_jax.kernels import mosaic
+  from distca_jax.kernels import mosaic_bwd
   tasks, T, S = _random_layout(np.random.default_rng(seed), 5, 700, gaps=[0, 70, 3], spare=2)
-  bq, bk = mosaic.BLOCK_Q, mosaic.WGS * mosaic.BLOCK_KV
+  bq, bk = mosaic_bwd.BLOCK_Q, mosaic_bwd.WGS * mosaic_bwd.BLOCK_KV
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
-  tiles, count, lo, hi = (np.asarray(a) for a in mosaic.visit_lists(tasks, Tp, Sp))
-  for got, want in zip(mosaic.visit_lists(tasks, Tp, Sp, by_scan=False), (tiles, count, lo, hi)):
-    np.testing.assert_array_equal(np.asarray(got), want)  # the scan's lists, as a sort makes them
+  tiles, count, lo, hi = (np.asarray(a) for a in mosaic_bwd.visit_lists(tasks, Tp, Sp))
+  # The scan's lists, as a sort of each key block's row of the visit mask makes them.
+  sch = blocks.query_schedule(tasks, Tp, bq, bk)
+  kb, qb = np.arange(Sp // bk)[:, None], np.arange(Tp // bq)[None]
+  vis = (kb >= np.asarray(sch.kb_lo)[None]) & (kb < np.asarray(sch.kb_hi)[None])
+  np.testing.assert_array_equal(tiles, np.sort(np.where(vis, qb, Tp // bq), axis=1) % (Tp // bq))
+  np.testing.assert_array_equal(count, vis.sum(axis=1))
   want_lo, want_hi = _row_bounds_np(tasks, Tp)
   assert (lo == want_lo).all() and (hi == want_hi).all()
   listed = [set(tiles[kb, :count[kb]].tolist()) for kb in range(Sp // bk)]
@@ -411,9 +389,9 @@ def test_mosaic_visit_lists(seed):
 def test_mosaic_persistent_forward_deal(ctas, units):
   """The persistent forward's snake deal gives every unit to exactly one CTA, each CTA its
   units in round order, and CTA loads within one round's worth of units of each other."""
-  from distca_jax.kernels import mosaic
+  from distca_jax.kernels import mosaic_fwd
   P = min(ctas, units)
-  rounds, position, count = mosaic.snake_units(P, units)
+  rounds, position, count = mosaic_fwd.snake_units(P, units)
   per_cta = [[int(position(r, c)) for r in range(int(count(c)))] for c in range(P)]
   assert all(a < b for units_of in per_cta for a, b in zip(units_of, units_of[1:]))
   assert sorted(sum(per_cta, [])) == list(range(units))
@@ -422,19 +400,23 @@ def test_mosaic_persistent_forward_deal(ctas, units):
 
 
 def test_mosaic_config_errors():
-  """Mosaic options that cannot work together are refused before any kernel is built."""
-  from distca_jax.kernels import mosaic
+  """A persistent-CTA count that cannot work, or a head dim or dtype the kernels do not take, is
+  refused before any kernel is built."""
+  from distca_jax.kernels import mosaic, mosaic_fwd
   tasks, T, S, H, K, _ = case_gpu_sizes()
   q, k, v, _, _ = _inputs(T, S, H, K, 128, jnp.bfloat16)
-  for bad in (dict(fwd_heavy_first=False), dict(fwd_ctas=4, fwd_heavy_first=False),
-              dict(fwd_ctas=-2)):
-    with pytest.raises(ValueError, match="fwd_ctas"):
-      mosaic.attention(q, k, v, tasks, config=mosaic.Options(**bad))
+  table = kernels.TaskTable(*(jnp.asarray(a) for a in tasks))
+  for bad in (0, -2):
+    with pytest.raises(ValueError, match="persistent CTAs"):
+      mosaic_fwd.forward(q, k, v, table, 0.1, ctas=bad)
+  with pytest.raises(ValueError, match="bf16 or fp16"):
+    mosaic.attention(q.astype(jnp.float32), k, v, tasks)
+  with pytest.raises(ValueError, match="head dim 64 or 128"):
+    mosaic.attention(q[..., :32], k[..., :32], v[..., :32], tasks)
 
 
-def _export_mosaic_backward(head_dim, opts=None):
-  """The mosaic backward (`opts`: its Options) on the GPU-sized table, lowered for CUDA (no GPU
-  needed)."""
+def _export_mosaic_backward(head_dim):
+  """The mosaic backward on the GPU-sized table, lowered for CUDA (no GPU needed)."""
   from jax import export
   from distca_jax.kernels import mosaic
   tasks, T, S, H, K, _ = case_gpu_sizes()
@@ -442,7 +424,7 @@ def _export_mosaic_backward(head_dim, opts=None):
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   f = jax.jit(lambda q, k, v, o, lse, do, dlse: mosaic.backward_from_stats(
-      q, k, v, tasks, o, lse, do, dlse, 0.1, opts or mosaic.Options()))
+      q, k, v, tasks, o, lse, do, dlse, 0.1))
   d = head_dim
   return export.export(f, platforms=["cuda"])(bf16(T, H, d), bf16(S, K, d), bf16(S, K, d),
                                               bf16(T, H, d), f32(T, H), bf16(T, H, d), f32(T, H))
@@ -465,19 +447,13 @@ def test_mosaic_lowers_for_cuda():
   needed): their layouts, transforms, barriers and pipelines are checked (the PTX is made on the
   GPU)."""
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-  from distca_jax.kernels import mosaic
+  from distca_jax.kernels import mosaic_fwd
   _, T, _, H, _, _ = case_gpu_sizes()
-  for d in (64, 128):  # the backward: its default and every other code path of its options
-    for opts in (dict(), dict(kq_scores=True), dict(step_descriptors=False),
-                 dict(kq_scores=True, dk_under_barrier=False),
-                 dict(explicit_barriers=False, early_tile_index=False),
-                 dict(explicit_barriers=False, kq_scores=True)):
-      assert "mosaic_gpu" in _export_mosaic_backward(d, mosaic.Options(**opts)).mlir_module()
-  forwards = [functools.partial(mosaic.forward, heavy_first=h) for h in (True, False)] + [
-      functools.partial(mosaic.forward_persistent, ctas=c) for c in (-1, 3)]
-  for d in (64, 128):  # the forward: in-order and heavy-first CTAs, persistent ones
-    for forward in forwards if d == 128 else forwards[::2]:
-      exported = _export_mosaic_forward(forward, d)
+  for d in (64, 128):  # the backward's two dQ paths (column slices at 128, turns at 64)
+    assert "mosaic_gpu" in _export_mosaic_backward(d).mlir_module()
+  for d in (64, 128):  # the forward, with one CTA per SM and with a few looping over many units
+    for ctas in (-1, 3):
+      exported = _export_mosaic_forward(functools.partial(mosaic_fwd.forward, ctas=ctas), d)
       assert "mosaic_gpu" in exported.mlir_module()
       assert [a.shape for a in exported.out_avals] == [(T, H, d), (T, H)]
 
@@ -557,21 +533,17 @@ def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
     assert 64 * 1024 < max(seen) <= (196 - 1) * 1024, (d, max(seen))
 
 
-def test_mosaic_forwards_fit_shared_memory(monkeypatch):
-  """Both Mosaic forwards' shared memory (as Mosaic GPU's lowering counts it) fits a Hopper
-  block's 227 KiB; the persistent one holds a second Q buffer (and O / LSE staging) per
-  warpgroup, 32 KiB more at head dim 128."""
+def test_mosaic_forward_fits_shared_memory(monkeypatch):
+  """The Mosaic forward's shared memory (as Mosaic GPU's lowering counts it) fits a Hopper
+  block's 227 KiB at head dim 128, and holds what it declares: two Q / O buffers per compute
+  warpgroup (the next unit's Q loads while this one's O leaves) and the K / V stages."""
   seen = _record_smem(monkeypatch)
-  from distca_jax.kernels import mosaic
-  used = {}
-  for name, fwd in (("forward", mosaic.forward),
-                    ("persistent", functools.partial(mosaic.forward_persistent, ctas=-1))):
-    seen.clear()
-    _export_mosaic_forward(fwd, 128)
-    assert seen, "the lowering estimated nothing"
-    used[name] = max(seen)
-  assert used["persistent"] - used["forward"] >= 32 * 1024, used
-  assert used["persistent"] <= 227 * 1024, used
+  from distca_jax.kernels import mosaic_fwd as f
+  _export_mosaic_forward(functools.partial(f.forward, ctas=-1), 128)
+  assert seen, "the lowering estimated nothing"
+  bf16 = 2
+  declared = (2 * f.WGS * f.BLOCK_Q + 2 * f.STAGES * f.BLOCK_KV) * 128 * bf16
+  assert declared <= max(seen) <= 227 * 1024, (declared, max(seen))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -579,7 +551,7 @@ def test_mosaic_dq_zeros_depend_on_do(dtype):
   """The mosaic backward's dQ zeros are zeros, even from inf / NaN bits, and XLA keeps them a
   computation on dO rather than folding them to a constant broadcast (which it hoists and fuses
   across layers to the start of the step)."""
-  from distca_jax.kernels.mosaic import zeros_after
+  from distca_jax.kernels.mosaic_bwd import zeros_after
   for first in (1.5, np.inf, np.nan, -0.0):
     x = jnp.full((3, 2, 4), first, dtype)
     z = jax.jit(lambda x: zeros_after(x, (5, 2, 4)))(x)
@@ -591,17 +563,6 @@ def test_mosaic_dq_zeros_depend_on_do(dtype):
   # The integer view of dO's bits (a bitcast-convert on the CPU; the GPU compiler writes it as a
   # bitcast to an integer type) feeds a multiply: no constant broadcast.
   assert re.search(r"= [us](?:16|32)\[[^\]]*\]\S* bitcast(?:-convert)?\(", hlo) and "multiply" in hlo, hlo
-
-
-def test_mosaic_parse_options():
-  from distca_jax.kernels.mosaic import Options, parse_options
-  assert parse_options("") == Options()
-  assert parse_options("forward=mosaic+stages=3+kv_major=false") == Options()._replace(
-      forward="mosaic", stages=3, kv_major=False)
-  for bad, why in (("stagez=3", "choose from"), ("kv_major=maybe", "true or false"),
-                   ("stages=two", "not a int")):
-    with pytest.raises(ValueError, match=why):
-      parse_options(bad)
 
 
 # ------------------------------------------------------------------------------ block schedule
