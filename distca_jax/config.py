@@ -86,6 +86,16 @@ class DataConfig:
   # For `source: corpus`: token file and document-offsets file built by `launch/build_corpus.py`.
   corpus_tokens: str | None = None
   corpus_offsets: str | None = None
+  # How a step's documents are laid out on the data ranks: `in_order` fills each rank's
+  # tokens_per_device in order (a document that overflows continues on the next rank), the
+  # layout CAD balances; `wlb`, the WLB-LLM-style baseline (`distca_jax/schedule/wlb.py`):
+  # re-packed by attention + linear work into buffers of `wlb_token_cap` x tokens_per_device
+  # tokens (the compiled buffers' length), a document longer than a rank's share split
+  # head+tail over a context-parallel group of `wlb_cp` ranks (or `auto`: per step the size the
+  # simulator's cost model prices fastest); colocated attention, no pipeline.
+  packing: Literal["in_order", "wlb"] = "in_order"
+  wlb_token_cap: Annotated[float, Range(ge=1, why="a rank holds at least its share")] = 1.5
+  wlb_cp: PositiveInt | Literal["auto"] = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +277,9 @@ def validate(config: Config) -> None:
   if d.source == "corpus" and (d.corpus_tokens is None or d.corpus_offsets is None):
     raise ConfigError("data.corpus_tokens and data.corpus_offsets: both are required when data.source=corpus")
   m = config.mesh
+  if d.packing == "wlb" and (config.attention.impl != "colocated" or m.pipe > 1):
+    raise ConfigError("data.packing: wlb runs colocated attention without a pipeline (set "
+                      "attention.impl=colocated and mesh.pipe=1)")
   if m.pipe > 1:
     if shape.layers % m.pipe:
       raise ConfigError(f"mesh.pipe: {m.pipe} stages must divide model.layers ({shape.layers})")

@@ -6,22 +6,20 @@ work), and the network bytes per layer it sends / receives for attention.
 
 * `colocated`: the packed layout as is. Each rank computes attention for its own tokens;
   documents that overflow into the next buffer need their KV prefix from the earlier ones.
-* `wlb_packing` with `cp=1`: WLB-LLM-style variable-length packing. Whole documents (documents
-  longer than a rank's token cap are cut into consecutive chunks) go to ranks greedily, largest
-  workload first (workload = area + token_weight * tokens, WLB's α·l² + β·l), onto the least
-  loaded rank whose token cap (`token_cap` × T) still has room. Balances attention, unbalances
-  memory: its `tokens` show by how much.
-* `wlb_packing` with `cp > 1`: the same packing over N / cp groups of cp ranks, and inside a group
-  per-document context parallelism: every document is cut into 2·cp chunks and rank i takes the
-  head+tail pair (i, 2cp−1−i) (constant causal cost per pair), so attention and tokens are split
-  evenly inside the group; each rank all-gathers the group's K and V (and reduce-scatters dK, dV).
-  The paper's baseline sweeps DP × CP and keeps the best; `cp = N` is pure per-document CP.
+* `wlb_packing`: WLB-LLM-style variable-length packing, the trainer's own (`schedule/wlb.py`
+  has the algorithm; `data.packing=wlb` runs it): documents go to ranks greedily, largest
+  workload first (area + token_weight * tokens, WLB's α·l² + β·l), under a token cap
+  (`token_cap` × T); with `cp > 1`, a document longer than a rank's share is split head+tail over
+  a group of cp ranks, which all-gather the group's K and V (and reduce-scatter dK, dV). Balances
+  attention, unbalances memory: its `tokens` show by how much. The paper's baseline sweeps
+  DP × CP and keeps the best.
+* `per_document_cp`: every document cut into 2·N chunks, head+tail pairs over all N ranks, priced
+  ideally (each rank exactly 1/N of the attention and tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 
 import numpy as np
 
@@ -29,6 +27,7 @@ from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel, range_area
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.planner import traffic
+from distca_jax.schedule.wlb import WlbPacking, wlb_pack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,73 +79,43 @@ def colocated(layout: Layout, comm: CommModel, kernel=None) -> SystemLoad:
 
 def wlb_packing(doc_lens, num_ranks: int, buffer_len: int, comm: CommModel, *, cp: int = 1,
                 token_cap: float = 1.5, token_weight: float = 0.0, kernel=None) -> SystemLoad:
-  """(b)/(c) Variable-length packing over num_ranks / cp groups, per-document CP of size cp inside.
+  """(b) WLB-LLM-style packing (`wlb.wlb_pack`, the trainer's) priced per rank.
 
   Args:
-    doc_lens: the batch's document lengths (>= 1), about num_ranks * buffer_len tokens.
-    cp: context-parallel group size (divides num_ranks).
+    doc_lens: the batch's document lengths (>= 1), at most num_ranks * buffer_len tokens.
+    cp: context-parallel group size (divides num_ranks); the packing may run a larger one when
+      the documents do not fit the cap at this one (`SystemLoad.cp` is the size that ran).
     token_cap: a rank holds at most token_cap * buffer_len tokens (memory limit of the packing).
     token_weight: workload per token in area units (linear layers), for WLB's α·l² + β·l.
-    kernel: optional kernel-time model; a rank's time is its group's item times / cp.
+    kernel: optional kernel-time model; a rank's time is the sum over its shards.
   """
-  lens = np.asarray(doc_lens, np.int64).reshape(-1)
-  if lens.size and lens.min() < 1:
-    raise ValueError(f"wlb_packing: document lengths must be >= 1, found {int(lens.min())}")
-  if cp < 1 or num_ranks % cp:
-    raise ValueError(f"wlb_packing: cp = {cp} must divide num_ranks = {num_ranks}")
-  if token_cap < 1:
-    raise ValueError(f"wlb_packing: token_cap must be >= 1, got {token_cap}")
-  groups = num_ranks // cp
-  cap = int(token_cap * buffer_len * cp)
-  # Documents longer than a group's cap are cut into consecutive chunks of at most cp * T.
-  chunk = buffer_len * cp
-  nchunk = np.maximum(1, -(-lens // chunk)) if lens.size else np.zeros(0, np.int64)
-  doc = np.repeat(np.arange(lens.size), nchunk)
-  k = np.arange(doc.size) - np.repeat(np.cumsum(nchunk) - nchunk, nchunk)
-  lo = k * chunk
-  hi = np.minimum(lo + chunk, lens[doc])
-  area = range_area(lo, hi)
-  tok = (hi - lo).astype(np.float64)
-  work = area + token_weight * tok
-  g_area = np.zeros(groups)
-  g_tok = np.zeros(groups)
-  g_prefix = np.zeros(groups)  # KV rows of earlier chunks that a later chunk needs
-  g_ms = np.zeros(groups)
-  item_ms = kernel.fwdbwd_ms(hi - lo, hi) if kernel is not None else np.zeros(area.size)
-  heap = [(0.0, g) for g in range(groups)]
-  # Python loop over documents (a few tens of thousands at 512 ranks): the simulator's baseline,
-  # not the per-step planner.
-  for i in np.argsort(-work, kind="stable").tolist():
-    aside = []
-    while heap:
-      w, g = heapq.heappop(heap)
-      if g_tok[g] + tok[i] <= cap:
-        break
-      aside.append((w, g))
-    else:  # nobody has room: the group with the fewest tokens takes it
-      w, g = min(aside, key=lambda x: g_tok[x[1]])
-      aside.remove((w, g))
-    g_area[g] += area[i]
-    g_tok[g] += tok[i]
-    g_prefix[g] += lo[i]
-    g_ms[g] += item_ms[i]
-    heapq.heappush(heap, (w + work[i], g))
-    for x in aside:
-      heapq.heappush(heap, x)
-  # Per rank: an even share of its group's work (head+tail chunks balance causal cost exactly up
-  # to one token per chunk pair).
-  r_area = np.repeat(g_area / cp, cp)
-  r_tok = np.repeat(g_tok / cp, cp)
-  gathered = g_tok * (cp - 1) / cp + g_prefix / cp  # KV rows each rank receives
-  r_recv = np.repeat(gathered, cp) * comm.kv_row_bytes
-  return SystemLoad(name="wlb" if cp == 1 else f"wlb_cp{cp}", area=r_area, tokens=r_tok,
-                    send=r_recv.copy(), recv=r_recv, cp=cp,
-                    attn_ms=np.repeat(g_ms / cp, cp) if kernel is not None else None)
+  return wlb_load(wlb_pack(doc_lens, num_ranks, buffer_len, cp=cp, token_cap=token_cap,
+                           token_weight=token_weight), comm, kernel)
+
+
+def wlb_load(packing: WlbPacking, comm: CommModel, kernel=None) -> SystemLoad:
+  """Per-rank loads of a WLB packing: its shards' attention, its tokens, and the K/V rows each
+  rank of a gathering group receives (`WlbPacking.gathered_rows`), sent as much as received."""
+  lay = packing.layout
+  recv = packing.gathered_rows() * comm.kv_row_bytes
+  ms = None
+  if kernel is not None:
+    ms = np.bincount(lay.buffer, weights=kernel.fwdbwd_ms(lay.length, lay.doc_offset + lay.length),
+                     minlength=lay.num_buffers)
+  return SystemLoad(name="wlb" if packing.cp == 1 else f"wlb_cp{packing.cp}", area=packing.area,
+                    tokens=packing.tokens, send=recv.copy(), recv=recv, cp=packing.cp, attn_ms=ms)
 
 
 def per_document_cp(doc_lens, num_ranks: int, buffer_len: int, comm: CommModel,
                     kernel=None) -> SystemLoad:
-  """(c) Every document split head+tail over all ranks (CP = N), KV all-gathered."""
-  out = wlb_packing(doc_lens, num_ranks, buffer_len, comm, cp=num_ranks,
-                    token_cap=float(num_ranks), kernel=kernel)
-  return dataclasses.replace(out, name="per_doc_cp")
+  """(c) Every document split head+tail over all ranks (CP = N), KV all-gathered; priced ideally:
+  each rank computes exactly 1/N of every document's attention and holds 1/N of its tokens."""
+  lens = np.asarray(doc_lens, np.int64).reshape(-1)
+  if lens.size and lens.min() < 1:
+    raise ValueError(f"per_document_cp: document lengths must be >= 1, found {int(lens.min())}")
+  n = num_ranks
+  tok = np.full(n, lens.sum() / n)
+  recv = np.full(n, lens.sum() * (n - 1) / n * comm.kv_row_bytes)
+  ms = None if kernel is None else np.full(n, np.sum(kernel.fwdbwd_ms(lens, lens)) / n)
+  return SystemLoad(name="per_doc_cp", area=np.full(n, range_area(0, lens).sum() / n), tokens=tok,
+                    send=recv.copy(), recv=recv, cp=n, attn_ms=ms)

@@ -243,7 +243,7 @@ class Simulator:
     for cp in self._cp_sizes():
       load = wlb_packing(lens, n, t, self.comm, cp=cp, token_cap=cfg.wlb_token_cap,
                          token_weight=token_weight, kernel=self.kernel)
-      sweep[cp] = self._baseline(load, 0.0 if cp == 1 else cfg.cp_overlap)
+      sweep[cp] = self._baseline(load, 0.0 if load.cp == 1 else cfg.cp_overlap)
     out["wlb"] = dataclasses.replace(sweep[1], name="wlb")
     best = min(sweep.values(), key=lambda r: r.iter_s)
     out["wlb_best"] = dataclasses.replace(best, name="wlb_best")

@@ -196,7 +196,7 @@ class PipelineSimulator(Simulator):
 
     for cp in self._cp_sizes():
       load, busy = joined([wlb[cp][m] for _, m in pairs])
-      out[("wlb", cp)] = (self._baseline(load, 0.0 if cp == 1 else cfg.cp_overlap), busy)
+      out[("wlb", cp)] = (self._baseline(load, 0.0 if load.cp == 1 else cfg.cp_overlap), busy)
     load, busy = joined([mbs[m].pdc for _, m in pairs])
     out["per_doc_cp"] = (self._baseline(load, cfg.cp_overlap, "per_doc_cp"), busy)
     return out

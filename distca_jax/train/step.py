@@ -88,6 +88,10 @@ class Trainer:
     config = self.config
     self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
     self.core_attention = attention_lib.make_core_attention(config.attention, mesh)
+    if config.data.packing == "wlb":  # the WLB-LLM baseline's buffers and attention
+      from distca_jax import wlb_attention
+
+      self.core_attention = wlb_attention.make_wlb_attention(mesh, config.attention.kernel)
     self.tx, self.schedule = make_optimizer(config.optim, total_steps or config.train.steps)
     constrain = mesh_lib.activation_constrainer(mesh, self.rules)
     dtype = DTYPES[config.model.dtype]

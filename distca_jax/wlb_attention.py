@@ -1,0 +1,217 @@
+"""The WLB-LLM-style baseline in the trainer (`data.packing=wlb`): re-packed batches and their
+colocated attention with per-document context parallelism (docs/METHOD.md, "baseline").
+
+Host side, per step: `schedule.wlb` packs the step's documents across the data ranks into
+buffers of the token cap (`WlbPacking`); `repack_batch` moves the batch's tokens there, each
+token keeping its document position (RoPE) and its next-token target, so the loss per token is
+the in-order batch's; `wlb_context` builds each rank's task table and K/V gather index.
+
+Device side: every rank computes attention for its own rows (colocated). A document split over a
+CP group (head+tail chunks, or the in-order fallback's consecutive ones) needs K/V rows of the
+group's other ranks: the group all-gathers its K and V (cp − 1 `ppermute`s inside the group,
+whose transposes return dK, dV), and each rank lays the rows of each such document's prefix out
+contiguously by its gather index (`WlbContext.kv_index`; the transpose of that gather sums the
+gradients). Its K/V rows are then its own buffer followed by those `window` rows, and every
+shard is one task over its document's whole prefix, as colocated attention does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from distca_jax import kernels
+from distca_jax.data.packing import PAD_SEGMENT, Layout, _ranges
+from distca_jax.data.sources import Batch
+from distca_jax.kernels import TaskTable
+from distca_jax.schedule import wlb
+
+
+def _bucket(n: int, minimum: int) -> int:
+  """Smallest power of two >= max(n, minimum): few distinct shapes, few compilations."""
+  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["q_start", "q_len", "kv_start", "kv_len", "kv_index"],
+                   meta_fields=["group", "window"])
+@dataclasses.dataclass(frozen=True)
+class WlbContext:
+  """Per-rank task tables [N, capacity] and K/V gather index [N, max(window, 1)], int32.
+
+  A rank attends over `C + window` K/V rows: its own buffer of C rows, then `window` rows taken
+  by `kv_index` from its group's all-gathered buffers. The group's buffers are stacked by shift:
+  block s (rows [s·C, (s+1)·C)) is the buffer of the rank `s` places before this one in its
+  group (cyclically), block 0 its own. `group` (the CP group size; ranks r with equal r // group
+  gather together) and `window` are static: part of the compiled shape.
+  """
+
+  q_start: jax.Array
+  q_len: jax.Array
+  kv_start: jax.Array
+  kv_len: jax.Array
+  kv_index: jax.Array
+  group: int = 1
+  window: int = 0
+
+
+def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
+                window: int | None = None) -> WlbContext:
+  """Host-side task tables and gather indices of a packing (`capacity`, `window`: at least
+  these, several steps padded to one shape)."""
+  lay, g = packing.layout, packing.cp
+  N, C = lay.num_buffers, lay.buffer_len
+  counts = np.bincount(lay.buffer, minlength=N)
+  cap = _bucket(int(counts.max(initial=1)), 32)
+  capacity = cap if capacity is None else max(capacity, cap)
+  # Each document's flat rows (rank * C + row) by document position.
+  doc_start = np.cumsum(lay.doc_lens) - lay.doc_lens
+  src = np.zeros(int(lay.doc_lens.sum()), np.int64)
+  src[_ranges(doc_start[lay.doc] + lay.doc_offset, lay.length)] = _ranges(
+      lay.buffer * C + lay.buffer_offset, lay.length)
+  shards_of = np.bincount(lay.doc, minlength=lay.doc_lens.size)
+  local = shards_of[lay.doc] == 1  # the whole document in this one shard: own rows only
+  # Per (rank, split document) the prefix it needs: up to the end of its last shard there.
+  key = lay.buffer * lay.doc_lens.size + lay.doc
+  need_key, inv = np.unique(key[~local], return_inverse=True)
+  need = np.zeros(need_key.size, np.int64)
+  np.maximum.at(need, inv, (lay.doc_offset + lay.length)[~local])
+  need_rank, need_doc = need_key // lay.doc_lens.size, need_key % lay.doc_lens.size
+  per_rank = np.bincount(need_rank, weights=need, minlength=N).astype(np.int64)
+  grown = _bucket(int(per_rank.max(initial=0)), 128) if per_rank.any() else 0
+  window = grown if window is None else max(window, grown)
+  region = np.cumsum(need) - need - np.repeat(np.cumsum(per_rank) - per_rank, np.bincount(
+      need_rank, minlength=N))  # offset of each (rank, document) prefix in its rank's window
+  rows = src[_ranges(doc_start[need_doc], need)]
+  rank_of_row = np.repeat(need_rank, need)
+  src_rank, src_row = rows // C, rows % C
+  if (src_rank // g != rank_of_row // g).any():
+    raise ValueError("wlb context: a document's shards span two CP groups")
+  shift = (rank_of_row - src_rank) % g
+  kv_index = np.zeros((N, max(window, 1)), np.int32)
+  col = _ranges(region, need)
+  kv_index[rank_of_row, col] = shift * C + src_row
+  # Task tables: one task per shard over its document's whole prefix.
+  order = np.argsort(lay.buffer, kind="stable")
+  slot = np.empty(lay.num_shards, np.int64)
+  slot[order] = np.arange(lay.num_shards) - np.repeat(np.cumsum(counts) - counts, counts)
+  kv_start = lay.buffer_offset.copy()  # a whole document: its own rows
+  if (~local).any():
+    where = np.searchsorted(need_key, key[~local])
+    kv_start[~local] = C + region[where]
+  arrays = {name: np.zeros((N, capacity), np.int32) for name in ("q_start", "q_len", "kv_start", "kv_len")}
+  arrays["q_start"][lay.buffer, slot] = lay.buffer_offset
+  arrays["q_len"][lay.buffer, slot] = lay.length
+  arrays["kv_start"][lay.buffer, slot] = kv_start
+  arrays["kv_len"][lay.buffer, slot] = lay.doc_offset + lay.length
+  return WlbContext(**arrays, kv_index=kv_index, group=g if window else 1, window=window)
+
+
+def repack_batch(batch: Batch, layout: Layout) -> Batch:
+  """`batch`'s documents laid out as `layout` says (same documents and lengths): every token
+  keeps its document position and its next-token target, padding carries no loss."""
+  old = batch.layout
+  if not np.array_equal(old.doc_lens, layout.doc_lens):
+    raise ValueError("repack_batch: the layout is of other documents")
+  lens = old.doc_lens
+  doc_start = np.cumsum(lens) - lens
+  total = int(lens.sum())
+  doc_tokens = np.zeros(total, np.int32)  # the documents' tokens, concatenated in order
+  doc_tokens[_ranges(doc_start[old.doc] + old.doc_offset, old.length)] = batch.tokens.reshape(-1)[
+      _ranges(old.buffer * old.buffer_len + old.buffer_offset, old.length)]
+  N, C = layout.num_buffers, layout.buffer_len
+  rows = _ranges(layout.buffer * C + layout.buffer_offset, layout.length)
+  pos = _ranges(layout.doc_offset, layout.length)
+  doc = np.repeat(layout.doc, layout.length)
+  flat = doc_start[doc] + pos
+  has_next = pos + 1 < lens[doc]
+  out = {"tokens": np.zeros(N * C, np.int32), "targets": np.zeros(N * C, np.int32),
+         "loss_mask": np.zeros(N * C, np.float32), "segment_ids": np.full(N * C, PAD_SEGMENT, np.int32),
+         "positions": np.zeros(N * C, np.int32)}
+  out["tokens"][rows] = doc_tokens[flat]
+  out["targets"][rows] = np.where(has_next, doc_tokens[np.minimum(flat + 1, total - 1)], 0)
+  out["loss_mask"][rows] = has_next
+  out["segment_ids"][rows] = doc
+  out["positions"][rows] = pos
+  return Batch(**{k: v.reshape(N, C) for k, v in out.items()}, layout=layout)
+
+
+def wlb_cost(model_shape, tensor_parallel: int) -> wlb.WlbCost:
+  """The simulator's default price of a baseline step (`sim/config.py` HardwareConfig and
+  cp_overlap), which `data.wlb_cp=auto` minimises."""
+  from distca_jax.sim.config import HardwareConfig, SimConfig
+
+  h, s = HardwareConfig(), SimConfig()
+  return wlb.wlb_cost_for_model(model_shape, tensor_parallel, linear_tflops=h.linear_tflops,
+                                attention_tflops=h.attention_tflops, nvlink_gbps=h.nvlink_gbps,
+                                network_gbps=h.network_gbps, gpus_per_node=h.gpus_per_node,
+                                cp_overlap=s.cp_overlap)
+
+
+def pack_step(data_config, doc_lens, num_ranks: int, cost: wlb.WlbCost) -> wlb.WlbPacking:
+  """The step's packing as `data.wlb_cp` (a size, or `auto`: the fastest by `cost`) and
+  `data.wlb_token_cap` say; deterministic in the documents."""
+  T = data_config.tokens_per_device
+  if data_config.wlb_cp == "auto":
+    return wlb.best_packing(doc_lens, num_ranks, T, cost, token_cap=data_config.wlb_token_cap)
+  return wlb.wlb_pack(doc_lens, num_ranks, T, cp=int(data_config.wlb_cp),
+                      token_cap=data_config.wlb_token_cap, token_weight=cost.token_weight)
+
+
+def host_step(data_config, batch: Batch, cost: wlb.WlbCost, shapes=None):
+  """(re-packed batch, WlbContext, WlbPacking) of one step. `shapes`: the run's
+  `dispatch.StepShapes`, whose capacities only grow, so steps compile rarely."""
+  packing = pack_step(data_config, batch.layout.doc_lens, batch.layout.num_buffers, cost)
+  ctx = wlb_context(packing)
+  if shapes is not None:
+    C = packing.layout.buffer_len
+    grown = shapes.fit(f"wlb{ctx.group}@{C}", capacity=int(ctx.q_start.shape[1]), window=ctx.window)
+    if grown["capacity"] != ctx.q_start.shape[1] or grown["window"] != ctx.window:
+      ctx = wlb_context(packing, grown["capacity"], grown["window"])
+  return repack_batch(batch, packing.layout), ctx, packing
+
+
+def make_wlb_attention(mesh: Mesh, backend: str = "auto") -> Callable:
+  """Core attention over WLB-packed buffers (`WlbContext`) under `mesh` (no pipeline axis)."""
+  kernels.resolve_backend(backend)
+  if mesh.shape.get("pipe", 1) != 1:
+    raise ValueError("data.packing=wlb: not with mesh.pipe > 1")
+  n = mesh.shape["data"]
+  row_axes = tuple(a for a in ("pipe", "data") if a in mesh.shape)
+  qkv_spec = P(row_axes, None, "tensor", None)
+  task_spec = P(row_axes, None)
+
+  def local(group, window, q_1xTxHxD, k_1xTxKxD, v_1xTxKxD, q_start, q_len, kv_start, kv_len,
+            kv_index):
+    k_TxKxD, v_TxKxD = k_1xTxKxD[0], v_1xTxKxD[0]
+    if window:
+      def gathered(x_TxKxD):
+        # Block s: the buffer of the group rank s places before this one (cyclically).
+        blocks = [x_TxKxD]
+        for s in range(1, group):
+          perm = [(r, r // group * group + (r % group + s) % group) for r in range(n)]
+          blocks.append(jax.lax.ppermute(x_TxKxD, "data", perm))
+        return jnp.concatenate(blocks)[kv_index[0, :window]]
+
+      with jax.named_scope("dispatch"):  # the profiler's communication phase
+        k_TxKxD = jnp.concatenate([k_TxKxD, gathered(k_TxKxD)])
+        v_TxKxD = jnp.concatenate([v_TxKxD, gathered(v_TxKxD)])
+    tasks = TaskTable(q_start[0], q_len[0], kv_start[0], kv_len[0])
+    with jax.named_scope("core_attention"):
+      o_TxHxD, _ = kernels.attention(q_1xTxHxD[0], k_TxKxD, v_TxKxD, tasks, backend=backend)
+    return o_TxHxD[None]
+
+  def core_attention(q, k, v, ctx: WlbContext):
+    sharded = jax.shard_map(
+        functools.partial(local, ctx.group, ctx.window), mesh=mesh,
+        in_specs=(qkv_spec, qkv_spec, qkv_spec) + (task_spec,) * 5, out_specs=qkv_spec,
+        check_vma=False)
+    return sharded(q, k, v, ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len, ctx.kv_index)
+
+  return core_attention
