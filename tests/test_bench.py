@@ -108,12 +108,13 @@ def test_bench_kernels_call_spans_and_views(capsys):
   """--gpu-time's pieces: the GPU span per call found from a trace's kernel intervals (calls
   parted at the widest gaps, overlapping kernels inside a call), and its table of views with
   ratios to the dense baseline by the same view."""
+  from distca_jax.benchtools import call_spans
   bench_kernels = launch_script("bench_kernels")
   # Three calls: [0, 10) with a kernel [2, 12) overlapping; [100, 105) + [106, 110); [300, 301).
   intervals = [(106, 110), (0, 10), (300, 301), (2, 12), (100, 105)]
-  assert bench_kernels.call_spans(intervals, 3) == [12.0, 10.0, 1.0]
-  assert bench_kernels.call_spans(intervals, 1) == [301.0]
-  assert bench_kernels.call_spans(intervals[:2], 3) == []
+  assert call_spans(intervals, 3) == [12.0, 10.0, 1.0]
+  assert call_spans(intervals, 1) == [301.0]
+  assert call_spans(intervals[:2], 3) == []
   # One task of 256 queries over its 256-key prefix: 128 x 128 tiles visit 3 blocks (area
   # 3 * 128²) of a causal area 256 * 257 / 2.
   from distca_jax.kernels import causal_area, make_task_table
@@ -162,28 +163,29 @@ def test_bench_kernels_geometry(monkeypatch):
 
 
 def test_ab_mosaic_versions():
-  """ab_mosaic.py's NAME=SPEC arguments: an Options spec of the package's kernel, or another
-  kernel file imported beside the package's (its relative imports resolve); a bad option is an
-  error before anything runs."""
+  """ab_mosaic.py's NAME=VERSION arguments: the package's kernels, or another version's kernels
+  folder imported as a package of its own (its relative imports resolve inside it); anything
+  else is an error before anything runs."""
   ab_mosaic = launch_script("ab_mosaic")
   from distca_jax.kernels import mosaic
   assert callable(ab_mosaic.load_version("now", ""))
-  assert callable(ab_mosaic.load_version("three", "stages=3"))
-  other = ROOT / "kernels" / "mosaic.py"
-  assert callable(ab_mosaic.load_version("old", f"@{other}:memory_registers=40"))
-  old = sys.modules["distca_jax.kernels._ab_old"]
-  assert old is not mosaic and old.Options is not mosaic.Options
-  with pytest.raises(ValueError, match="choose from"):
-    ab_mosaic.load_version("bad", "no_such_option=1")
+  assert callable(ab_mosaic.load_version("old", f"@{ROOT / 'kernels'}"))
+  old = sys.modules["_ab_old.mosaic"]
+  assert old is not mosaic and old.forward is not mosaic.forward
+  assert sys.modules["_ab_old.mosaic_bwd"].__file__ == str(ROOT / "kernels" / "mosaic_bwd.py")
+  for bad in ("stages=3", f"@{ROOT / 'kernels' / 'mosaic.py'}"):
+    with pytest.raises(ValueError, match="kernels folder"):
+      ab_mosaic.load_version("bad", bad)
 
 
 def test_ab_mosaic_trace_plumbing():
   """ab_mosaic.py --trace's table: a profiler trace of forward+backward calls is written, found
   and read (on the CPU there are no GPU kernels in it, so the table is empty)."""
   import jax.numpy as jnp
+  from distca_jax.benchtools import timer
   ab_mosaic = launch_script("ab_mosaic")
   q = jnp.ones((8, 2, 4))
-  run = ab_mosaic.bk.timer(lambda q, k, v, t: q * k * v * t, q, q, q, q, jnp.float32(2.0))
+  run = timer(lambda q, k, v, t: q * k * v * t, q, q, q, q, jnp.float32(2.0))
   out = ab_mosaic.kernel_table("cpu", run)
   assert out.splitlines() == ["cpu: GPU kernels 0.00 ms per forward+backward call"]
 

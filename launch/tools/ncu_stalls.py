@@ -1,6 +1,6 @@
 """Where a kernel's warps wait, from Nsight Compute's per-SASS-line counters.
 
-    python launch/ncu_stalls.py ncu_mosaic_sass.csv [--top 25]
+    python launch/tools/ncu_stalls.py ncu_mosaic_sass.csv [--top 25]
 
 Reads the CSV of `ncu -i REPORT --page source --csv --print-source sass` (what `bash
 launch/gpu_session.sh ncuside` writes) and prints: the share of the kernel's warp-stall samples

@@ -1,10 +1,11 @@
 """Time the K/V gradients' return scatter-add of a real CAD step, with the empty slots dropped
-(as it runs) and added as zeros onto row 0 (as it ran before 2026-11-28), on one device.
+(as it runs) and added as zeros onto row 0 (as an earlier index did), on one device.
 
-    python3 launch/bench_kv_return.py [--dist prolong] [--step 14] [--devices 4] [--ckv 65536]
+    python3 launch/tools/bench_kv_return.py [--dist prolong] [--step 14] [--devices 4]
+        [--ckv 65536]
 
-The step is planned on the host as the trainer plans it (`fit_gate.SETUP`: Llama-3-8B shape with
-2 layers, 64K tokens per device). Each nano-batch plan's return on the device that gets the most
+The step is planned on the host as the trainer plans it, in the gate fit's setup
+(`gate.FIT_SETUP`: Llama-3-8B shape with 2 layers, 64K tokens per device). Each nano-batch plan's return on the device that gets the most
 rows home (`_kv_grads_to_home`'s last line: rows [T, KV heads, head dim] += returned
 [N * Ckv, ...] at `kv_return_index`) is timed alone, its blocks padded to `--ckv` rows when given
 (the capacity a run had grown to). A scatter-add with repeated indices is done with atomics on a
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 
 import numpy as np
 
@@ -31,12 +30,10 @@ def padded(idx_NxC, valid_NxC, ckv: int):
 
 
 def main(argv=None) -> int:
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
-  import fit_gate
-  from bench_kernels import median_ms
   import jax
   import jax.numpy as jnp
-  from distca_jax import dispatch
+  from distca_jax import dispatch, gate
+  from distca_jax.benchtools import median_ms
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
@@ -44,18 +41,18 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--dist", default="prolong")
   ap.add_argument("--step", type=int, default=14, help="the sampler's step whose batch to plan")
-  ap.add_argument("--devices", type=int, default=fit_gate.DEVICES)
+  ap.add_argument("--devices", type=int, default=gate.FIT_DEVICES)
   ap.add_argument("--ckv", type=int, default=0, help="pad each K/V block to this many slots")
   ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--set", nargs="*", default=[], help="config overrides on fit_gate's setup")
+  ap.add_argument("--set", nargs="*", default=[], help="config overrides on the gate fit's setup")
   args = ap.parse_args(argv)
-  cfg = load_config(None, list(fit_gate.SETUP) + ["attention.impl=distca", "attention.gate=false"]
+  cfg = load_config(None, list(gate.FIT_SETUP) + ["attention.impl=distca", "attention.gate=false"]
                     + args.set)
   shape = resolve(cfg.model)
   src = synthetic_from_config(dataclasses.replace(cfg.data, distribution=args.dist),
                               shape.vocab_size, args.devices)
-  ctx = dispatch.host_context(cfg.attention, src.batch(args.step), shape)
-  if not isinstance(ctx, dispatch.StepContext):
+  ctx = dispatch.plan_step(cfg.attention, src.batch(args.step), shape)
+  if not ctx.cad:
     print(f"{args.dist}@{args.step}: the step runs colocated; nothing returns")
     return 1
   kh, e = shape.kv_heads, shape.head_dim
