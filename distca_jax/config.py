@@ -319,12 +319,16 @@ def validate(config: Config) -> None:
 def _check_distribution(d: DataConfig) -> None:
   """The length distribution loads, and its documents, scaled as the sampler scales them, are
   longer than one token somewhere (a one-token document has no next-token target)."""
-  from distca_jax.data.doclens import longest_sampled, load_lengths
+  from distca_jax.data.doclens import MAX_POOL, load_lengths, longest_sampled, pool_size
 
   try:
     lengths = load_lengths(d.distribution, field="data.distribution")
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  if pool_size(lengths, d.long_threshold, d.upsample_long_factor) > MAX_POOL:
+    raise ConfigError(f"data.upsample_long_factor: {d.upsample_long_factor} repeats of the long "
+                      f"documents of {d.distribution!r} exceed the sampler's pool of {MAX_POOL} "
+                      f"documents")
   full_context = d.full_context_replacement
   if full_context is None:
     full_context = d.distribution == "prolong"

@@ -449,6 +449,15 @@ def test_distribution_without_targets_refused():
   assert _error("data.elongate_factor=1000000000000000000").startswith("data.elongate_factor:")
 
 
+def test_sampling_pool_too_large_refused():
+  """The fuzz found it: a huge upsample_long_factor asked numpy for terabytes at the first batch."""
+  from distca_jax.sim.config import load_sim_config
+
+  assert _error("data.upsample_long_factor=2147483648").startswith("data.upsample_long_factor:")
+  with pytest.raises(ConfigError, match="^upsample_long_factor: .*pool"):
+    load_sim_config(None, ["upsample_long_factor=100000000"])
+
+
 @pytest.mark.parametrize("field", ["train.out_dir", "checkpoint.dir", "train.compile_cache_dir"])
 def test_output_directory_that_is_a_file(tmp_path, field):
   path = _write(tmp_path, "file", "x")
@@ -608,10 +617,32 @@ def _fuzz(loader, pairs, tmp_path, raw):
       return None
 
 
+def _host_side_start(config):
+  """What a run does first with its config on the host, where the values the loader once let
+  through crashed late: the learning-rate schedule, and the first batches of the data source
+  (at a small buffer length: the fuzz may ask for a huge one)."""
+  import dataclasses
+
+  import numpy as np
+
+  from distca_jax.data.sources import synthetic_from_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train.optimizer import lr_schedule
+
+  schedule = lr_schedule(config.optim, config.train.steps)
+  for step in (0, config.optim.warmup_steps, config.train.steps):
+    assert np.isfinite(float(schedule(step)))
+  if config.data.source == "synthetic":
+    data = dataclasses.replace(config.data, tokens_per_device=min(config.data.tokens_per_device, 512))
+    source = synthetic_from_config(data, resolve(config.model).vocab_size, num_buffers=2)
+    for step in (0, 1):
+      assert source.batch(step).tokens.shape == (2, data.tokens_per_device)
+
+
 def test_fuzz_trainer_config_values(tmp_path):
   """Random values (NaN, inf, negative, huge, wrong types, lists, mappings) for random fields:
-  the loader returns a config that passes every check, or raises ConfigError; never anything
-  else."""
+  the loader returns a config that passes every check and starts on the host, or raises
+  ConfigError; never anything else."""
   from hypothesis import HealthCheck, given, settings
   from hypothesis import strategies as st
 
@@ -623,6 +654,7 @@ def test_fuzz_trainer_config_values(tmp_path):
     config = _fuzz(load_config, pairs, tmp_path, raw)
     if config is not None:
       validate(config)
+      _host_side_start(config)
 
   run()
 

@@ -62,6 +62,17 @@ def _parse(text: str, source: str) -> np.ndarray:
   return np.asarray(values, dtype=np.int64)
 
 
+# `LengthSampler` holds its pool (every document, the long ones `upsample_long_factor` times) in
+# memory as int64 and permutes it each step: past this many documents that is no longer cheap.
+MAX_POOL = 1 << 26
+
+
+def pool_size(lengths: np.ndarray, long_threshold: int, upsample_long_factor: int) -> int:
+  """Documents in `LengthSampler`'s pool: the short ones once, the long ones repeated."""
+  long = int((lengths >= long_threshold).sum())
+  return int(lengths.size) - long + long * int(upsample_long_factor)
+
+
 def longest_sampled(lengths: np.ndarray, long_threshold: int, full_context_replacement: bool,
                     elongate_factor: int, length_scale: float) -> float:
   """The longest document `LengthSampler` can draw from `lengths` with these settings, in

@@ -147,7 +147,7 @@ def load_sim_config(path: str | Path | None = None, overrides=()) -> SimConfig:
 def validate(c: SimConfig) -> None:
   """Checks that span fields (the mesh each sweep point needs) and the input files (length
   distributions, the kernel time table). Single fields' ranges are their types'."""
-  from distca_jax.data.doclens import load_lengths
+  from distca_jax.data.doclens import MAX_POOL, LengthSampler, load_lengths, pool_size
   from distca_jax.models.presets import PRESETS  # lazy: keeps the schema importable alone
 
   check(c)
@@ -165,9 +165,12 @@ def validate(c: SimConfig) -> None:
                             f"pipeline_parallel ({c.tensor_parallel} x {pp})")
     for name in axes["distributions"]:
       try:
-        load_lengths(name, field=f"{at}distributions")
+        lengths = load_lengths(name, field=f"{at}distributions")
       except ValueError as e:
         raise ConfigError(str(e)) from None
+      if pool_size(lengths, LengthSampler.long_threshold, c.upsample_long_factor) > MAX_POOL:
+        raise ConfigError(f"upsample_long_factor: {c.upsample_long_factor} repeats of the long "
+                          f"documents of {name!r} exceed the sampler's pool of {MAX_POOL} documents")
   if c.hardware.time_table:
     _check_time_table(c.hardware.time_table, sorted({m for axes in c.sweep_axes() for m in axes["models"]}))
 
