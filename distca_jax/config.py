@@ -107,30 +107,29 @@ class AttentionConfig:
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: Probability = 0.1
   # The step gate: the trainer plans the step, predicts the fraction of the colocated step CAD
-  # saves with that plan net of the exchange's cost (`metrics.predicted_cad_saving`, fit to 14
-  # batches on 4 H100s, docs/PERFORMANCE.md "The step gate": within 1.5% of the measured saving
-  # when each batch is left out of the fit), and runs colocated attention that step if the
-  # prediction is below `min_gain` (a fraction of the step, may be negative). `gate: false` runs
-  # CAD on every step. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance only.
+  # saves with that plan net of the exchange's cost (`gate.predicted_cad_saving`; its fit and
+  # accuracy: docs/PERFORMANCE.md), and runs colocated attention that step if the prediction is
+  # below `min_gain` (a fraction of the step, may be negative). `gate: false` runs CAD on every
+  # step. Pipelined runs (mesh.pipe > 1) gate their ticks with min_imbalance only.
   gate: bool = True
   min_gain: Annotated[float, Range(gt=-1, lt=1, why="a fraction of the step; attention.gate=false "
                                                    "turns the gate off")] = 0.0
   # The gate's cost model, in matmul-FLOP units: attention's time per FLOP relative to the rest
   # of the step; the exchange's fixed cost as a fraction of the matmul time; and its cost per
   # byte the busiest device sends and receives (the tiled exchange: whole padded blocks at the
-  # run's capacities, `dispatch.exchange_bytes`). Fit on one NVLink host of 4 H100s with the
-  # Triton kernel, checked on 2 H200s (`python launch/fit_gate.py` refits from measured step
-  # times and prints these three as overrides): refit them for other GPUs or multi-node
-  # exchanges. The attention cost, unset, is the one measured for the kernel the run's
-  # attention takes (`metrics.GATE_ATTENTION_COST`: triton 0.75, mosaic 0.61; kernels
-  # not measured in steps take triton's); `fit_gate.py --kernel-logs` measures another's.
+  # run's capacities, `gate.exchange_bytes`). The defaults are a fit to one NVLink host's step
+  # times (docs/PERFORMANCE.md); `python launch/fit_gate.py` refits them from measured step times
+  # and prints these three as overrides: refit them for other GPUs or multi-node exchanges. The
+  # attention cost, unset, is the one fit for the kernel the run's attention takes
+  # (`gate.GATE_ATTENTION_COST`, from distca_jax/gate_fit.json; a kernel without one takes
+  # triton's); `fit_gate.py --kernel-logs` fits another's.
   gate_attention_cost: NonNegFloat | None = None
   gate_exchange_fixed: NonNegFloat = 0.00936
   gate_exchange_flops_per_byte: NonNegFloat = 1305.0
   # Across nodes: a byte the exchange moves between data ranks on different nodes costs this many
   # NVLink bytes (the fit above is one NVLink host's), and a device's exchange takes as long as
-  # its busier link, within its node or across (`dispatch.exchange_bytes`, as the simulator
-  # models it). Default 4: NVLINK_GBPS / NETWORK_GBPS (above); not measured here: refit on the
+  # its busier link, within its node or across (`gate.exchange_bytes`, as the simulator
+  # models it). Default 4: NVLINK_GBPS / NETWORK_GBPS (above), not a fit: refit on the
   # cluster. `gate_nodes`: the node of each data rank; unset, the trainer finds it (processes
   # grouped by host name; one process is one node) and records it in the run's config.json. Set
   # it (a list of mesh.data node numbers) to plan as another topology would, or where host names
@@ -139,8 +138,8 @@ class AttentionConfig:
   gate_nodes: tuple[NonNegInt, ...] | None = None
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
-  # nothing. The ratio alone does not say what balancing buys (on 4 H100s a batch at 1.28 gained
-  # 2.2% where batches at 1.32 and 1.41 lost 2%). Unset: off (1.0) for unpipelined steps, which
+  # nothing. The ratio alone does not say what balancing buys (a batch may gain at a lower ratio
+  # than another loses at; docs/PERFORMANCE.md). Unset: off (1.0) for unpipelined steps, which
   # the gate above decides; 1.25 for a pipeline's ticks, which have no other gate
   # (`min_imbalance_for`).
   min_imbalance: Annotated[float, Range(ge=1, why="a max / mean ratio; 1 turns the gate off")] | None = None
@@ -150,18 +149,16 @@ class AttentionConfig:
   # would. A step whose split cuts a document longer than half the step runs whichever of one
   # or two streams the gate's model predicts saves more (unequal halves balance worse), unless
   # `pingpong_allow_single` is false: one stream holds twice the rows per exchange and kernel
-  # call (+4.8 GiB of XLA temporaries on the Llama-3-8B shape at 64K per device), which a run
-  # sized to two streams' memory may not have. `false`: every step one stream (the
-  # single-stream ablation).
+  # call (several GiB more XLA temporaries at 8B-model sizes), which a run sized to two streams'
+  # memory may not have. `false`: every step one stream (the single-stream ablation).
   pingpong: bool = True
   pingpong_allow_single: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
   # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); `shifted`, one
   # ppermute per shift k (block d -> d + k), each shift's blocks at that shift's largest rather
-  # than every pair at the largest pair (CPU and GPU; on the 4-GPU batches 2.9x the moved bytes
-  # instead of 5.9x, launch/exchange_padding.py; not yet timed on a GPU); or `ragged` (GPU
-  # only): only the rows that move travel, but XLA 0.11 waits on the host before each call
-  # (measured 0.74x colocated where tiled gives 1.09x, docs/PERFORMANCE.md).
+  # than every pair at the largest pair (CPU and GPU; about half the padded bytes of `tiled`,
+  # docs/PERFORMANCE.md); or `ragged` (GPU only): only the rows that move travel, but XLA 0.11
+  # waits on the host before each call, which makes it slower than `tiled` (docs/PERFORMANCE.md).
   exchange: Literal["tiled", "shifted", "ragged"] = "tiled"
 
   def min_imbalance_for(self, pipelined: bool) -> float:

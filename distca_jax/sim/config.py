@@ -29,7 +29,7 @@ Tokens = Annotated[int, Range(ge=128, multiple_of=128, why="the attention tile")
 class HardwareConfig:
   """Throughputs per GPU and bandwidths per GPU (docs/SIMULATOR.md for the defaults)."""
 
-  # Sustained bf16 TFLOP/s of the linear layers (projections, MLP). Measured matmul: 612.
+  # Sustained bf16 TFLOP/s of the linear layers (projections, MLP), below a large matmul's peak.
   linear_tflops: PositiveFloat = 450.0
   # Sustained TFLOP/s of fused varlen attention; packed cuDNN reaches about 300 (fwd and fwd+bwd).
   attention_tflops: PositiveFloat = 300.0
@@ -106,13 +106,11 @@ class SimConfig:
   # every (device, server) pair padded to the largest pair's capacity bucket (the default
   # attention.exchange=tiled of the dispatch).
   exchange: Literal["ragged", "tiled"] = "ragged"
-  # CAD's costs the model otherwise leaves out, as fit to fourteen batches on 4 x H100
-  # (docs/PERFORMANCE.md "The step gate", launch/fit_gate.py): a fixed part, as a fraction of each
-  # rank's linear time (the ping-pong split's smaller matmuls, the exchange's calls), and ms per GB
-  # a rank sends and receives (the rows that move, per layer: laying them out on the servers and
-  # the exchange ping-pong does not hide). 0 and 0: the ideal model, which the tables of
-  # docs/SIMULATOR.md before "Against measurements on 4 GPUs, calibrated" use; measured: 0.0228
-  # and 16.6.
+  # CAD's costs the model otherwise leaves out: a fixed part, as a fraction of each rank's linear
+  # time (the ping-pong split's smaller matmuls, the exchange's calls), and ms per GB a rank sends
+  # and receives (the rows that move, per layer: laying them out on the servers and the exchange
+  # ping-pong does not hide). 0 and 0: the ideal model; docs/SIMULATOR.md gives the values fit to
+  # measured steps (launch/fit_gate.py) and the tables made with each.
   cad_fixed_overhead: NonNegFloat = 0.0
   cad_ms_per_gb: NonNegFloat = 0.0
   hardware: HardwareConfig = HardwareConfig()
