@@ -543,15 +543,15 @@ def test_print_config_runs_nothing(tmp_path, capsys):
     ("train", ["data.distribution=/nonexistent/lens.json"], "data.distribution"),
     ("simulate", ["epsilon=2"], "epsilon"),
 ])
-def test_refused_value_exits_2_before_jax(script, argv, field):
+def test_refused_value_exits_2_before_jax(script, argv, field, tmp_path):
   """The user's view: exit status 2, one `config error:` line, no traceback, JAX never started."""
   import subprocess
   import sys
 
   code = ("import runpy, sys; rc = runpy.run_path(sys.argv[1])['main'](sys.argv[2:]); "
           "print('jax' in sys.modules); sys.exit(rc)")
-  proc = subprocess.run([sys.executable, "-c", code, f"launch/{script}.py", *argv], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120)
+  proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "launch" / f"{script}.py"), *argv],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2
   assert proc.stderr.startswith(f"config error: {field}:") and proc.stderr.count("\n") == 1
   assert "Traceback" not in proc.stderr and proc.stdout.strip() == "False"
