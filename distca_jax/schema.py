@@ -124,6 +124,8 @@ def check_writable_dir(path: str, value: str) -> None:
   a read-only mount shows only on writing)."""
   if not value:
     raise ConfigError(f"{path}: must name a directory, got ''")
+  if re.match(r"[a-z][a-z0-9+.-]*://", value):  # gs://, s3://: the writer's file system checks it
+    return
   try:
     target = Path(value).expanduser()
     probe = target
