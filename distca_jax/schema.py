@@ -58,6 +58,7 @@ class Range:
   why: str = ""
 
   def holds(self, v) -> bool:
+    """Whether the number `v` is inside the range (or one of `also`)."""
     if v in self.also:
       return True
     return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
@@ -65,9 +66,12 @@ class Range:
             and (self.multiple_of is None or v % self.multiple_of == 0))
 
   def describe(self) -> str:
-    num = lambda x: f"2**{x.bit_length() - 1}" if isinstance(x, int) and x > 2**20 and not x & (x - 1) else f"{x:g}"
-    lo = (f"[{num(self.ge)}" if self.ge is not None else f"({num(self.gt)}" if self.gt is not None else None)
-    hi = (f"{num(self.le)}]" if self.le is not None else f"{num(self.lt)})" if self.lt is not None else None)
+    """The range in words, as `--help` and errors say it: `>= 1`, `in [0, 1)`, `>= 1 or -1`."""
+    lo = hi = None
+    if self.ge is not None or self.gt is not None:
+      lo = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}"
+    if self.le is not None or self.lt is not None:
+      hi = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})"
     if lo and hi:
       text = f"in {lo}, {hi}"
     elif lo:
@@ -83,6 +87,7 @@ class Range:
     return text
 
   def check(self, path: str, value, item: str = "") -> None:
+    """A ConfigError naming `path` (and `item`, for a list's element) unless `value` holds."""
     if not self.holds(value):
       why = f" ({self.why})" if self.why else ""
       if item:
@@ -90,7 +95,16 @@ class Range:
       raise ConfigError(f"{path}: must be {self.describe()}{why}, got {value!r}")
 
 
+def _num(x) -> str:
+  """A bound as written: `2**32` for a large power of two, else the shortest float form."""
+  if isinstance(x, int) and x > 2**20 and not x & (x - 1):
+    return f"2**{x.bit_length() - 1}"
+  return f"{x:g}"
+
+
 class _Marker:
+  """A rule without parameters; `text` is how `--help` says it."""
+
   def __init__(self, name: str, text: str):
     self.name, self.text = name, text
 
@@ -182,7 +196,9 @@ def _coerce(path: str, annotation, value, current=None, rules: bool = False):
           return _coerce(path, arg, value, current, rules)
         except ConfigError as e:
           errors.append(str(e))
-    raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+    if len(errors) > 1:  # e.g. `int >= 1 | auto`: say both
+      raise ConfigError(f"{path}: expected {describe_type(annotation)}, got {value!r}")
+    raise ConfigError(errors[0])
   elif dataclasses.is_dataclass(kind):
     if isinstance(value, kind):
       return check(value, f"{path}.") if rules else value
@@ -451,7 +467,8 @@ def describe(schema, prefix: str = "", heading: str = "") -> list[str]:
   doc = (schema.__doc__ or "").strip()
   if doc.startswith(f"{schema.__name__}("):  # dataclass's generated docstring
     doc = ""
-  lines = [f"{heading or prefix.rstrip('.') or 'top level'}:" + (f" {doc.splitlines()[0]}" if doc else "")]
+  title = heading or prefix.rstrip(".") or "top level"
+  lines = [f"{title}:" + (f" {doc.splitlines()[0]}" if doc else "")]
   comments = _comments(schema)
   nested = []
   if all(dataclasses.is_dataclass(_split(hints[f.name])[0]) for f in fields):
@@ -467,7 +484,8 @@ def describe(schema, prefix: str = "", heading: str = "") -> list[str]:
     value = _yaml_scalar(getattr(default, f.name))
     lines.append(f"  {prefix}{f.name}: {describe_type(hints[f.name])}  [{value}]")
     if comments.get(f.name):
-      lines += textwrap.wrap(comments[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+      lines += textwrap.wrap(comments[f.name], 100, initial_indent=" " * 6,
+                             subsequent_indent=" " * 6)
   for kind, sub, head in nested:
     lines += ([""] if lines else []) + describe(kind, sub, head)
   return lines

@@ -1,9 +1,9 @@
 """The shipped document-length distributions and the paper's batch sampling scheme.
 
 `doclens/` holds copies of the two distributions (see its README for provenance, Apache-2.0).
-Sampling follows the paper's scheme (docs/METHOD.md; the README in doclens/): split at `long_threshold`, repeat long documents
-`upsample_long_factor` times, optionally replace long documents by full-context ones (ProLong),
-draw without replacement, multiply by `elongate_factor`.
+Sampling follows the paper's scheme (docs/METHOD.md; the README in doclens/): split at
+`long_threshold`, repeat long documents `upsample_long_factor` times, optionally replace long
+documents by full-context ones (ProLong), draw without replacement, multiply by `elongate_factor`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def load_lengths(name_or_path: str, field: str = "data.distribution") -> np.ndar
   path = Path(name_or_path)
   try:
     if not path.is_file():
-      what = "a directory" if path.is_dir() else "neither one of {} nor an existing file".format(list(BUILTIN))
+      what = ("a directory" if path.is_dir()
+              else f"neither one of {list(BUILTIN)} nor an existing file")
       raise ValueError(f"{field}: {name_or_path!r} is {what}")
     text = path.read_bytes().decode("utf-8")
   except UnicodeDecodeError:
