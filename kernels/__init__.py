@@ -12,6 +12,8 @@ prefix part + causal square merged by LSE, with our Triton or Pallas backward; H
 dtype and LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed over the query
 heads of a group and over tasks sharing key rows); rows outside every task give O = 0,
 LSE = -inf and zero gradients.
+
+Shapes: T query rows, S key rows, H query heads, K KV heads (H a multiple of K), D head dim.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ mask on tiles every row sees in full. Two views of the same set of tiles:
 
 Everything here is jnp and traceable (task tables are runtime data under jit); the key-side
 function works on scalars so the kernels call it in-kernel.
+
+Shapes: `_QxB` arrays hold one row per query block and one column per row in it; `_CxN` ones one
+row per task and one column per key block.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ This leans on the private `jax._src.cudnn.fused_attention_stablehlo` (packed lay
 statistics, the backward primitive). Its statistics for packed input have shape
 [segments, heads, T]: entry [m, h, i] is the LSE of row i of segment m, with the valid segments
 packed to the left (cuDNN's per-sequence Stats tensor).
+
+Shapes: T query rows, S key rows, H query heads, K KV heads, D head dim.
 """
 
 from __future__ import annotations

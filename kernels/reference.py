@@ -1,6 +1,9 @@
 """Reference backend: dense masked attention in plain XLA. The correctness oracle; CPU friendly.
 
-Cost is O(Tq * Tkv) whatever the tasks: use it for tests and small shapes only.
+Cost is O(T * S) whatever the tasks: use it for tests and small shapes only.
+
+Shapes: T query rows, S key rows, H query heads, K KV heads, G = H / K query heads a KV head,
+D head dim.
 """
 
 from __future__ import annotations
