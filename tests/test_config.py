@@ -639,37 +639,28 @@ def _host_side_start(config):
       assert source.batch(step).tokens.shape == (2, data.tokens_per_device)
 
 
-def test_fuzz_trainer_config_values(tmp_path):
+def _fuzz_targets():
+  from distca_jax import config
+  from distca_jax.sim import config as sim_config
+
+  return [(Config, load_config, lambda c: (config.validate(c), _host_side_start(c)), 300),
+          (sim_config.SimConfig, sim_config.load_sim_config, sim_config.validate, 200)]
+
+
+@pytest.mark.parametrize("schema, loader, accepted, examples", _fuzz_targets(),
+                         ids=["trainer", "simulator"])
+def test_fuzz_config_values(tmp_path, schema, loader, accepted, examples):
   """Random values (NaN, inf, negative, huge, wrong types, lists, mappings) for random fields:
-  the loader returns a config that passes every check and starts on the host, or raises
-  ConfigError; never anything else."""
+  the loader returns a config that passes every check (and, for the trainer, starts on the
+  host), or raises ConfigError; never anything else."""
   from hypothesis import HealthCheck, given, settings
   from hypothesis import strategies as st
 
-  from distca_jax.config import validate
-
-  @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-  @given(_fuzz_overrides(Config), st.none() | st.none() | st.text(max_size=20))
+  @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+  @given(_fuzz_overrides(schema), st.none() | st.none() | st.text(max_size=20))
   def run(pairs, raw):
-    config = _fuzz(load_config, pairs, tmp_path, raw)
+    config = _fuzz(loader, pairs, tmp_path, raw)
     if config is not None:
-      validate(config)
-      _host_side_start(config)
-
-  run()
-
-
-def test_fuzz_sim_config_values(tmp_path):
-  from hypothesis import HealthCheck, given, settings
-  from hypothesis import strategies as st
-
-  from distca_jax.sim.config import SimConfig, load_sim_config, validate
-
-  @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-  @given(_fuzz_overrides(SimConfig), st.none() | st.none() | st.text(max_size=20))
-  def run(pairs, raw):
-    config = _fuzz(load_sim_config, pairs, tmp_path, raw)
-    if config is not None:
-      validate(config)
+      accepted(config)
 
   run()
