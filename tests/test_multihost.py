@@ -1,11 +1,14 @@
 """Multi-process training on one host: `launch/multihost_local.sh 2 4` (2 jax.distributed
-processes x 4 CPU devices, collectives over gloo) trains exactly like 1 process x 8 devices; an
-unreachable coordinator ends the run with a clear message within the configured timeout; the
-launcher's environment (XLA flags, NCCL_NVLS_ENABLE) respects what the user set.
+processes x 4 CPU devices, collectives over gloo) trains exactly like 1 process x 8 devices; a
+SIGTERM to the launcher stops both processes after the same step with a checkpoint that resumes
+bit for bit; a dead process ends the job within seconds; an unreachable coordinator ends the run
+with a clear message within the configured timeout; the launcher's environment (XLA flags,
+NCCL_NVLS_ENABLE) respects what the user set.
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,8 +49,29 @@ def _env():
   return env
 
 
+def _launcher(out: Path, logs: Path, *args: str) -> list[str]:
+  return ["bash", str(ROOT / "launch" / "multihost_local.sh"), "2", "4", *ARGS, *args,
+          f"train.out_dir={out}", f"train.compile_cache_dir={_cache_dir()}"]
+
+
+def _two_processes(tmp_path: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+  return subprocess.run(_launcher(tmp_path / name, tmp_path / f"{name}_logs", *args), cwd=ROOT,
+                        env=dict(_env(), DISTCA_LOG_DIR=str(tmp_path / f"{name}_logs")),
+                        capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def colocated_two(tmp_path_factory):
+  """The uninterrupted 2-process colocated run (its directory, with its final checkpoint)."""
+  enable_compile_cache(_cache_dir())
+  tmp = tmp_path_factory.mktemp("two")
+  proc = _two_processes(tmp, "two", "attention.impl=colocated")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return tmp
+
+
 @pytest.mark.parametrize("impl", ["colocated", "distca"])
-def test_two_processes_match_one_process(tmp_path, impl):
+def test_two_processes_match_one_process(tmp_path, impl, request):
   """distca: the exchange crosses processes, and each process checks only its own rows' plans."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
@@ -55,13 +79,15 @@ def test_two_processes_match_one_process(tmp_path, impl):
   args = [*ARGS, f"attention.impl={impl}"]
   one = loop.run(small_config(*args, f"train.out_dir={tmp_path / 'one'}"), devices=jax.devices()[:8],
                  log=lambda *a: None)
-  out = tmp_path / "two"
-  proc = subprocess.run(
-      ["bash", str(ROOT / "launch" / "multihost_local.sh"), "2", "4", *args, f"train.out_dir={out}",
-       f"train.compile_cache_dir={_cache_dir()}"],
-      cwd=ROOT, env=dict(_env(), DISTCA_LOG_DIR=str(tmp_path / "logs")), capture_output=True,
-      text=True, timeout=400)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  if impl == "colocated":
+    base = request.getfixturevalue("colocated_two")
+  else:
+    base = tmp_path
+    proc = _two_processes(base, "two", f"attention.impl={impl}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Gloo's connection messages stay out of the job's output (process 0's log has them).
+    assert "[Gloo]" not in proc.stdout and "[Gloo]" in (base / "two_logs" / "process_0.log").read_text()
+  out = base / "two"
   two = json.loads((out / "summary.json").read_text())
   assert two["devices"] == 8 and two["mesh_shape"]["data"] == 8
   # Same global batch, same parameters; only the reduction order of the collectives differs.
@@ -73,8 +99,96 @@ def test_two_processes_match_one_process(tmp_path, impl):
   config = json.loads((out / "config.json").read_text())
   assert config["attention"]["gate_nodes"] == [0] * 8
   # Process 1 ran the same steps but wrote no files and printed no per-step lines.
-  log1 = (tmp_path / "logs" / "process_1.log").read_text()
+  log1 = (base / "two_logs" / "process_1.log").read_text()
   assert "step 1:" not in log1 and "loss " in log1
+
+
+def _start(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
+  """The 2-process launcher in the background, its stdout (process 0's) in a file."""
+  out = open(tmp_path / f"{name}.out", "w")
+  return subprocess.Popen(_launcher(tmp_path / name, tmp_path / f"{name}_logs", *args), cwd=ROOT,
+                          env=dict(_env(), DISTCA_LOG_DIR=str(tmp_path / f"{name}_logs"),
+                                   DISTCA_KILL_GRACE_S="3"),
+                          stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+  t0 = time.monotonic()
+  while text not in path.read_text():
+    assert proc.poll() is None, f"ended before {text!r}: " + path.read_text()[-3000:]
+    assert time.monotonic() - t0 < timeout, f"no {text!r} after {timeout} s"
+    time.sleep(0.2)
+
+
+def _checkpoint_state(directory: Path, step: int):
+  from distca_jax.train.checkpoint import Checkpointer
+
+  with Checkpointer(directory, save_every=1, keep=5, read_only=True) as ck:
+    # Saved by 2 processes: read every array whole onto this process's first device.
+    stored = ck._manager.item_metadata(step).state
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), stored)
+    return ck.restore(step, abstract_state=target)[0]
+
+
+def test_sigterm_stops_every_process_with_a_checkpoint_that_resumes_exactly(tmp_path, colocated_two):
+  """SIGTERM to the launcher, once both trainers run their loop: both stop after step 1 (the step
+  they are in), save it, write the summary and exit 143; the launcher exits 143. The same command
+  resumes from step 1: its step 2 loss and its final state equal the uninterrupted run's bit for
+  bit."""
+  proc = _start(tmp_path, "a", "attention.impl=colocated")
+  _wait_for(tmp_path / "a.out", "run directory", proc)  # the stop handlers are installed
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=300) == 143, (tmp_path / "a.out").read_text()[-3000:]
+  stopped = json.loads((tmp_path / "a" / "summary.json").read_text())
+  assert stopped["interrupted"] == "SIGTERM" and stopped["steps"] == 1 and stopped["saved_step"] == 1
+  assert "received SIGTERM" in (tmp_path / "a_logs" / "process_1.log").read_text()
+  assert "stopped by SIGTERM after step 1; checkpoint at step 1" in (tmp_path / "a.out").read_text()
+
+  proc = _two_processes(tmp_path, "a", "attention.impl=colocated")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "resumed from checkpoint at step 1" in proc.stdout
+  resumed = json.loads((tmp_path / "a" / "summary.json").read_text())
+  straight = json.loads((colocated_two / "two" / "summary.json").read_text())
+  assert resumed["start_step"] == 1 and resumed["losses"] == straight["losses"][1:]
+  a = _checkpoint_state(tmp_path / "a" / "checkpoints", 2)
+  b = _checkpoint_state(colocated_two / "two" / "checkpoints", 2)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_dead_process_ends_the_job_within_seconds(tmp_path):
+  """kill -9 of process 1 mid-run: the launcher stops process 0 (SIGTERM, then SIGKILL after
+  DISTCA_KILL_GRACE_S=3 s: it waits in a collective for the dead peer) and exits non-zero."""
+  proc = _start(tmp_path, "d", "attention.impl=colocated", "train.steps=400")
+  _wait_for(tmp_path / "d.out", "step 2:", proc)
+  trainers = {i: _child(proc.pid, f"--process-id {i} ") for i in (0, 1)}
+  t0 = time.monotonic()
+  os.kill(trainers[1], signal.SIGKILL)
+  rc = proc.wait(timeout=120)
+  assert rc != 0 and time.monotonic() - t0 < 30, (rc, time.monotonic() - t0)
+  assert "failed (exit 137); stopping the others" in (tmp_path / "d.out").read_text()
+  assert not Path(f"/proc/{trainers[0]}").exists() or "zombie" in _state(trainers[0])
+
+
+def _child(parent: int, text: str) -> int:
+  """The pid of `parent`'s child process whose command line contains `text`."""
+  for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+      ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+      cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, IndexError, ValueError):
+      continue
+    if ppid == parent and text in cmdline:
+      return int(stat.parent.name)
+  raise AssertionError(f"no child of {parent} runs {text!r}")
+
+
+def _state(pid: int) -> str:
+  try:
+    return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+  except (OSError, IndexError):
+    return "gone"
 
 
 def test_unreachable_coordinator_fails_fast_and_clearly(tmp_path):

@@ -138,6 +138,8 @@ class Progress:
   compile_s: float = 0.0
   imbalances: list[float] = dataclasses.field(default_factory=list)
   imbalances_after: list[float] = dataclasses.field(default_factory=list)
+  token_imbalances: list[float] = dataclasses.field(default_factory=list)  # data.packing=wlb
+  wlb_cp_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # CP size -> steps
   load_sum: list = dataclasses.field(default_factory=lambda: [None, None])  # before / after
   colocated_steps: int | None = None
   step_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # capacities as of the step
@@ -219,7 +221,7 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
       raise ConfigError(f"checkpoint.dir: {problem}")
     checkpointer = Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep)
     if ck.resume:
-      state, extra = resume(checkpointer, trainer, state, ck.step, main, log)
+      state, extra = resume(checkpointer, trainer, state, ck.step, main and not named, log)
       if extra is not None:
         start_step = int(extra["step"])
         shapes.sizes.update(extra.get("step_shapes", {}))
@@ -278,6 +280,11 @@ def _host_item(job: Job, step: int):
     ctx = pipeline.host_context(c.attention, mbs, job.mesh.shape["pipe"], shape, rows, shapes)
     return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
   batch = job.source.batch(step)
+  if c.data.packing == "wlb":  # the WLB-LLM baseline: the step's documents re-packed
+    from distca_jax import wlb_attention
+
+    return (*wlb_attention.host_item(c, batch, shape, job.mesh.shape["tensor"], shapes),
+            dict(shapes.sizes))
   ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=shapes)
   loads = profile_lib.attention_loads(ctx, batch.layout, shape, c.attention,
                                       tensor_parallel=job.mesh.shape["tensor"],
@@ -348,6 +355,11 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
     p.imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
     record["attention_imbalance_after"] = p.imbalances_after[-1]
     p.load_sum[1] = load_after if p.load_sum[1] is None else p.load_sum[1] + load_after
+  if job.config.data.packing == "wlb":  # the CP size that ran, how unequal the tokens are
+    record.update(ctx.record())  # wlb_attention.WlbStep
+    p.token_imbalances.append(record["token_imbalance"])
+    cp = int(record["wlb_cp"])
+    p.wlb_cp_steps[cp] = p.wlb_cp_steps.get(cp, 0) + 1
   peak = _peak_flops(job)
   if peak is not None:
     record["mfu"] = flops / dt / (peak * job.mesh.size)
@@ -445,7 +457,9 @@ def _summary(job: Job, p: Progress) -> Summary:
       microbatches=job.config.train.microbatches, pipeline_bubble=bubble,
       colocated_steps=p.colocated_steps, step_shapes=job.shapes.growths,
       attention=job.config.attention.impl, out_dir=str(job.out_dir), saved_step=p.saved_step,
-      interrupted=p.interrupted)
+      interrupted=p.interrupted, packing=job.config.data.packing,
+      token_imbalance=float(np.mean(p.token_imbalances)) if p.token_imbalances else None,
+      wlb_cp_steps=dict(p.wlb_cp_steps) or None)
 
 
 # ----------------------------------------------------------------------------- small helpers

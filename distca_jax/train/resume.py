@@ -21,7 +21,8 @@ def resume(checkpointer: Checkpointer, trainer, state, step: int | None, main: b
            log) -> tuple[Any, dict[str, Any] | None]:
   """(state, its checkpoint's `extra`) to start from: the newest good checkpoint (or `step`),
   or the fresh `state` and None when the directory has none. `trainer`: the run's `Trainer`
-  (shape, pipeline stages, relayout)."""
+  (shape, pipeline stages, relayout); `main`: whether this process reports skipped checkpoints
+  and a start from step 0."""
   if step is None and checkpointer.latest_step() is None:
     if main:
       log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")

@@ -35,7 +35,8 @@ def choose(out_dir: str | None, name: str) -> tuple[Path, bool]:
   """(the run's directory, whether it was named here): `out_dir`, or a new
   `runs/<name>-<timestamp>[-k]` that every process agrees on (process 0's clock and listing)."""
   if out_dir is not None:
-    return Path(out_dir), False
+    path = Path(out_dir)
+    return (path.resolve() if path.is_symlink() else path), False  # e.g. runs/latest
   import jax
 
   stamp = np.asarray([time.time() // 86400, time.time() % 86400, 0], np.int32)
