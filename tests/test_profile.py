@@ -109,7 +109,7 @@ def test_profile_cli_end_to_end(tmp_path, capsys):
 
 
 def test_overlap_report_counts_communication_beside_compute(tmp_path, capsys):
-  """launch/overlap_report.py on a small Perfetto trace: per GPU, the NCCL time covered by
+  """launch/tools/overlap_report.py on a small Perfetto trace: per GPU, the NCCL time covered by
   compute kernels running at the same time (on another stream); host events do not count."""
   import gzip
 
@@ -150,7 +150,7 @@ jax.jit(big_step)(jnp.ones((256, 1024))).block_until_ready()
 
 
 def test_xla_buffers_names_the_buffers_at_the_peak(tmp_path, capsys):
-  """launch/xla_buffers.py on a real XLA dump (CPU): a peak at least the step's largest
+  """launch/tools/xla_buffers.py on a real XLA dump (CPU): a peak at least the step's largest
   temporary, and that buffer listed with the JAX name scope of the op that made it."""
   import subprocess
   import sys
