@@ -13,27 +13,42 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
-SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in [*LAUNCH.glob("*.py"),
-                                                          *LAUNCH.glob("tools/*.py")])
+COMMANDS = sorted(p.relative_to(ROOT).as_posix() for p in LAUNCH.glob("*.py"))
+TOOLS = sorted(p.relative_to(ROOT).as_posix() for p in LAUNCH.glob("tools/*.py"))
 MAX_TOP_LEVEL = 12
 
 
 def test_launch_holds_at_most_twelve_files():
   top = sorted(p.name for p in LAUNCH.iterdir() if p.is_file())
   assert len(top) <= MAX_TOP_LEVEL, top
-  assert (LAUNCH / "tools").is_dir() and SCRIPTS  # the glob found the scripts
+  assert COMMANDS and TOOLS  # the globs found the scripts
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_script_help(script):
-  """`python -P SCRIPT --help` exits 0 and prints a usage: the script imports what it needs from
-  the installed package only (under `-P` a sibling script is not importable)."""
+def _help(script: str) -> subprocess.CompletedProcess:
+  """`python -P SCRIPT --help` from the repository root: under `-P` the script's own folder is
+  not on the import path, so a script that imports a sibling script fails."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-P", script, "--help"], capture_output=True, text=True,
+  return subprocess.run([sys.executable, "-P", script, "--help"], capture_output=True, text=True,
                         timeout=120, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("script", COMMANDS)
+def test_command_help(script):
+  """Every command and benchmark prints its usage and exits 0."""
+  proc = _help(script)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   assert "usage:" in proc.stdout.lower(), proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", TOOLS)
+def test_tool_starts(script):
+  """Every investigation tool imports cleanly and answers `--help` with its usage (exit 0) or a
+  usage error (exit 2), never a traceback."""
+  proc = _help(script)
+  assert proc.returncode in (0, 2) and "Traceback" not in proc.stderr, (
+      proc.stdout[-2000:] + proc.stderr[-2000:])
+  assert (proc.stdout + proc.stderr).strip()
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in LAUNCH.iterdir()
