@@ -60,6 +60,24 @@ class WlbContext:
   group: int = 1
   window: int = 0
 
+  # The step-context protocol the trainer reads (`attention.py`): colocated, no CAD plans.
+  cad = False
+  plans = ()
+
+  def device_inputs(self, batch: Batch):
+    """(the re-packed batch's per-token arrays, their spec), (this context, its spec)."""
+    arrays = {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
+              "positions": batch.positions}
+    return (arrays, P("data")), (self, P("data"))
+
+
+@dataclasses.dataclass(frozen=True)
+class WlbShape:
+  """A WLB step's compiled capacities (`StepShapes` keeps the largest per CP group size)."""
+
+  capacity: int  # tasks per rank
+  window: int  # gathered K/V rows per rank
+
 
 def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
                 window: int | None = None) -> WlbContext:
@@ -170,10 +188,10 @@ def host_step(data_config, batch: Batch, cost: wlb.WlbCost, shapes=None):
   packing = pack_step(data_config, batch.layout.doc_lens, batch.layout.num_buffers, cost)
   ctx = wlb_context(packing)
   if shapes is not None:
-    C = packing.layout.buffer_len
-    grown = shapes.fit(f"wlb{ctx.group}@{C}", capacity=int(ctx.q_start.shape[1]), window=ctx.window)
-    if grown["capacity"] != ctx.q_start.shape[1] or grown["window"] != ctx.window:
-      ctx = wlb_context(packing, grown["capacity"], grown["window"])
+    need = WlbShape(capacity=int(ctx.q_start.shape[1]), window=ctx.window)
+    grown = shapes.fit(f"wlb{ctx.group}@{packing.layout.buffer_len}", need)
+    if grown != need:
+      ctx = wlb_context(packing, grown.capacity, grown.window)
   return repack_batch(batch, packing.layout), ctx, packing
 
 
@@ -215,3 +233,45 @@ def make_wlb_attention(mesh: Mesh, backend: str = "auto") -> Callable:
     return sharded(q, k, v, ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len, ctx.kv_index)
 
   return core_attention
+
+
+@dataclasses.dataclass
+class WlbStep:
+  """The host side of one WLB step: its device context, its packing, and the attention
+  imbalance (max / mean area per rank) the in-order layout of the same documents had. Follows
+  the trainer's step-context protocol (`device_inputs`, `cad`, `plans`)."""
+
+  context: WlbContext
+  packing: wlb.WlbPacking
+  in_order_imbalance: float
+  cad = False
+  plans = ()
+
+  def device_inputs(self, batch: Batch):
+    return self.context.device_inputs(batch)
+
+  def loads(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: attention area (query-key pairs) and real tokens of the packing."""
+    return self.packing.area, self.packing.tokens
+
+  def imbalance(self) -> tuple[float, float]:
+    """Attention max / mean over ranks: the in-order layout's, and this packing's."""
+    return self.in_order_imbalance, _ratio(self.packing.area)
+
+  def record(self) -> dict[str, float]:
+    """The step's log entries: the CP group size that gathered K/V (1: none) and the max / mean
+    real tokens per rank (the memory imbalance the packing traded for balanced work)."""
+    return {"wlb_cp": float(self.context.group), "token_imbalance": _ratio(self.packing.tokens)}
+
+
+def _ratio(x: np.ndarray) -> float:
+  m = float(np.mean(x))
+  return float(np.max(x)) / m if m > 0 else 1.0
+
+
+def host_item(config, batch: Batch, model_shape, tensor_parallel: int, shapes=None):
+  """The training loop's host work for one `data.packing=wlb` step: (re-packed batch, its
+  `WlbStep`, (attention area per rank, None)); the area is the packing's, what its step runs."""
+  before = wlb.WlbPacking(batch.layout, batch.layout.num_buffers, 1).area
+  wb, ctx, packing = host_step(config.data, batch, wlb_cost(model_shape, tensor_parallel), shapes)
+  return wb, WlbStep(ctx, packing, _ratio(before)), (packing.area, None)

@@ -2,7 +2,9 @@
 
     python launch/bench_train.py --suite mfu        # 1 device: model tokens/s and MFU, colocated
     python launch/bench_train.py --suite cad        # all devices: colocated vs distca (ping-pong
-                                                    # on/off) on sampled, skewed and uniform batches
+                                                    # on/off) vs the WLB-LLM-style baseline
+                                                    # (--wlb-cp) on sampled, skewed and uniform
+                                                    # batches, with per-device loads
     python launch/bench_train.py --suite pp --batches skewed pretrain
                                                     # every device a pipeline stage: colocated vs
                                                     # distca attention in the lock-step pipeline
@@ -89,6 +91,11 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   if isinstance(batch, list):
     ctx = pipeline.host_context(trainer.config.attention, batch, mesh.shape["pipe"], trainer.shape)
     batch = ctx.as_batch()
+  elif config.data.packing == "wlb":  # the WLB-LLM baseline: the batch's documents re-packed
+    from distca_jax import wlb_attention
+
+    batch, ctx, _ = wlb_attention.host_item(trainer.config, batch, trainer.shape,
+                                            mesh.shape["tensor"])
   else:
     ctx = attention_lib.host_context(trainer.config.attention, batch, trainer.shape)
   host_ms = (time.perf_counter() - t0) * 1e3
@@ -137,6 +144,8 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
       mem["per_device_ms"] = phases["per_device_ms"]
       mem["top_ops_ms"] = phases["top_ops_ms"]
   imb = ctx.imbalance() if hasattr(ctx, "imbalance") else None
+  if hasattr(ctx, "loads"):  # the WLB baseline: attention area and tokens per device
+    mem["loads"] = [x.tolist() for x in ctx.loads()]
   if isinstance(ctx, dispatch.StepContext):
     # The streams the step ran (one where two unequal halves were predicted slower).
     mem.update(streams=len(ctx.batches))
@@ -186,6 +195,9 @@ def main(argv=None) -> int:
   parser.add_argument("--ungated-ablation", default="",
                       help="batches (space-separated) on which distca also runs with "
                            "attention.gate=false (moving work however balanced the batch)")
+  parser.add_argument("--wlb-cp", default="auto",
+                      help="cad: also run the WLB-LLM-style baseline (data.packing=wlb) with this "
+                           "CP group size (an integer or auto; '' for none)")
   parser.add_argument("--trace-dir", default=None,
                       help="xprof trace of the last step, with its busy time per phase and device "
                            "(DIR/<batch>-<variant>); cad: the first batch's colocated and distca "
@@ -275,6 +287,9 @@ def main(argv=None) -> int:
       batch = _batches(kind, n, T, base, shape.vocab_size)
       variants = [("colocated", ["attention.impl=colocated"]),
                   ("distca", ["attention.impl=distca", "attention.pingpong=true"])]
+      if args.wlb_cp:  # the WLB-LLM-style baseline (schedule/wlb.py), colocated attention
+        variants.append(("wlb", ["attention.impl=colocated", "data.packing=wlb",
+                                 f"data.wlb_cp={args.wlb_cp}"]))
       # The ablations vary CAD's own mechanisms, so they run CAD on the batch however balanced it
       # is (gate off); `distca-ungated` is the ping-pong, keep, tiled CAD they compare with.
       cad = ["attention.impl=distca", "attention.gate=false", "attention.min_imbalance=1.0"]
@@ -313,7 +328,7 @@ def main(argv=None) -> int:
           base_time = r["median_s"]
         # Whether the variant's step ran CAD (the gate may run a distca variant colocated); a
         # compile-only report ran no step.
-        r["cad_ran"] = None if args.compile_only else (name != "colocated"
+        r["cad_ran"] = None if args.compile_only else (name not in ("colocated", "wlb")
                                                        and r["imbalance"] is not None)
         if r["imbalance"] is None:  # colocated, or distca stopped by the gate (attention.gate)
           load = metrics_lib.attention_load_per_device(batch.layout)
@@ -335,6 +350,13 @@ def main(argv=None) -> int:
               f"{r['predicted_saving']:+.3f}  host {r['host_ms']:.0f} ms  "
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
               flush=True)
+        if "loads" in r:  # per device: attention area / mean, tokens / tokens_per_device
+          import numpy as np
+
+          area, tok = (np.asarray(x) for x in r.pop("loads"))
+          r["token_imbalance"] = float(tok.max() / tok.mean())
+          print(f"          loads: attention " + " ".join(f"{x:.2f}" for x in area / area.mean())
+                + "  tokens " + " ".join(f"{x:.2f}" for x in tok / T), flush=True)
         if "per_device_ms" in r:  # traced: busy ms of the step per device and phase
           for dev, ph in r["per_device_ms"].items():
             print(f"          {dev}: " + "  ".join(f"{k} {v:.0f} ms" for k, v in ph.items()), flush=True)

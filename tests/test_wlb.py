@@ -175,3 +175,27 @@ def test_wlb_step_matches_single_device(n, cp, tensor, long_docs, cap):
   ref_loss, ref_grads = reference_value_and_grad(params, shape, batch)  # in order, one device
   assert abs(loss - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
   assert tree_rel_err(grads, ref_grads) < 1e-5
+
+
+def test_wlb_run_resumes_exactly_and_reports_its_packing(tmp_path):
+  """Packing is a function of the step's documents, so a resumed run trains on the same packed
+  batches: its losses equal the uninterrupted run's. The summary names the packing."""
+  from distca_jax.train import loop
+  from distca_jax.train.summary import format_summary
+
+  def config(out, *overrides):
+    return small_config("model.layers=1", "model.hidden=64", "model.ffn=128",
+                        "model.vocab_size=256", "data.length_scale=8", "data.seed=1",
+                        "data.packing=wlb", "data.wlb_cp=2", "train.steps=4",
+                        "checkpoint.every=2", f"train.out_dir={out}", *overrides)
+
+  devices = jax.devices()[:4]
+  quiet = lambda *a: None
+  straight = loop.run(config(tmp_path / "straight"), devices=devices, log=quiet)
+  loop.run(config(tmp_path / "half", "train.stop_at_step=2"), devices=devices, log=quiet)
+  resumed = loop.run(config(tmp_path / "half"), devices=devices, log=quiet)
+  assert resumed.start_step == 2 and resumed.losses == straight.losses[2:]
+  assert straight.packing == "wlb" and straight.token_imbalance >= 1.0
+  # CP groups of 2, none (1: no document split), or 4 where a document did not fit a pair's cap.
+  assert sum(straight.wlb_cp_steps.values()) == 4 and set(straight.wlb_cp_steps) <= {1, 2, 4}
+  assert "packing wlb" in format_summary(straight)

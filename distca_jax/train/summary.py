@@ -55,6 +55,12 @@ class Summary:
   saved_step: int | None = None
   # The signal that stopped the run at a step boundary ("SIGTERM", "SIGINT"; None: not stopped).
   interrupted: str | None = None
+  # data.packing of the run ("in_order", or "wlb": the WLB-LLM baseline, whose attention
+  # imbalance above is its own packing's); with wlb, the mean over steps of each step's max /
+  # mean real tokens per device, and the steps per CP group size that ran (1: no K/V gather).
+  packing: str = "in_order"
+  token_imbalance: float | None = None
+  wlb_cp_steps: dict[int, int] | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -66,6 +72,10 @@ def format_summary(s: Summary) -> str:
   timing = (f"median step {med * 1e3:.1f} ms; {s.tokens_per_s:,.0f} tokens/s" if med is not None
             else "median step n/a (every step compiled; run more steps to time one)")
   imbalance = f"attention imbalance (max/mean) colocated {s.attention_imbalance:.2f}"
+  if s.packing == "wlb":
+    groups = ", ".join(f"{k} on {v}" for k, v in sorted((s.wlb_cp_steps or {}).items()))
+    imbalance = (f"packing wlb (CP group size: steps {groups}); attention imbalance (max/mean) "
+                 f"{s.attention_imbalance:.2f}, tokens {s.token_imbalance or 1.0:.2f}")
   if s.attention_imbalance_after is not None:
     imbalance += (f", CAD-scheduled {s.attention_imbalance_after:.2f}" if s.attention == "distca"
                   else f"; CAD's plan would reach {s.attention_imbalance_after:.2f} "
