@@ -23,6 +23,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from .common import installed
 from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owner
 
 BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
@@ -43,19 +44,6 @@ LEADS_AT = {"mosaic": (64, 128)}
 log = logging.getLogger(__name__)
 
 
-def _installed(backend: str) -> bool:
-  """Whether what `backend` imports beyond JAX imports here: jax-triton (triton), JAX's Mosaic
-  GPU Pallas (mosaic)."""
-  try:
-    if backend == "triton":
-      import jax_triton  # noqa: F401
-    elif backend == "mosaic":
-      import jax.experimental.pallas.mosaic_gpu  # noqa: F401
-    return True
-  except Exception:  # ImportError, or jax-triton refusing this JAX
-    return False
-
-
 def _compute_capability() -> tuple[int, ...]:
   try:
     return tuple(int(x) for x in jax.devices()[0].compute_capability.split("."))
@@ -70,9 +58,9 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
   platform = platform or jax.default_backend()
   if backend in ("triton", "mosaic", "cudnn") and platform != "gpu":
     return f"the {backend} kernel backend needs a GPU (this platform is {platform})"
-  if backend == "triton" and not _installed("triton"):
+  if backend == "triton" and not installed("triton"):
     return f"the {backend} kernel backend needs jax-triton, which is not installed"
-  if backend == "mosaic" and not _installed("mosaic"):
+  if backend == "mosaic" and not installed("mosaic"):
     return ("the mosaic kernel backend needs JAX's Mosaic GPU "
             "(jax.experimental.pallas.mosaic_gpu), which does not import with this JAX")
   if head_dim is None or dtype is None:

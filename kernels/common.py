@@ -1,6 +1,6 @@
-"""What the kernel backends share: constants of base-2 softmax, row padding, the backward's
-per-row statistics, the Pallas / Triton tile configurations, and the backward's padded-shape
-wrapper.
+"""What the kernel backends share: whether a backend's imports are installed, constants of
+base-2 softmax, row padding, the backward's per-row statistics, the Pallas / Triton tile
+configurations, and the backward's padded-shape wrapper.
 
 Shapes: T query rows, S key rows, H query heads, K KV heads, D head dim; `_HxT` arrays hold one
 row per query head (the kernels read a head's statistics contiguously).
@@ -74,6 +74,19 @@ def gpu_config(head_dim: int) -> Config:
   """The GPU tiles for `head_dim` (see GPU_CONFIGS)."""
   dims = sorted(GPU_CONFIGS)
   return GPU_CONFIGS[next((d for d in dims if d >= head_dim), dims[-1])]
+
+
+def installed(backend: str) -> bool:
+  """Whether what `backend` imports beyond JAX imports here: jax-triton (triton), JAX's Mosaic
+  GPU Pallas (mosaic)."""
+  try:
+    if backend == "triton":
+      import jax_triton  # noqa: F401
+    elif backend == "mosaic":
+      import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+    return True
+  except Exception:  # ImportError, or jax-triton refusing this JAX
+    return False
 
 
 # ---------------------------------------------------------------------------------- rows

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from . import pallas
+from .common import installed
 from .tasks import TaskTable, row_owner
 
 NEG_INF = float("-inf")
@@ -234,8 +235,7 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   if backward not in BACKWARDS:
     raise ValueError(f"cudnn backend: backward {backward!r}, choose one of {BACKWARDS}")
   if backward == "auto":
-    from . import _installed
-    backward = "triton" if _installed("triton") else "pallas"
+    backward = "triton" if installed("triton") else "pallas"
   T, H, D = q_TxHxD.shape
   scale = D ** -0.5 if scale is None else float(scale)
   tasks = TaskTable(*(jnp.asarray(a, jnp.int32) for a in tasks))

@@ -644,7 +644,7 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
   """`auto` on a (simulated) GPU: the fastest measured backend that runs the call's head dim and
   dtype; a named backend that cannot run them is refused with the reason."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(kernels, "_installed", lambda b: b != "triton" or triton_installed)
+  monkeypatch.setattr(kernels, "installed", lambda b: b != "triton" or triton_installed)
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
   r = kernels.resolve_backend
   # mosaic leads at head dims 64 and 128 whether jax-triton is installed or not (it needs none).
@@ -670,11 +670,11 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
     r("mosaic", 128, jnp.bfloat16)
   # A JAX whose Mosaic GPU does not import: auto passes over mosaic, a named one says why.
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
-  monkeypatch.setattr(kernels, "_installed", lambda b: b not in ("triton", "mosaic"))
+  monkeypatch.setattr(kernels, "installed", lambda b: b not in ("triton", "mosaic"))
   assert r("auto", 128, jnp.bfloat16) == "cudnn"
   with pytest.raises(ValueError, match="Mosaic GPU"):
     r("mosaic", 128, jnp.bfloat16)
-  monkeypatch.setattr(kernels, "_installed", lambda b: b != "triton" or triton_installed)
+  monkeypatch.setattr(kernels, "installed", lambda b: b != "triton" or triton_installed)
   # Blackwell: no wgmma, so no mosaic; the cuDNN forward runs there.
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (10, 0))
   assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
