@@ -109,7 +109,7 @@ def fit_simulator() -> None:
   import itertools
 
   from distca_jax.sim.config import load_sim_config
-  from distca_jax.sim.engine import make_simulator, points
+  from distca_jax.sim import make_simulator, points
 
   print(f"\n| cad_fixed_overhead | cad_ms_per_gb | RMS error of the speedup | mean | max |\n"
         f"|---|---|---|---|---|")

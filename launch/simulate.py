@@ -29,7 +29,7 @@ import numpy as np
 
 from distca_jax.schema import ConfigError, check_writable_dir, describe, to_yaml
 from distca_jax.sim.config import SimConfig, load_sim_config
-from distca_jax.sim.engine import SYSTEMS, make_simulator, points, summarize
+from distca_jax.sim import SYSTEMS, make_simulator, points, summarize
 
 
 def main(argv=None) -> int:

@@ -292,8 +292,9 @@ def test_gate_table_bins_every_batch_once():
 
 # ----------------------------------------------------------------------------- 4D (pipeline)
 
-from distca_jax.sim.engine import make_simulator, points  # noqa: E402
-from distca_jax.sim.pipeline import PipelineSimulator, bubble_fraction, lockstep_schedule  # noqa: E402
+from distca_jax.sim.engine import points  # noqa: E402
+from distca_jax.sim.pipeline import (PipelineSimulator, bubble_fraction, lockstep_schedule,  # noqa: E402
+                                     make_simulator)
 
 
 def _asdict(r):

@@ -102,14 +102,6 @@ def points(cfg: SimConfig) -> list[Point]:
   return out
 
 
-def make_simulator(cfg: SimConfig, point: Point):
-  """The 3D `Simulator` for one stage and one micro-batch, else the pipeline model."""
-  if point.pipeline == 1 and cfg.microbatches_for(1) == 1:
-    return Simulator(cfg, point)
-  from distca_jax.sim.pipeline import PipelineSimulator  # it builds on this module
-  return PipelineSimulator(cfg, point)
-
-
 class Simulator:
   """Holds the per-point constants; `batch(step)` simulates every system on one sampled batch."""
 

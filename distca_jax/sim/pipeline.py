@@ -59,6 +59,14 @@ from distca_jax.sim.config import SimConfig
 from distca_jax.sim.engine import Point, Simulator, SystemResult
 
 
+def make_simulator(cfg: SimConfig, point: Point) -> Simulator:
+  """The 3D `Simulator` for one stage and one micro-batch, else the pipeline model. It lives here,
+  above both models, so that the 3D model (`engine.py`) never imports the pipeline's."""
+  if point.pipeline == 1 and cfg.microbatches_for(1) == 1:
+    return Simulator(cfg, point)
+  return PipelineSimulator(cfg, point)
+
+
 def lockstep_schedule(pp: int, microbatches: int, backward: bool = False) -> list[list[tuple[int, int]]]:
   """Ticks of the lock-step 1F1B: per tick, the (stage, micro-batch) pairs that run, stage order.
 
