@@ -130,8 +130,8 @@ def queued_ms(fn, *args, calls=8, repeats=3):
   """Wall time per call with `calls` calls queued before one block_until_ready (median of
   `repeats`): a training step's view of a kernel, which pays no host synchronisation between
   its calls. Only the last call's outputs are kept (calls run in order on the device's stream,
-  so waiting for it waits for all): keeping all `calls` outputs ran out of memory at 512K rows
-  (H100)."""
+  so waiting for it waits for all): keeping all `calls` outputs can run out of device memory at
+  long shapes."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):

@@ -24,8 +24,8 @@ __all__ = ["Config", "ConfigError", "load_config", "parse_override", "read_yaml_
            "to_yaml", "validate"]
 
 
-# Per-GPU bandwidth each way, GB/s: within a node over NVLink (a tiled all_to_all between two
-# GPUs of a node moves 180-200) and across nodes (the paper's network setting, docs/METHOD.md).
+# Per-GPU bandwidth each way, GB/s: within a node over NVLink (what a tiled all_to_all reached,
+# docs/METHOD.md, "Reference measurements") and across nodes (the paper's network setting).
 # Defaults of the CAD gate's price of a byte between nodes and of the simulator's links.
 NVLINK_GBPS = 200.0
 NETWORK_GBPS = 50.0

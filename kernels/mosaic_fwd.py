@@ -123,8 +123,8 @@ def _fwd_finish(acc, m_i, l_i, o_smem, lse_smem):
 
 def num_sms() -> int:
   """Streaming multiprocessors of this process's first device (a GPU's `core_count`; a remote
-  device of a multi-host job may not say); 132 (an H100 SXM) where it does not say (e.g. lowering
-  for CUDA on a CPU)."""
+  device of a multi-host job may not say); 132 (a Hopper SXM card's) where it does not say (e.g.
+  lowering for CUDA on a CPU)."""
   dev = jax.local_devices()[0]
   return int(getattr(dev, "core_count", 0) if dev.platform == "gpu" else 0) or 132
 

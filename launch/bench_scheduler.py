@@ -3,7 +3,7 @@
   python launch/bench_scheduler.py [--devices 512] [--tokens 131072] [--batches 5]
       [--eps 0.05 0.1] [--dist pretrain prolong] [--repeats 5] [--arrays-devices 8]
 
-Issue 3's target: one step of 512 devices × 128K tokens of Pretrain planned in ≤ 50 ms on one
+The planner's target: one step of 512 devices × 128K tokens of Pretrain planned in ≤ 50 ms on one
 core, compute imbalance ≤ 1.05 at ε = 0.05. Time is CPU time of this process (`process_time`,
 so other processes on a shared machine do not inflate it; numpy is pinned to one thread), median
 and best over `--repeats` runs per batch, of `planner.balance` (the schedule) and separately of

@@ -1,4 +1,4 @@
-"""Test session setup: 8 simulated CPU devices (set before jax is imported anywhere), and every
+"""Test setup: 8 simulated CPU devices (set before jax is imported anywhere), and every
 test run from a temporary working directory, so that a run without `train.out_dir` (whose
 directory defaults to `runs/...` under the working directory) never writes into the checkout."""
 
@@ -14,7 +14,7 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 @pytest.fixture(autouse=True, scope="session")
 def _outside_the_checkout(tmp_path_factory):
-  """The whole session (module fixtures included) runs in a temporary directory."""
+  """The whole test run (module fixtures included) happens in a temporary directory."""
   before = os.getcwd()
   os.chdir(tmp_path_factory.mktemp("cwd"))
   yield

@@ -1,5 +1,6 @@
-"""The step benchmark (`launch/bench_train.py`) runs end to end on the CPU, every suite a GPU
-session uses, so a crash shows here rather than on lent device time; and what its rows say."""
+"""The step benchmark (`launch/bench_train.py`) runs end to end on the CPU, every suite that
+`launch/gpu_session.sh` runs, so a crash shows here rather than on lent device time; and what its
+rows say."""
 
 import json
 import os
@@ -76,7 +77,7 @@ def test_bench_kernels_rounds(tmp_path):
   """bench_kernels.py on the CPU (the reference and Pallas backends; no cuDNN here, so no dense
   baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table;
   then `--gpu-time`'s profiler trace written and read (no GPU kernels in it here), run with
-  `python -P` as the GPU sessions run it."""
+  `python -P` as `launch/gpu_session.sh` runs it."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--backends",

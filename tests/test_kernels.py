@@ -465,7 +465,7 @@ def test_kernels_lower_once_for_all_layers(backend):
   (mosaic lowered for CUDA: its custom calls and kernel hashes; pallas in interpret mode on the
   CPU: its grid loops). Lowered at every call site, each Mosaic GPU module came out distinct
   (jaxlib 0.11 numbers every module it lowers) and XLA compiled the kernels again for every
-  layer: 1.5-2 s a kernel, two kernels a layer (Llama-3-8B shape, H100)."""
+  layer, seconds a kernel, two kernels a layer."""
   from jax import export
   from distca_jax.kernels import mosaic  # its lowered_kernels reads the module text
   tasks, T, S, H, K, _ = case_gpu_sizes()
@@ -523,7 +523,7 @@ def test_mosaic_backward_shared_memory_keeps_the_196k_carveout(monkeypatch):
   """The backward's shared memory (buffers and barriers, as Mosaic GPU's lowering counts them)
   stays within the 196 KiB carve-out less the driver's 1 KiB, for the L1 that shared memory
   leaves: while the kernel spilled registers to L1, 512 bytes more moved the card to the 228 KiB
-  carve-out and cost 20% of the backward (H100, Nsight Compute: 12.99 vs 16.32 ms on ProLong 64K).
+  carve-out and slowed the backward by a fifth (the kernel records in docs/log/ have the profile).
   It no longer spills (ptxas); a change that needs more must be measured against the line."""
   seen = _record_smem(monkeypatch)
   for d in (64, 128):

@@ -29,7 +29,7 @@ COMM = CommModel(heads=4, kv_heads=1, head_dim=16)
 
 @st.composite
 def layouts(draw, max_buffers=4, buffer_lens=(256, 384, 1024)):
-  """Packed layouts with the edge cases of issue 3: one-token documents, documents ending at
+  """Packed layouts with the scheduler's edge cases: one-token documents, documents ending at
   buffer boundaries, one document spanning every buffer, all-equal documents, padding."""
   n = draw(st.integers(1, max_buffers))
   t = draw(st.sampled_from(buffer_lens))

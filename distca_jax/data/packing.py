@@ -1,4 +1,4 @@
-"""Packing documents into fixed-length per-device token buffers (DESIGN.md §1 "Initial layout").
+"""Packing documents into fixed-length per-device token buffers (docs/METHOD.md, "Initial layout").
 
 Documents fill buffer 0, then buffer 1, ... in order; a document that overflows a buffer
 continues in the next one, its in-document positions continuing. Every buffer therefore holds

@@ -1,6 +1,6 @@
 """Cost model of CA-tasks: FLOPs, bytes on the wire, and (optionally) profiled kernel time.
 
-DESIGN.md §1 "CA-task" and "Cost model". Units used throughout the scheduler:
+docs/METHOD.md, "CA-tasks" and "Cost model". Units used throughout the scheduler:
 
 * **area**: query-key pairs of a bottom-right causal task, `q*kv - q*(q-1)/2`. The planner
   balances area; FLOPs are `area * 4 * head_dim * heads` per layer forward (QKᵀ and PV, 2 FLOPs a
@@ -54,8 +54,8 @@ class CommModel:
   heads, kv_heads: heads that server handles (model heads / tensor-parallel size).
   head_dim: per-head dimension. dtype_bytes: activation element size (2 for bf16).
   backward: include the backward pass traffic (dO, O, LSE out; dQ, dK, dV back; "keep" mode: the
-  server kept Q, K, V from the forward). resend: "resend" mode (DESIGN.md "Backward"): the
-  backward also re-sends Q, K, V.
+  server kept Q, K, V from the forward). resend: "resend" mode (docs/METHOD.md, "Backward:
+  keep or resend"): the backward also re-sends Q, K, V.
   """
 
   heads: int
@@ -135,7 +135,8 @@ def optimal_split(area, beta: float):
 class AnalyticKernel:
   """Kernel time from a sustained throughput; shards are padded to the 128-row tile.
 
-  tflops_fwd / tflops_fwdbwd: TFLOP/s per GPU (DESIGN.md §3: packed cuDNN ≈ 300 on H200).
+  tflops_fwd / tflops_fwdbwd: sustained TFLOP/s per GPU (the default is packed cuDNN's,
+  docs/METHOD.md, "Reference measurements").
   Times are for `heads` query heads of `head_dim` (one TP rank's share).
   """
 

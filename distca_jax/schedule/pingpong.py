@@ -1,6 +1,6 @@
 """Ping-pong: split a micro-batch into two nano-batches of equal tokens and balanced Σl².
 
-DESIGN.md §1 "Ping-pong execution". Each nano-batch gets its own plan, and the dispatch of one
+docs/METHOD.md, "Ping-pong execution". Each nano-batch gets its own plan, and the dispatch of one
 overlaps the compute of the other; for that to hide communication both halves must cost the same:
 equal tokens (the linear layers and memory) and about equal attention (Σl²).
 

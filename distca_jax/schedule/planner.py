@@ -1,4 +1,4 @@
-"""The communication-aware CA-task scheduler (DESIGN.md §1 "The scheduler").
+"""The communication-aware CA-task scheduler (docs/METHOD.md, "The scheduler").
 
 `balance(layout, comm, epsilon)` places the CA-tasks of one (nano-)batch on attention servers:
 
@@ -15,11 +15,12 @@ the 128-token grid, at most half the tolerance or one granule's area), so receiv
 move again, and tasks stay home unless a move is needed to bring some server within the
 tolerance: with equal loads nothing moves.
 
-Speed (the planner runs on the host once per nano-batch, ahead of the GPUs; 512 devices × 128K
-tokens in ~25-35 ms, docs/PERFORMANCE.md): the loop is over *moves* (a few hundred), never over
-tokens or documents, and is scalar Python, which beats numpy on the handful of numbers a move
-touches. Each source offers its `top_k` largest home items as candidates (long documents give
-the best ΔF per byte: a short document moved whole costs bytes ∝ l for area ∝ l², so E ∝ l).
+Speed (the planner runs on the host once per nano-batch, ahead of the GPUs;
+launch/bench_scheduler.py times it, docs/PERFORMANCE.md has the figures): the loop is over *moves*
+(a few hundred), never over tokens or documents, and is scalar Python, which beats numpy on the
+handful of numbers a move touches. Each source offers its `top_k` largest home items as
+candidates (long documents give the best ΔF per byte: a short document moved whole costs bytes
+∝ l for area ∝ l², so E ∝ l).
 Surplus and deficit live in lazy max-heaps; a move scores the candidates of sources in order of
 surplus and stops once the best score is within `prune` of an upper bound on what the next
 source could reach. Bytes in E use the paper's estimate (no deduplication); the plan's reported

@@ -38,7 +38,7 @@ class HardwareConfig:
   # card's training takes first is `mosaic`) or the path of a `launch/bench_kernels.py` table.
   time_table: str | None = None
   gpus_per_node: PositiveInt = 8
-  nvlink_gbps: PositiveFloat = NVLINK_GBPS  # GB/s per GPU each way inside a node (all_to_all: 180-200)
+  nvlink_gbps: PositiveFloat = NVLINK_GBPS  # GB/s per GPU each way inside a node (docs/METHOD.md)
   network_gbps: PositiveFloat = NETWORK_GBPS  # GB/s per GPU across nodes (the paper's setting)
 
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism (4D) in the simulator: the paper's lock-step 1F1B, CAD over every stage.
 
-DESIGN.md "4D parallelism". GPUs = DP × PP × TP; rank r = stage · DP + replica is one
+docs/METHOD.md, "4D parallelism". GPUs = DP × PP × TP; rank r = stage · DP + replica is one
 tensor-parallel group (stage-major, as Megatron orders its ranks), and every stage holds
 layers / PP layers. Each DP replica runs M micro-batches of `tokens_per_rank` tokens per step.
 
@@ -29,8 +29,9 @@ stragglers both show, and an idle stage adds nothing but waits. Step = Σ over t
   real scheduler (`schedule.plan.make_plan`) balances their attention over every rank: idle stages
   serve attention only (the paper's "dummy" pass), linear work stays with its stage. Exposed
   communication and the ping-pong cut are charged as in the 3D model. The backward re-sends
-  Q, K, V (`CommModel(resend=True)`, DESIGN.md "Backward": the mode used with pipelines, where a
-  micro-batch's forward and backward are ticks apart and servers keep no state).
+  Q, K, V (`CommModel(resend=True)`, docs/METHOD.md, "Backward: keep or resend": the mode used
+  with pipelines, where a micro-batch's forward and backward are ticks apart and servers keep no
+  state).
 
 Sampling: micro-batch k of step b holds `sampler.sample(DP · T, b · M + k)` packed over the DP
 replicas, the 3D model's batch for one micro-batch; PP = 1 and M = 1 is therefore the 3D model
