@@ -1,4 +1,5 @@
-"""Checkpointer: async saves, keep-K, interrupted saves, mesh changes, mismatches, corruption.
+"""Checkpointer: async saves, keep-K, interrupted saves, mesh changes, mismatches, corruption,
+falling back to the newest good checkpoint, and failed or oversized saves as one-line errors.
 
 Needs 8 CPU devices for the mesh-change test: the flag is set here, before jax is imported,
 unless the environment (or a conftest) already chose a device count.
@@ -14,6 +15,7 @@ import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -23,8 +25,10 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from distca_jax.train import checkpoint as checkpoint_lib  # noqa: E402
 from distca_jax.train.checkpoint import (  # noqa: E402
-    CheckpointCorruptError, CheckpointError, Checkpointer, CheckpointMismatchError, NoCheckpointError)
+    CheckpointCorruptError, CheckpointError, Checkpointer, CheckpointMismatchError,
+    CheckpointSaveError, NoCheckpointError)
 
 MODEL = {"hidden": 64, "layers": 2, "heads": 4}
 
@@ -278,3 +282,69 @@ def test_resume_gives_the_same_run(tmp_path):
   assert extra["data_step"] == 5
   assert resumed_losses == straight_losses[5:]
   _assert_tree_equal(resumed, straight)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_restore_newest_good_falls_back_and_reports_each_skipped_step(tmp_path):
+  with Checkpointer(tmp_path, save_every=2, keep=5) as ck:
+    for step in (2, 4, 6):
+      ck.maybe_save(step, _state(step), {"data_step": step})
+  for f in glob.glob(str(tmp_path / "6" / "state" / "**" / "d" / "*"), recursive=True):
+    Path(f).write_bytes(Path(f).read_bytes()[:10])  # truncated
+  ck = Checkpointer(tmp_path, 2, 5)
+  restore = lambda step: ck.restore(step, abstract_state=_abstract(_state()))
+  # Step 4 read fine, but the caller finds its state bad (say, not finite).
+  bad_at_4 = lambda state: "not finite" if float(state["opt"]["mu"][0, 0]) == 4 else None
+  state, extra, skipped = ck.restore_newest_good(restore, problem=bad_at_4)
+  assert extra == {"data_step": 2} and float(state["opt"]["mu"][0, 0]) == 2
+  assert len(skipped) == 2 and skipped[0].startswith("step 6 (unreadable: ")
+  assert skipped[1] == "step 4 (not finite)"
+  # A chosen step is that step or an error, never another.
+  _, extra, skipped = ck.restore_newest_good(restore, step=4)
+  assert extra == {"data_step": 4} and skipped == []
+  with pytest.raises(CheckpointCorruptError, match=r"checkpoint step 4 in .*: not finite$"):
+    ck.restore_newest_good(restore, step=4, problem=bad_at_4)
+  with pytest.raises(NoCheckpointError, match=r"step 5 .*does not exist; complete steps are \[2, 4, 6\]"):
+    ck.restore_newest_good(restore, step=5)
+  with pytest.raises(CheckpointCorruptError, match=r"^no good checkpoint in .*: step 6 \(unreadable: "
+                                                   r".*\); step 4 \(bad\); step 2 \(bad\)$"):
+    ck.restore_newest_good(restore, problem=lambda state: "bad")
+  ck.close()
+
+
+def test_failed_background_save_is_one_line_at_the_next_check(tmp_path, monkeypatch):
+  """A save that fails while its files are written in the background (here: the disk fills up
+  as the step is committed) raises CheckpointSaveError at the next check_saves or wait: one
+  line naming the directory and the cause; the failed step is not listed."""
+  from orbax.checkpoint._src.path import atomicity
+
+  async def full(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  ck = Checkpointer(tmp_path, save_every=1, keep=5)
+  assert ck.maybe_save(1, _state(1), {"data_step": 1})
+  ck.wait()
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", full)
+  assert ck.maybe_save(2, _state(2), {"data_step": 2})
+  with pytest.raises(CheckpointSaveError) as err:
+    for _ in range(600):  # the background write finishes within moments
+      ck.check_saves()
+      time.sleep(0.05)
+  message = str(err.value)
+  assert "\n" not in message and str(tmp_path) in message
+  assert message.endswith("OSError: [Errno 28] No space left on device"), message
+  assert ck.all_steps() == [1]
+  monkeypatch.undo()
+  ck.close()
+
+
+def test_a_save_the_disk_has_no_room_for_is_refused_up_front(tmp_path, monkeypatch):
+  free = shutil.disk_usage(tmp_path)
+  monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage",
+                      lambda path: free._replace(free=5 << 20))
+  assert checkpoint_lib.space_problem(tmp_path, 0) is not None  # 5 MiB < the headroom
+  with Checkpointer(tmp_path, save_every=1, keep=1) as ck:
+    with pytest.raises(CheckpointSaveError, match=r"^cannot save checkpoint step 1: 5.0 MiB free on "
+                                                  r"the disk of .*, a checkpoint needs 16.0 MiB"):
+      ck.maybe_save(1, _state(), {"data_step": 1})
+    assert ck.all_steps() == []

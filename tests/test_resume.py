@@ -1,31 +1,44 @@
 """Exact resume through the training loop: an interrupted and resumed run trains on the same
 batches with the same learning rates from the same state, so its losses equal the uninterrupted
 run's bit for bit. Also: resuming onto another mesh shape, a checkpoint of another model
-refused naming the field, and missing, incomplete and corrupt checkpoint directories.
+refused naming the field, missing and incomplete checkpoint directories, unreadable and
+non-finite checkpoints passed over for the newest good one (in one line, also on the command
+line), and `checkpoint.step` choosing the step.
 
 Every run here compiles the same few programs; a persistent compilation cache shared by the
 runs (and the other operability tests) keeps the module to one compilation per program.
 """
 
 import glob
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from distca_jax import mesh as mesh_lib
 from distca_jax.launch_env import enable_compile_cache
 from distca_jax.train import loop
 from distca_jax.train.checkpoint import (CheckpointCorruptError, Checkpointer, CheckpointMismatchError,
-                                         COMMIT_MARKER)
+                                         COMMIT_MARKER, NoCheckpointError)
+from distca_jax.train.step import Trainer
 from helpers import small_config
 
 # A one-layer model on 4 data ranks: its step programs compile in seconds on CPU.
 TINY = ("model.layers=1", "model.hidden=64", "model.ffn=128", "model.vocab_size=256",
         "data.length_scale=64", "data.seed=4", "train.imbalance_after=false")
 N = 2  # checkpoint every N steps; runs are 2N steps
+# small_config's base overrides, for the command line.
+SMALL = ("model.dtype=float32", "model.remat=none", "data.tokens_per_device=256",
+         "data.length_scale=16", "train.progress=false", "train.tensorboard=false",
+         "attention.gate=false", "attention.min_imbalance=1.0")
 
 
 def config(out, *overrides):
@@ -132,16 +145,95 @@ def test_incomplete_latest_checkpoint_falls_back_to_the_previous(runs):
   assert resumed.losses == straight.losses[N:]
 
 
-# orbax's pending chunk reads outlive their event loop after a failed read (see test_checkpoint).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_corrupt_checkpoint_is_reported_with_its_step(runs):
-  base, devices, _, _ = runs
-  ck = base / "corrupt"
-  shutil.copytree(base / "at_n", ck)
-  data_files = glob.glob(str(ck / str(N) / "state" / "**" / "d" / "*"), recursive=True)
+def _truncate_arrays(step_dir):
+  data_files = glob.glob(str(step_dir / "state" / "**" / "d" / "*"), recursive=True)
   assert data_files, "expected OCDBT data files under the state item"
   for f in data_files:
     raw = open(f, "rb").read()
     open(f, "wb").write(raw[: len(raw) // 2])
-  with pytest.raises(CheckpointCorruptError, match=rf"checkpoint step {N} in .*cannot read its array"):
+
+
+# orbax's pending chunk reads outlive their event loop after a failed read (see test_checkpoint).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupt_latest_checkpoint_falls_back_saying_so_in_one_line(runs):
+  """Step 2N's array files truncated: the run resumes from step N, says which step it skipped
+  and why in one line, and still reproduces the uninterrupted losses."""
+  base, devices, straight, _ = runs
+  ck = base / "corrupt_latest"
+  shutil.copytree(base / "straight" / "checkpoints", ck)
+  _truncate_arrays(ck / str(2 * N))
+  lines = []
+  resumed = loop.run(config(base / "cl", f"checkpoint.dir={ck}"), devices=devices, log=lines.append)
+  assert resumed.start_step == N and resumed.losses == straight.losses[N:]
+  skipped = [l for l in lines if "skipped" in l]
+  assert len(skipped) == 1 and "\n" not in skipped[0], lines
+  assert skipped[0].startswith(f"skipped checkpoint step {2 * N} (unreadable: ")
+  assert skipped[0].endswith(f"resuming from step {N}")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_no_readable_checkpoint_is_an_error_naming_each_step(runs):
+  base, devices, _, _ = runs
+  ck = base / "corrupt"
+  shutil.copytree(base / "at_n", ck)
+  _truncate_arrays(ck / str(N))
+  with pytest.raises(CheckpointCorruptError, match=rf"no good checkpoint in .*corrupt: step {N} \(unreadable: "):
     loop.run(config(base / "c", f"checkpoint.dir={ck}"), devices=devices, log=lambda *a: None)
+
+
+def test_non_finite_checkpoint_is_skipped(runs):
+  """A checkpoint whose parameters hold a NaN (saved by a run without the update check) is passed
+  over, naming its first bad leaf; the run resumes from the one before."""
+  base, devices, straight, _ = runs
+  ck = base / "poisoned"
+  shutil.copytree(base / "at_n", ck)
+  cfg = config(base / "p", f"checkpoint.dir={ck}")
+  trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, devices))
+  with Checkpointer(ck, save_every=1, keep=5) as writer:
+    state, extra = loop.restore_any_layout(writer, trainer, trainer.init_state(0), expect={})
+    state.params = jax.tree.map(lambda x: x * np.nan, state.params)
+    writer.maybe_save(2 * N, state, dict(extra, step=2 * N), force=True)
+  lines = []
+  resumed = loop.run(cfg, devices=devices, log=lines.append)
+  assert resumed.start_step == N and resumed.losses == straight.losses[N:]
+  assert any(l.startswith(f"skipped checkpoint step {2 * N} (not finite: first bad leaf params/")
+             for l in lines), lines
+
+
+def test_checkpoint_step_restores_the_chosen_step(runs):
+  base, devices, straight, _ = runs
+  ck = base / "chosen"
+  shutil.copytree(base / "straight" / "checkpoints", ck)  # steps N and 2N
+  lines = []
+  resumed = loop.run(config(base / "ch", f"checkpoint.dir={ck}", f"checkpoint.step={N}"),
+                     devices=devices, log=lines.append)
+  assert resumed.start_step == N and resumed.losses == straight.losses[N:]
+  with pytest.raises(NoCheckpointError, match=rf"checkpoint step 3 in .*chosen: it does not exist; "
+                                              rf"complete steps are \[{N}, {2 * N}\]"):
+    loop.run(config(base / "ch2", f"checkpoint.dir={ck}", "checkpoint.step=3"), devices=devices,
+             log=lambda *a: None)
+
+
+def test_command_line_falls_back_in_one_line(runs, tmp_path):
+  """launch/train.py into a run directory whose newest checkpoint is truncated: it resumes from
+  the one before, and its output holds one line about it: no traceback, no orbax noise."""
+  base, _, straight, _ = runs
+  run_dir = tmp_path / "run"
+  shutil.copytree(base / "straight" / "checkpoints", run_dir / "checkpoints")
+  _truncate_arrays(run_dir / "checkpoints" / str(2 * N))
+  root = Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, str(root / "launch" / "train.py"), *SMALL, *TINY, f"train.steps={2 * N}",
+       f"checkpoint.every={N}", "checkpoint.keep=5", f"train.out_dir={run_dir}", "mesh.data=4",
+       "train.cpu_devices=4", f"train.compile_cache_dir={os.environ['DISTCA_TEST_COMPILE_CACHE']}"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  output = proc.stdout + proc.stderr
+  about = [l for l in output.splitlines() if "skipped checkpoint" in l]
+  assert len(about) == 1 and about[0].endswith(f"resuming from step {N}"), output[-3000:]
+  assert "Traceback" not in output and "Event loop is closed" not in output, output[-3000:]
+  assert len(proc.stderr.splitlines()) <= 5, proc.stderr
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["start_step"] == N and summary["losses"] == straight.losses[N:]

@@ -1,16 +1,24 @@
 """The training loop end to end, in-process: the default job's path (tiny model, synthetic Pretrain
-documents, 8 simulated devices), shortened; and the guard that stops a run whose loss or gradients
-stop being finite."""
+documents, 8 simulated devices), shortened; the guard that stops a run whose loss, gradients or
+state stop being finite; the run's directory (one per run by default, never reused silently);
+checkpoint saves that cannot succeed; and that the suite's runs stay out of the checkout."""
 
 import json
 import math
+import os
+import shutil
 import struct
+from pathlib import Path
 
 import jax
 import pytest
 
-from distca_jax.config import load_config
+from distca_jax.config import ConfigError, load_config
+from distca_jax.train import checkpoint as checkpoint_lib
 from distca_jax.train import loop
+from distca_jax.train.checkpoint import CheckpointSaveError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The default job, made small and quick to learn: short buffers that still hold several documents
 # and documents spanning devices (length_scale), a shorter warm-up and a higher peak rate.
@@ -72,12 +80,13 @@ def test_default_job_short_run_learns(tmp_path):
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
-  # A learning rate of 1e30 from the first step: the update after step 1 blows the parameters up,
-  # so step 2's loss is no longer finite. One layer on two devices keeps the compile short.
+  # A learning rate of 1e30 from the first step: the update of step 1 blows the parameters up
+  # (caught in the update itself where it overflows, else in step 2's loss). One layer on two devices keeps the compile short.
   cfg = load_config(None, FAST + ["model.layers=1", "mesh.data=2", "data.tokens_per_device=128",
                                   "optim.lr=1.0e+30", "optim.warmup_steps=0", "train.steps=4",
                                   "train.tensorboard=false", f"train.out_dir={tmp_path}"])
-  with pytest.raises(loop.NonFiniteError, match=r"step [23]: (loss is|gradients)"):
+  with pytest.raises(loop.NonFiniteError,
+                     match=r"step [123]: (loss is|gradients|the update made the parameters)"):
     loop.run(cfg, devices=jax.devices()[:2], log=lambda *_: None)
 
 
@@ -136,3 +145,83 @@ def test_step_lowers_each_mosaic_kernel_once(monkeypatch, impl):
   two, four = kernel_calls(2), kernel_calls(4)
   assert two[0] >= 2 and two[1] >= 2, two
   assert four == two, (two, four)
+
+
+# One layer on two devices: the run-directory tests compile one small program (shared).
+QUICK = FAST + ["model.layers=1", "mesh.data=2", "data.tokens_per_device=128", "train.steps=2",
+                "train.tensorboard=false", "train.imbalance_after=false"]
+
+
+def _quick(*overrides):
+  return load_config(None, QUICK + list(overrides))
+
+
+def test_a_run_without_out_dir_gets_its_own_directory_outside_the_checkout():
+  """No train.out_dir: runs/<name>-<time> under the working directory, linked as runs/latest,
+  with a checkpoint at its end. The suite runs from a temporary directory (tests/conftest.py),
+  so this run, like every test's, leaves the checkout's runs/ alone."""
+  assert Path.cwd().resolve() != ROOT and ROOT not in Path.cwd().resolve().parents
+  before = sorted(os.listdir(ROOT / "runs")) if (ROOT / "runs").exists() else None
+  lines = []
+  first = loop.run(_quick(), devices=jax.devices()[:2], log=lines.append, name="quick")
+  second = loop.run(_quick(), devices=jax.devices()[:2], log=lambda *a: None, name="quick")
+  a, b = Path(first.out_dir), Path(second.out_dir)
+  assert a.parent == b.parent == Path("runs") and a != b  # same second: a suffix tells them apart
+  assert a.name.startswith("quick-") and (a / "summary.json").exists()
+  assert (Path("runs") / "latest").resolve() == b.resolve()
+  assert lines[0] == f"run directory {a} (runs/latest links it)"
+  assert first.saved_step == 2 and sorted(os.listdir(a / "checkpoints")) == ["2"]
+  after = sorted(os.listdir(ROOT / "runs")) if (ROOT / "runs").exists() else None
+  assert after == before
+
+
+def test_a_directory_with_checkpoints_is_resumed_or_refused_never_restarted(tmp_path):
+  out = tmp_path / "run"
+  loop.run(_quick(f"train.out_dir={out}"), devices=jax.devices()[:2], log=lambda *a: None)
+  # Checkpoints off, or resume off: it would start from step 0 over them. One line says how to go on.
+  for setting, how in [("checkpoint.every=0", "checkpoint.every=N"),
+                       ("checkpoint.resume=false", "checkpoint.resume=true")]:
+    with pytest.raises(ConfigError) as err:
+      loop.run(_quick(f"train.out_dir={out}", setting), devices=jax.devices()[:2], log=lambda *a: None)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"train.out_dir: {out / 'checkpoints'} holds "
+                                                       f"checkpoints of an earlier run (steps 2)")
+    assert f"to resume it, the same command with {how}" in message and "another train.out_dir" in message
+  # The same run resumed with more steps and another learning rate: said, and continued.
+  lines = []
+  more = loop.run(_quick(f"train.out_dir={out}", "train.steps=3", "optim.lr=0.02"),
+                  devices=jax.devices()[:2], log=lines.append)
+  assert more.start_step == 2 and more.steps == 1
+  assert any("differs from its config.json in optim.lr 0.01 -> 0.02" in l for l in lines), lines
+  # Complete: nothing to do, and it says so.
+  lines = []
+  done = loop.run(_quick(f"train.out_dir={out}", "train.steps=3"), devices=jax.devices()[:2],
+                  log=lines.append)
+  assert done.steps == 0 and any("complete at step 3" in l for l in lines), lines
+
+
+def test_full_disk_is_a_config_error_before_the_first_step(tmp_path, monkeypatch):
+  free = shutil.disk_usage(tmp_path)
+  monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage", lambda path: free._replace(free=1 << 20))
+  with pytest.raises(ConfigError, match=r"^checkpoint.dir: 1.0 MiB free on the disk of .*, a "
+                                        r"checkpoint needs"):
+    loop.run(_quick(f"train.out_dir={tmp_path}"), devices=jax.devices()[:2], log=lambda *a: None)
+  assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_failed_save_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
+  """The disk fills up while step 1's checkpoint is committed (in the background): the run stops
+  at a following step boundary with one CheckpointSaveError line, not steps later."""
+  from orbax.checkpoint._src.path import atomicity
+
+  async def full(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", full)
+  lines = []
+  with pytest.raises(CheckpointSaveError) as err:
+    loop.run(_quick(f"train.out_dir={tmp_path}", "train.steps=40", "checkpoint.every=1"),
+             devices=jax.devices()[:2], log=lines.append)
+  assert "\n" not in str(err.value) and "No space left on device" in str(err.value)
+  steps_run = [l for l in lines if l.startswith("step ")]
+  assert len(steps_run) < 40, "the failure surfaced only at the end"

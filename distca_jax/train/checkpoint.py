@@ -45,6 +45,20 @@ from distca_jax.train.finite import leaf_name
 
 log = logging.getLogger(__name__)
 
+
+class _NoOrbaxTracebacks(logging.Filter):
+  """Keeps the message of an orbax error log and drops its traceback: the failures it reports
+  reach the caller as one-line CheckpointErrors (with the cause chained), where a failed save
+  otherwise printed some seventy lines of orbax's threads' stacks first."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and "orbax" in record.pathname:
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+logging.getLogger("absl").addFilter(_NoOrbaxTracebacks())
+
 # Written by orbax into a step directory as the last act of a save (0.12.x, both atomicity modes).
 COMMIT_MARKER = "commit_success.txt"
 
@@ -90,7 +104,7 @@ def space_problem(directory: str | Path, needed_bytes: int) -> str | None:
   if free >= needed:
     return None
   return (f"{_gib(free)} free on the disk of {directory}, a checkpoint needs {_gib(needed)}: free "
-          f"space, lower checkpoint.keep, or set checkpoint.dir to another disk")
+          f"space, set checkpoint.dir to another disk, or checkpoint.every=0 (no checkpoints)")
 
 
 def _gib(n: int) -> str:
@@ -183,6 +197,10 @@ class Checkpointer:
     (no waiting): the loop calls it at every step boundary."""
     with self._save_errors("a background checkpoint save"):
       self._manager.check_for_errors()
+      # A failed commit is kept by the manager's finalize thread and raised when it is waited
+      # for; once no save is in flight, waiting returns at once.
+      if not self._manager.is_saving_in_progress():
+        self._manager.wait_until_finished()
 
   def wait(self) -> None:
     """Blocks until every started save is on disk (and raises a background save's error as
