@@ -7,7 +7,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -225,3 +229,45 @@ def test_a_failed_save_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
   assert "\n" not in str(err.value) and "No space left on device" in str(err.value)
   steps_run = [l for l in lines if l.startswith("step ")]
   assert len(steps_run) < 40, "the failure surfaced only at the end"
+
+
+def test_sigterm_in_process_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
+  """A SIGTERM while step 2 runs (sent from the log line of step 1): the run finishes step 2,
+  saves it, writes its summary and returns, naming the signal; the handler is then removed."""
+  before = signal.getsignal(signal.SIGTERM)
+
+  def log(line):
+    if line.startswith("step 1:"):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  summary = loop.run(_quick(f"train.out_dir={tmp_path}", "train.steps=40"),
+                     devices=jax.devices()[:2], log=log)
+  assert summary.interrupted == "SIGTERM" and summary.steps in (1, 2)
+  assert summary.saved_step == summary.steps
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(summary.steps)]
+  assert json.loads((tmp_path / "summary.json").read_text())["interrupted"] == "SIGTERM"
+  assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_ctrl_c_on_the_command_line_saves_and_exits_130(tmp_path):
+  """SIGINT to launch/train.py: no traceback; the step it was in is saved, the summary printed
+  with how to resume, and the exit status is 128 + 2."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  env.pop("XLA_FLAGS", None)
+  out = open(tmp_path / "out.txt", "w")
+  proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), *QUICK,
+                           "train.steps=400", "train.cpu_devices=2", f"train.out_dir={tmp_path / 'r'}"],
+                          cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+  t0 = time.monotonic()
+  while "step 1:" not in (tmp_path / "out.txt").read_text():
+    assert proc.poll() is None and time.monotonic() - t0 < 300, (tmp_path / "out.txt").read_text()
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGINT)
+  assert proc.wait(timeout=120) == 130
+  text = (tmp_path / "out.txt").read_text()
+  assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+  summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+  step = summary["steps"]
+  assert summary["interrupted"] == "SIGINT" and summary["saved_step"] == step
+  assert f"stopped by SIGINT after step {step}; checkpoint at step {step}; resume: the same " \
+         f"command with train.out_dir={tmp_path / 'r'}" in text
