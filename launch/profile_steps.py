@@ -47,7 +47,9 @@ def main(argv=None) -> int:
   first_traced = 1 + args.warmup + args.measure + 1
   defaults = [f"train.steps={first_traced + args.trace - 1}", "train.profile=true",
               f"train.profile_start={first_traced}", f"train.profile_steps={args.trace}",
-              f"train.profile_warmup={args.warmup}", "train.out_dir=runs/profile", "train.progress=false"]
+              f"train.profile_warmup={args.warmup}", "train.out_dir=runs/profile", "train.progress=false",
+              # No checkpoints: a second profile into runs/profile must not resume the first.
+              "checkpoint.every=0"]
   try:
     config = load_config(args.config, defaults + list(args.overrides))
   except (ConfigError, ValueError) as e:

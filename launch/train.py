@@ -16,7 +16,8 @@ unset, into a new `runs/<config name>-<YYYYmmdd-HHMMSS>`, linked as `runs/latest
 saved every `checkpoint.every` steps and where the run ends. Resume: the same command with
 `train.out_dir=` that run's directory (e.g. `runs/latest`) continues from its newest good
 checkpoint (`checkpoint.step=N` picks one); a directory that holds another run's checkpoints is
-never silently started over.
+never silently started over. SIGTERM or Ctrl-C stops a run after the step it is in, with a
+checkpoint and the summary; the exit status is then 128 + the signal's number (143, 130).
 """
 
 from __future__ import annotations
