@@ -174,12 +174,13 @@ def wlb_cost(model_shape, tensor_parallel: int) -> wlb.WlbCost:
 
 def pack_step(data_config, doc_lens, num_ranks: int, cost: wlb.WlbCost) -> wlb.WlbPacking:
   """The step's packing as `data.wlb_cp` (a size, or `auto`: the fastest by `cost`) and
-  `data.wlb_token_cap` say; deterministic in the documents."""
+  `data.wlb_token_cap` say, which documents to split chosen by `cost` (`wlb.adaptive_pack`);
+  deterministic in the documents."""
   T = data_config.tokens_per_device
   if data_config.wlb_cp == "auto":
     return wlb.best_packing(doc_lens, num_ranks, T, cost, token_cap=data_config.wlb_token_cap)
-  return wlb.wlb_pack(doc_lens, num_ranks, T, cp=int(data_config.wlb_cp),
-                      token_cap=data_config.wlb_token_cap, token_weight=cost.token_weight)
+  return wlb.adaptive_pack(doc_lens, num_ranks, T, cost, cp=int(data_config.wlb_cp),
+                           token_cap=data_config.wlb_token_cap)
 
 
 def host_step(data_config, batch: Batch, cost: wlb.WlbCost, shapes=None):

@@ -117,24 +117,27 @@ def test_simulator_prices_the_same_packing():
   from distca_jax.sim.engine import Point, Simulator
 
   cfg = load_sim_config(None, ["gpus=[64]", "tokens_per_rank=[65536]"])
-  sim = Simulator(cfg, Point("llama3_8b", 64, 65536, "prolong"))
-  h = cfg.hardware
-  cost = wlb.WlbCost(lin_ms_per_token=sim.lin_ms_per_token, kernel=sim.kernel,
-                     kv_row_bytes=sim.comm.kv_row_bytes, nvlink_gbps=h.nvlink_gbps,
-                     network_gbps=h.network_gbps, gpus_per_node=h.gpus_per_node,
-                     tensor_parallel=cfg.tensor_parallel, cp_overlap=cfg.cp_overlap)
+  sim = Simulator(cfg, Point("llama3_8b", 64, 65536, "pretrain"))
+  h, cost = cfg.hardware, sim.wlb_cost
+  # The trainer's price (`wlb_cost_for_model`, what data.wlb_cp=auto minimises) is the sim's.
+  assert cost == wlb.wlb_cost_for_model(
+      sim.shape, cfg.tensor_parallel, linear_tflops=h.linear_tflops,
+      attention_tflops=h.attention_tflops, nvlink_gbps=h.nvlink_gbps, network_gbps=h.network_gbps,
+      gpus_per_node=h.gpus_per_node, cp_overlap=cfg.cp_overlap, kernel=sim.kernel)
   results, _ = sim.batch(0)
   lens = sim.sampler.sample(sim.ranks * sim.t, 0)
   times = {}
   for cp in sim._cp_sizes():
-    p = wlb.wlb_pack(lens, sim.ranks, sim.t, cp=cp, token_cap=cfg.wlb_token_cap,
-                     token_weight=cost.token_weight)
+    p = wlb.adaptive_pack(lens, sim.ranks, sim.t, cost, cp=cp, token_cap=cfg.wlb_token_cap)
     load = wlb_packing(lens, sim.ranks, sim.t, sim.comm, cp=cp, token_cap=cfg.wlb_token_cap,
-                       token_weight=cost.token_weight, kernel=sim.kernel)
+                       kernel=sim.kernel, cost=cost)
     assert np.array_equal(load.area, p.area) and np.array_equal(load.tokens, p.tokens)
     times[cp] = cost.step_ms(p) * sim.shape.layers / 1e3
   assert results["wlb"].iter_s == pytest.approx(times[1], rel=1e-9)
   assert results["wlb_best"].iter_s == pytest.approx(min(times.values()), rel=1e-9)
+  best = wlb.best_packing(lens, sim.ranks, sim.t, cost, token_cap=cfg.wlb_token_cap,
+                          sizes=sim._cp_sizes())
+  assert results["wlb_best"].cp == best.cp
 
 
 # ------------------------------------------------------------------------------ training

@@ -27,7 +27,7 @@ from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel, range_area
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.planner import traffic
-from distca_jax.schedule.wlb import WlbPacking, wlb_pack
+from distca_jax.schedule.wlb import WlbCost, WlbPacking, adaptive_pack, wlb_pack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,8 @@ def colocated(layout: Layout, comm: CommModel, kernel=None) -> SystemLoad:
 
 
 def wlb_packing(doc_lens, num_ranks: int, buffer_len: int, comm: CommModel, *, cp: int = 1,
-                token_cap: float = 1.5, token_weight: float = 0.0, kernel=None) -> SystemLoad:
+                token_cap: float = 1.5, token_weight: float = 0.0, kernel=None,
+                cost: WlbCost | None = None) -> SystemLoad:
   """(b) WLB-LLM-style packing (`wlb.wlb_pack`, the trainer's) priced per rank.
 
   Args:
@@ -88,7 +89,13 @@ def wlb_packing(doc_lens, num_ranks: int, buffer_len: int, comm: CommModel, *, c
     token_cap: a rank holds at most token_cap * buffer_len tokens (memory limit of the packing).
     token_weight: workload per token in area units (linear layers), for WLB's α·l² + β·l.
     kernel: optional kernel-time model; a rank's time is the sum over its shards.
+    cost: the price of a step (`wlb.WlbCost`, the simulator's): given, the packing is
+      `wlb.adaptive_pack`'s (which documents to split chosen by it; token_weight from it),
+      as the trainer packs; else only documents longer than a rank's share are split.
   """
+  if cost is not None:
+    return wlb_load(adaptive_pack(doc_lens, num_ranks, buffer_len, cost, cp=cp,
+                                  token_cap=token_cap), comm, kernel)
   return wlb_load(wlb_pack(doc_lens, num_ranks, buffer_len, cp=cp, token_cap=token_cap,
                            token_weight=token_weight), comm, kernel)
 

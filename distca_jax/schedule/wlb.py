@@ -256,15 +256,30 @@ class WlbCost:
     return float(self.rank_ms(packing).max())
 
 
+def adaptive_pack(doc_lens, num_ranks: int, tokens_per_rank: int, cost: WlbCost, *, cp: int,
+                  token_cap: float = 1.5) -> WlbPacking:
+  """At CP size `cp`, the packing `cost` prices faster of two: only the documents longer than a
+  rank's share split over a group, or every document (WLB-LLM chooses per batch between
+  per-sequence and per-document sharding the same way; splitting short documents balances
+  finer but gathers more K/V and cuts kernel tiles). The first of equals: fewer splits."""
+  best, best_ms = None, math.inf
+  for split_min in ((None, 0) if cp > 1 else (None,)):
+    p = wlb_pack(doc_lens, num_ranks, tokens_per_rank, cp=cp, token_cap=token_cap,
+                 token_weight=cost.token_weight, split_min=split_min)
+    ms = cost.step_ms(p)
+    if ms < best_ms:
+      best, best_ms = p, ms
+  return best
+
+
 def best_packing(doc_lens, num_ranks: int, tokens_per_rank: int, cost: WlbCost, *,
                  token_cap: float = 1.5, sizes=None) -> WlbPacking:
-  """`data.wlb_cp=auto`: the packing of the CP size (of `sizes`, default every `cp_sizes`)
-  that `cost` predicts fastest (the first of equals: the smallest group)."""
+  """`data.wlb_cp=auto`: of the CP sizes `sizes` (default every `cp_sizes`), the
+  `adaptive_pack` that `cost` prices fastest (the first of equals: the smallest group)."""
   sizes = cp_sizes(num_ranks) if sizes is None else sizes
   best, best_ms = None, math.inf
   for cp in sizes:
-    p = wlb_pack(doc_lens, num_ranks, tokens_per_rank, cp=cp, token_cap=token_cap,
-                 token_weight=cost.token_weight)
+    p = adaptive_pack(doc_lens, num_ranks, tokens_per_rank, cost, cp=cp, token_cap=token_cap)
     ms = cost.step_ms(p)
     if ms < best_ms:
       best, best_ms = p, ms

@@ -55,6 +55,7 @@ from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
+from distca_jax.schedule.wlb import WlbCost
 from distca_jax.schedule.planner import traffic
 from distca_jax.sim.config import SimConfig
 
@@ -126,6 +127,11 @@ class Simulator:
     # Linear layers: ms per token per layer on one rank (TP GPUs share the work).
     lin_flops = self.shape.matmul_flops_per_token() / self.shape.layers * 3.0
     self.lin_ms_per_token = lin_flops / (tp * h.linear_tflops * 1e12) * 1e3
+    # The WLB baseline's price of a step: the trainer's `data.wlb_cp=auto` uses the same model.
+    self.wlb_cost = WlbCost(lin_ms_per_token=self.lin_ms_per_token, kernel=self.kernel,
+                            kv_row_bytes=self.comm.kv_row_bytes, nvlink_gbps=h.nvlink_gbps,
+                            network_gbps=h.network_gbps, gpus_per_node=h.gpus_per_node,
+                            tensor_parallel=tp, cp_overlap=cfg.cp_overlap)
     elong = cfg.elongate_factor or max(1, self.t // 131072)
     self.sampler = LengthSampler(
         load_lengths(point.distribution), upsample_long_factor=cfg.upsample_long_factor,
@@ -229,12 +235,10 @@ class Simulator:
       if cfg.gate and out["cad"].iter_s > out["colocated"].iter_s:  # the gate: CAD would lose
         out["cad"], area_after = dataclasses.replace(out["colocated"], name="cad"), col.area
     # WLB packing (cp = 1), the best DP x CP sweep, and per-document CP over everything.
-    token_weight = self.lin_ms_per_token / max(float(self.kernel.fwdbwd_ms(4096, 4096))
-                                               / float(4096 * 4097 / 2), 1e-30)
     sweep = {}
     for cp in self._cp_sizes():
       load = wlb_packing(lens, n, t, self.comm, cp=cp, token_cap=cfg.wlb_token_cap,
-                         token_weight=token_weight, kernel=self.kernel)
+                         kernel=self.kernel, cost=self.wlb_cost)
       sweep[cp] = self._baseline(load, 0.0 if load.cp == 1 else cfg.cp_overlap)
     out["wlb"] = dataclasses.replace(sweep[1], name="wlb")
     best = min(sweep.values(), key=lambda r: r.iter_s)

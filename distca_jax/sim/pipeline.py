@@ -169,12 +169,10 @@ class PipelineSimulator(Simulator):
     """cp -> per micro-batch SystemLoad [DP] of WLB packing over all DP × M buffers of the step."""
     cfg, dp, t = self.cfg, self.dp, self.t
     lens = np.concatenate([mb.lens for mb in mbs])
-    token_weight = self.lin_ms_per_token / max(float(self.kernel.fwdbwd_ms(4096, 4096))
-                                               / float(4096 * 4097 / 2), 1e-30)
     out = {}
     for cp in self._cp_sizes():
       load = wlb_packing(lens, dp * len(mbs), t, self.comm, cp=cp, token_cap=cfg.wlb_token_cap,
-                         token_weight=token_weight, kernel=self.kernel)
+                         kernel=self.kernel, cost=self.wlb_cost)
       cut = lambda x, k: x[k * dp:(k + 1) * dp]
       out[cp] = [dataclasses.replace(load, **{f: cut(getattr(load, f), k) for f in
                                               ("area", "tokens", "send", "recv", "attn_ms")})
