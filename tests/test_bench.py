@@ -30,21 +30,26 @@ def _bench(tmp_path, *args: str, tokens: int = 512) -> tuple[list[dict], str]:
 
 
 def test_cad_suite(tmp_path):
-  """Colocated, distca and the single-stream ablation on a sampled and a skewed batch: every
-  row ran, the distca rows report the batch's own imbalance before scheduling (colocated's) and
-  the streams they ran, and every variant computes the same loss."""
+  """Colocated, distca, the WLB-LLM-style baseline and the single-stream ablation on a sampled and
+  a skewed batch: every row ran, the distca rows report the batch's own imbalance before
+  scheduling (colocated's) and the streams they ran, the baseline re-packs without CAD, and every
+  variant computes the same loss."""
   rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", "pretrain", "skewed",
                    "--pingpong-ablation", "skewed", "mesh.data=2", "model.layers=1",
                    "attention.gate=false")  # skewed at 512 tokens: [512] + 4 x [128]
   by = {(r["batch"], r["variant"]): r for r in rows}
-  assert set(by) == {("pretrain", "colocated"), ("pretrain", "distca"), ("skewed", "colocated"),
-                     ("skewed", "distca"), ("skewed", "distca-single")}
+  assert set(by) == {("pretrain", "colocated"), ("pretrain", "distca"), ("pretrain", "wlb"),
+                     ("skewed", "colocated"), ("skewed", "distca"), ("skewed", "wlb"),
+                     ("skewed", "distca-single")}
   for batch in ("pretrain", "skewed"):
     colocated = by[batch, "colocated"]
     for (b, name), r in by.items():
       if b != batch or name == "colocated":
         continue
-      assert r["cad_ran"] and r["streams"] == (1 if name == "distca-single" else 2), (b, name)
+      if name == "wlb":  # documents re-packed, attention colocated
+        assert r["cad_ran"] is False, (b, name)
+      else:
+        assert r["cad_ran"] and r["streams"] == (1 if name == "distca-single" else 2), (b, name)
       assert r["imbalance"][0] == pytest.approx(colocated["imbalance"][0], rel=1e-9), (b, name)
       assert r["loss"] == pytest.approx(colocated["loss"], rel=1e-3), (b, name)
 
