@@ -3,8 +3,10 @@
 # jax-triton (a lent GPU host). Usage: bash launch/gpu_session.sh SUITE [SUITE...] (--help: this)
 # Training steps (launch/bench_train.py, launch/train.py, launch/profile_steps.py):
 #   mfu    1 GPU: llama_1b tokens/s and MFU, colocated, 32K and 64K tokens per device
-#   cad    all GPUs: colocated vs distca (ping-pong on/off), llama3_8b shape with 2 layers
-#          (env CAD_BATCHES, CAD_TOKENS, CAD_ABLATION: the batch with the single-stream ablation,
+#   cad    all GPUs: colocated vs distca (ping-pong on/off) and the WLB-LLM-style baseline
+#          (data.packing=wlb, colocated attention), llama3_8b shape with 2 layers
+#          (env CAD_BATCHES, CAD_TOKENS, CAD_WLB_CP: the baseline's CP group size, default auto,
+#          "" for none, CAD_ABLATION: the batch with the single-stream ablation,
 #          CAD_RESEND: the batch that also runs memory_mode=resend (temp memory per mode),
 #          CAD_RAGGED: the batch that also runs attention.exchange=ragged, CAD_UNGATED: batches
 #          that also run distca with attention.gate=false (balancing however small the gain),
@@ -73,7 +75,8 @@ for suite in "$@"; do
     cad) timeout -k 10 ${CAD_TIMEOUT:-330} python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
            --batches ${CAD_BATCHES:-pretrain prolong skewed uniform} --pingpong-ablation "${CAD_ABLATION-pretrain}" \
            --resend-ablation "${CAD_RESEND-skewed}" --ragged-ablation "${CAD_RAGGED-prolong}" \
-           --ungated-ablation "${CAD_UNGATED-}" --shifted-ablation "${CAD_SHIFTED-}" ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
+           --ungated-ablation "${CAD_UNGATED-}" --shifted-ablation "${CAD_SHIFTED-}" \
+           --wlb-cp "${CAD_WLB_CP-auto}" ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
            data.length_scale=1 ${CAD_EXTRA:-} 2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          if [ -n "$CAD_TRACE" ]; then
            find "$CAD_TRACE"/*-distca -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
