@@ -5,11 +5,12 @@
 
 Each argument is NAME=VERSION: an empty VERSION is the package's kernels; @DIR is another
 version's `kernels/` folder, imported as a package of its own (the kernels import nothing above
-them, so a folder of them is whole), whose `mosaic.attention` is timed. Every version is compiled
-once per batch, then timed `--rounds` times in rotating order (clocks drift over a run: the spread is printed),
-medians reported, forward / backward / f+b TF/s as bench_kernels.py counts them. Needs a Hopper
-GPU. With MOSAIC_GPU_DUMP_PTXAS=1 in the environment ptxas reports each kernel's registers and
-spills (`bash launch/gpu_session.sh kdump` also keeps the PTX).
+them, so a folder of them is whole), whose `mosaic.attention` is timed. Every version is
+compiled once per batch, then timed `--rounds` times in rotating order (clocks drift over a run:
+the spread is printed), medians reported, forward / backward / f+b TF/s as bench_kernels.py
+counts them. Needs a Hopper GPU. With MOSAIC_GPU_DUMP_PTXAS=1 in the environment ptxas reports
+each kernel's registers and spills; MOSAIC_GPU_DUMP_TO=DIR keeps each kernel's PTX and ptxas
+report there.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
     python launch/tools/ncu_stalls.py ncu_mosaic_sass.csv [--top 25]
 
-Reads the CSV of `ncu -i REPORT --page source --csv --print-source sass` (what `bash
-launch/gpu_session.sh ncuside` writes) and prints: the share of the kernel's warp-stall samples
+Reads the CSV of `ncu -i REPORT --page source --csv --print-source sass` (REPORT taken with
+`--section SourceCounters`, e.g. `-k regex:ca_tasks_bwd -c 1` on `launch/bench_kernels.py
+--backends mosaic`) and prints: the share of the kernel's warp-stall samples
 per stall reason; the share per execution count, which tells the warp roles of a warp-specialised
 kernel apart (the producer's per-step instructions run a different number of times than the
 consumers'); and the instructions with the most samples, in program order, with their top
