@@ -19,6 +19,9 @@
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
 #          (env PP_TOKENS, PP_LAYERS, PP_BATCHES, PP_MICROBATCHES, PP_TIMEOUT; PP_TRACE=DIR traces
 #          every variant's last step and prints its per-phase busy time)
+#   ragged all GPUs: tiled vs ragged exchange on one batch (R_BATCH, default prolong; R_TOKENS),
+#          once per XLA ragged-all-to-all implementation (NCCL, the one-shot kernel), each its own
+#          process under R_TIMEOUT (default 240 s)
 #   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
@@ -87,6 +90,19 @@ for suite in "$@"; do
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/pp.log" ;;
+    ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
+           # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
+           # hang costs only its own R_TIMEOUT (SIGKILL 10 s later: a hung NCCL process that
+           # ignores SIGTERM would hold the GPUs for the next command).
+           for impl in nccl oneshot; do
+             flags=""; [ $impl = oneshot ] && flags="--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"
+             mkdir -p "$OUT/ragged_$impl"
+             XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout -k 10 ${R_TIMEOUT:-240} python3 -P launch/bench_train.py --suite cad \
+               --warmup 1 --steps 3 --json "$OUT/ragged_$impl/cad.json" --batches ${R_BATCH:-prolong} \
+               --pingpong-ablation "" --wlb-cp "" --ragged-ablation ${R_BATCH:-prolong} model.preset=llama3_8b model.layers=2 \
+               data.tokens_per_device=${R_TOKENS:-65536} data.length_scale=1 2>&1 | grep -v -i warn \
+               | sed "s/^/[$impl] /" | tee -a "$OUT/ragged.log"
+           done ;;
     kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
            [ "${K_TESTS:-}" = none ] || timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -rf --tb=line --disable-warnings -p no:cacheprovider \
              tests/test_kernels.py -k "${K_TESTS:-bfloat16}" 2>&1 | grep -v Warning | tail -25 | tee -a "$OUT/kernel_tests.log"
