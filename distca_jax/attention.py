@@ -1,175 +1,73 @@
-"""The `core_attention` seam: where softmax(QK^T)V of packed documents runs.
+"""The `core_attention` seam: where softmax(QK^T)V of packed documents runs, and the step
+context the trainer hands it.
 
 `make_core_attention(config, mesh)` returns the function the model calls for every layer,
-`core_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, ctx) -> o_BxTxHxE`, and `host_context(...)`
-builds the per-step `ctx` it needs on the host. Two implementations:
+`core_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, ctx) -> o_BxTxHxD`, and `host_context(...)`
+builds the per-step context on the host. Two implementations:
 
-- colocated (the baseline): each device computes attention for its own tokens. A document that
-  started on earlier devices needs their K/V: we all-gather K and V over `data` (per-document
-  context parallelism, as Llama 3 does it) and keep only the window of rows before this buffer
-  that such a document needs. Every local shard becomes one CA-task whose KV range is its
-  document's whole prefix, so the same kernel interface serves every case.
-- distca: core attention disaggregation (dispatch.py).
+- colocated (the baseline, `colocated.py`): each device computes attention for its own tokens,
+  gathering the K/V of a document that started on earlier devices.
+- distca: core attention disaggregation (`dispatch/`): the scheduler's CA-tasks run on
+  attention servers, and a step the gate stops runs colocated.
+
+Every host context follows one protocol (`StepContext`), so the trainer never asks which kind
+it holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
-from distca_jax import kernels
+from distca_jax import dispatch
+from distca_jax.colocated import (ColocatedContext, colocated_context, colocated_contexts,
+                                  colocated_window, make_colocated_attention)
 from distca_jax.data.packing import Layout
 from distca_jax.data.sources import Batch
-from distca_jax.kernels import TaskTable
-from distca_jax.mesh import ROW_AXES
+
+__all__ = ["StepContext", "ColocatedContext", "colocated_context", "colocated_contexts",
+           "colocated_window", "make_colocated_attention", "make_core_attention", "host_context"]
 
 
-def bucket(n: int, minimum: int = 8) -> int:
-  """Smallest power of two >= max(n, minimum): capacities come from few sizes, so the jitted step
-  recompiles rarely."""
-  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+class StepContext(Protocol):
+  """What the trainer reads of a step's host context: `colocated.ColocatedContext`,
+  `dispatch.StepContext` (CAD) or `pipeline.StepContext` (a pipelined step's ticks).
 
+  cad            whether the step runs CAD's exchange (False: colocated, or stopped by the gate)
+  plans          the scheduler's plans (empty: none; their loads are the step's "after")
+  device_inputs(batch) -> ((arrays, spec), (context, spec)): the host arrays the jitted step
+                 reads and the context pytree `core_attention` gets, each with its
+                 `PartitionSpec` (or, for arrays, a dict of them by key)
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["q_start", "q_len", "kv_start", "kv_len"], meta_fields=["window"])
-@dataclasses.dataclass(frozen=True)
-class ColocatedContext:
-  """Per-device task tables, arrays [num_buffers, capacity] int32, sharded over `data`.
+A CAD context also carries `predicted_saving`, `batches` (its streams) and `capacities`
+(`schedule.Capacities`), which the trainer logs when `cad` is true. The device-side pytree a
+`core_attention` receives names its kind in `KIND` ("colocated" or "distca")."""
 
-  Each device attends over `window + T` key rows: the last `window` rows of the global token
-  stream before its buffer (gathered from earlier devices), then its own `T` rows. Task j of
-  buffer b owns query rows [q_start, q_start + q_len) of the buffer and key rows
-  [kv_start, kv_start + kv_len) of that concatenation: its document's whole prefix, which is one
-  contiguous range because documents are laid out in order. `window` is static (part of the
-  compiled shape), bucketed to a power of two: only a document that continues from earlier
-  devices needs it, and a step without one has window 0 and no cross-device traffic.
-  """
+  cad: bool
+  plans: tuple
 
-  q_start: jax.Array
-  q_len: jax.Array
-  kv_start: jax.Array
-  kv_len: jax.Array
-  window: int = 0
-
-
-def colocated_window(need: int, num_buffers: int, buffer_len: int) -> int:
-  """Rows of earlier buffers a device attends over, from the longest prefix any of its first
-  shards needs. Few distinct values keep recompiles rare: on up to 8 devices (a node, where the
-  all-gather is cheap) any need takes the whole (N-1)*T; beyond, T times a power of two."""
-  full = (num_buffers - 1) * buffer_len
-  if need <= 0:
-    return 0
-  if num_buffers <= 8:
-    return full
-  return min(buffer_len * (1 << max(0, math.ceil(math.log2(need / buffer_len)))), full)
-
-
-def colocated_context(layout: Layout, capacity: int | None = None, window: int | None = None,
-                      group: int | None = None) -> ColocatedContext:
-  """Host-side task tables for colocated attention: one task per shard of the layout.
-
-  `group`: buffers that form one token stream (documents never cross groups; K/V of earlier
-  buffers are gathered within a group). Default: all buffers. `capacity` and `window` override
-  the computed ones (several layouts padded to one shape)."""
-  N, T = layout.num_buffers, layout.buffer_len
-  counts = np.bincount(layout.buffer, minlength=N)
-  capacity = bucket(int(counts.max(initial=1)), minimum=32) if capacity is None else capacity
-  if counts.max(initial=0) > capacity:
-    raise ValueError(f"colocated tasks: a buffer holds {counts.max()} shards > capacity {capacity}")
-  # Only a buffer's first shard can continue a document from earlier buffers.
-  need = int(layout.doc_offset[layout.buffer_offset == 0].max(initial=0))
-  if window is None:
-    window = colocated_window(need, group or N, T)
-  elif need > window:
-    raise ValueError(f"colocated window {window} is shorter than the {need} rows a document needs")
-  slot = np.arange(layout.num_shards) - np.repeat(np.cumsum(counts) - counts, counts)
-  arrays = {name: np.zeros((N, capacity), np.int32) for name in ("q_start", "q_len", "kv_start", "kv_len")}
-  arrays["q_start"][layout.buffer, slot] = layout.buffer_offset
-  arrays["q_len"][layout.buffer, slot] = layout.length
-  arrays["kv_start"][layout.buffer, slot] = window + layout.buffer_offset - layout.doc_offset
-  arrays["kv_len"][layout.buffer, slot] = layout.doc_offset + layout.length
-  return ColocatedContext(**arrays, window=window)
-
-
-def colocated_contexts(layouts, group: int | None = None, shapes=None) -> list[ColocatedContext]:
-  """Contexts of several layouts with one capacity and one window (stackable). `shapes`: a
-  run's `dispatch.StepShapes`, whose largest capacity and window so far they take when larger."""
-  capacity = bucket(max(int(np.bincount(l.buffer, minlength=l.num_buffers).max(initial=1))
-                        for l in layouts), minimum=32)
-  N, T = layouts[0].num_buffers, layouts[0].buffer_len
-  need = max(int(l.doc_offset[l.buffer_offset == 0].max(initial=0)) for l in layouts)
-  window = colocated_window(need, group or N, T)
-  if shapes is not None:
-    fitted = shapes.fit(f"colocated@{T}", capacity=capacity, window=window)
-    capacity, window = fitted["capacity"], fitted["window"]
-  return [colocated_context(l, capacity, window) for l in layouts]
-
-
-def make_colocated_attention(mesh: Mesh, backend: str = "auto") -> Callable:
-  """Colocated core attention under `mesh`: shard_map over (pipe, data, tensor).
-
-  Rows (buffers) are spread over `ROW_AXES` = (pipe, data); documents never cross a pipeline
-  stage's rows, so earlier rows' K/V are gathered over `data` only."""
-  kernels.resolve_backend(backend)  # a bad name or platform fails here; `auto` resolves per call
-  qkv_spec = P(ROW_AXES, None, "tensor", None)
-  task_spec = P(ROW_AXES, None)
-
-  def local(window, q_1xTxHxE, k_1xTxKxE, v_1xTxKxE, q_start, q_len, kv_start, kv_len):
-    T = q_1xTxHxE.shape[1]
-    k_TxKxE, v_TxKxE = k_1xTxKxE[0], v_1xTxKxE[0]
-    if window:
-      rank = jax.lax.axis_index("data")
-
-      def prefix(x_TxKxE):
-        # The `window` rows of the global stream just before this buffer; zeros before row 0.
-        x_all = jax.lax.all_gather(x_TxKxE, "data", axis=0, tiled=True)  # [N*T, K, E]
-        x_all = jnp.concatenate([jnp.zeros((window,) + x_all.shape[1:], x_all.dtype), x_all])
-        return jax.lax.dynamic_slice_in_dim(x_all, rank * T, window)
-
-      with jax.named_scope("dispatch"):  # the profiler's communication phase
-        k_TxKxE = jnp.concatenate([prefix(k_TxKxE), k_TxKxE])
-        v_TxKxE = jnp.concatenate([prefix(v_TxKxE), v_TxKxE])
-    tasks = TaskTable(q_start[0], q_len[0], kv_start[0], kv_len[0])
-    with jax.named_scope("core_attention"):
-      o_TxHxE, _ = kernels.attention(q_1xTxHxE[0], k_TxKxE, v_TxKxE, tasks, backend=backend)
-    return o_TxHxE[None]
-
-  def core_attention(q, k, v, ctx: ColocatedContext):
-    sharded = jax.shard_map(
-        functools.partial(local, ctx.window), mesh=mesh,
-        in_specs=(qkv_spec, qkv_spec, qkv_spec, task_spec, task_spec, task_spec, task_spec),
-        out_specs=qkv_spec, check_vma=False)
-    return sharded(q, k, v, ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len)
-
-  return core_attention
+  def device_inputs(self, batch: Batch) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    ...
 
 
 def make_core_attention(attention_config, mesh: Mesh) -> Callable:
+  """The model's `core_attention` for `attention.impl` under `mesh`."""
   if attention_config.impl == "colocated":
     return make_colocated_attention(mesh, attention_config.kernel)
-  from distca_jax import dispatch  # the CAD layer
-
   return dispatch.make_distca_attention(attention_config, mesh)
 
 
 def host_context(attention_config, batch: "Batch | Layout", model_shape=None, devices=None,
-                 shapes=None) -> Any:
+                 shapes=None) -> StepContext:
   """The per-step context for the configured attention, computed on the host: a
-  `ColocatedContext` (colocated), or a `dispatch.StepContext` (distca: nano-batches and plans;
-  `devices`: the rows this process checks, `mesh.local_rows`). `shapes`: the run's
-  `dispatch.StepShapes`, so steps compile only when a capacity grows."""
+  `ColocatedContext` (colocated), or `dispatch.plan_step`'s (distca: nano-batches and plans, or
+  colocated's where the gate stops the step; `devices`: the rows this process checks,
+  `mesh.local_rows`). `shapes`: the run's `schedule.StepShapes`, so steps compile only when a
+  capacity grows."""
   layout = batch if isinstance(batch, Layout) else batch.layout
   if attention_config.impl == "colocated":
     return colocated_contexts([layout], shapes=shapes)[0]
-  from distca_jax import dispatch
-
   if isinstance(batch, Layout):
     raise TypeError("distca attention plans from the whole batch (ping-pong re-packs its tokens)")
-  return dispatch.host_context(attention_config, batch, model_shape, devices, shapes)
+  return dispatch.plan_step(attention_config, batch, model_shape, devices, shapes)

@@ -44,8 +44,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from distca_jax.colocated import colocated_contexts
 from distca_jax.data.packing import Layout
 from distca_jax.data.sources import Batch
+from distca_jax.dispatch.host import plan_ticks
+from distca_jax.gate import attention_load_per_device, imbalance
 from distca_jax.mesh import ROW_AXES
 from distca_jax.train.loss import cross_entropy_and_grads
 
@@ -203,6 +206,18 @@ class StepContext:
   backward_ctx: Any
   plans: tuple = ()   # the scheduler's plans (distca), forward ticks then backward ticks
 
+  @property
+  def cad(self) -> bool:
+    """Whether the ticks run CAD's exchange (the trainer's step-context protocol,
+    `attention.StepContext`)."""
+    return bool(self.plans)
+
+  def device_inputs(self, batch: Batch):
+    """(per-micro-batch and per-tick arrays, their specs by key), (the forward and backward
+    ticks' contexts and the schedule, their spec) for the step; `batch` (`as_batch`) is not read."""
+    ctx = {"forward": self.forward_ctx, "backward": self.backward_ctx, "schedule": self.schedule}
+    return (device_arrays(self), ARRAY_SPECS), (ctx, CTX_SPEC)
+
   def as_batch(self) -> Batch:
     """The step's micro-batches as one batch of M x data buffers (for token and FLOP counts)."""
     mbs = self.microbatches
@@ -216,8 +231,6 @@ class StepContext:
     """Per-device causal attention area (query-key pairs) summed over the forward ticks, before
     scheduling (each stage computes its own rows) and after (the plans; None when colocated).
     Devices in row order: stage-major, data rank minor."""
-    from distca_jax.train.metrics import attention_load_per_device
-
     n = self.schedule.num_ticks
     before = sum(attention_load_per_device(l).astype(np.float64) for l in self.forward)
     if not self.plans:
@@ -228,8 +241,6 @@ class StepContext:
     """Attention-area imbalance (max / mean over devices) before and after scheduling: the mean
     over forward ticks of each tick's (a tick waits for its slowest device). Colocated: after =
     before."""
-    from distca_jax.train.metrics import attention_load_per_device, imbalance
-
     before = [imbalance(attention_load_per_device(l)) for l in self.forward]
     if not self.plans:
       return float(np.mean(before)), float(np.mean(before))
@@ -241,7 +252,7 @@ def host_context(attention_config, microbatches: list[Batch], stages: int, shape
                  devices=None, shapes=None) -> StepContext:
   """Plans one pipelined step on the host (runs in the trainer's prefetch thread); `devices`:
   the rows (stage-major, as `mesh.ROW_AXES`) whose plans this process checks row by row;
-  `shapes`: the run's `dispatch.StepShapes`, so steps compile only when a capacity grows."""
+  `shapes`: the run's `schedule.StepShapes`, so steps compile only when a capacity grows."""
   schedule = Schedule(stages, len(microbatches))
   N, T = microbatches[0].layout.num_buffers, microbatches[0].layout.buffer_len
   lays = [b.layout for b in microbatches]
@@ -250,13 +261,9 @@ def host_context(attention_config, microbatches: list[Batch], stages: int, shape
   bwd = tuple(tick_layout([None if schedule.backward_mb(t, s) is None else lays[schedule.backward_mb(t, s)]
                            for s in range(stages)], N, T) for t in range(schedule.num_ticks))
   if attention_config.impl == "colocated":
-    from distca_jax import attention as attention_lib
-
-    ctxs, plans = attention_lib.colocated_contexts(fwd + bwd, group=N, shapes=shapes), ()
+    ctxs, plans = colocated_contexts(fwd + bwd, group=N, shapes=shapes), ()
   else:
-    from distca_jax import dispatch
-
-    plans, ctxs = dispatch.plan_layouts(attention_config, fwd + bwd, shape, devices, shapes)
+    plans, ctxs = plan_ticks(attention_config, fwd + bwd, shape, devices, shapes)
   stack = lambda items: jax.tree.map(lambda *xs: np.stack(xs), *items)
   n = schedule.num_ticks
   return StepContext(schedule=schedule, microbatches=tuple(microbatches), forward=fwd, backward=bwd,

@@ -12,7 +12,7 @@ tensor-parallel rank's heads (llama3_8b, TP = 8). "time imbalance": max / mean o
 predicted kernel time (cost.AnalyticKernel: 300 TFLOP/s, 128-row tiles), the plan's quality in
 time rather than FLOPs. `--arrays-devices` also times building the
 dispatch arrays (plan.make_plan with arrays) at a device count where they fit in memory.
-`--step-devices` times the trainer's whole host path per step (dispatch.host_context: ping-pong
+`--step-devices` times the trainer's whole host path per step (dispatch.plan_step: ping-pong
 split, schedule, dense dispatch arrays, validation) and reports how much of the tiled all_to_all
 is padding (every (device, server) block padded to the largest one's bucket). `--pairs` shows
 why: how few (device, server) pairs the moving rows use, and the rows a device sends in the tiled
@@ -130,10 +130,17 @@ def main(argv=None):
     na = args.arrays_devices
     lens = LengthSampler(load_lengths("pretrain")).sample(na * t, 0)
     lay = pack(lens, na, t)
-    plan, m, b = _cpu_ms(lambda: make_plan(lay, comm, 0.05), max(1, args.repeats // 2))
+    from distca_jax.dispatch import build_dispatch
+
+    def plan_and_arrays():
+      plan = make_plan(lay, comm, 0.05)
+      build_dispatch(plan.tasks, lay, plan.capacities.without_shifts())
+      return plan
+
+    plan, m, b = _cpu_ms(plan_and_arrays, max(1, args.repeats // 2))
     c = plan.capacities
     print(f"\nmake_plan with dispatch arrays, {na} devices x {t} tokens (pretrain, eps 0.05): "
-          f"{m:.1f} ms median, {b:.1f} ms best; capacities cq={c.cq} ckv={c.ckv} skv={c.skv} "
+          f"{m:.1f} ms median, {b:.1f} ms best; capacities c={c.c} ckv={c.ckv} skv={c.skv} "
           f"ctask={c.ctask}; imbalance {plan.stats.imbalance_before:.2f} -> {plan.stats.imbalance_after:.3f}")
 
 
@@ -153,10 +160,10 @@ def _trainer_batch(dist: str, n: int, t: int):
 
 
 def step_host_path(args):
-  """The trainer's per-step host work (`dispatch.host_context`) against the device count, and the
+  """The trainer's per-step host work (`dispatch.plan_step`) against the device count, and the
   padding of its tiled all_to_alls: rows sent per device (N - 1 blocks of capacity c) vs the rows
   that really move, summed over the exchange, for Q and for K/V, both nano-batches."""
-  from distca_jax import dispatch
+  from distca_jax import dispatch, gate
 
   t = args.tokens
   print(f"# host path per step, {t} tokens/device, llama3_8b, ping-pong on; CPU "
@@ -172,7 +179,7 @@ def step_host_path(args):
 
       def timed(devices):
         t0 = time.perf_counter()
-        ctx = dispatch.host_context(config.attention, batch, shape, devices)
+        ctx = dispatch.plan_step(config.attention, batch, shape, devices)
         return ctx, (time.perf_counter() - t0) * 1e3
 
       ctx, wall = timed(None) if n <= args.all_rows_upto else (None, None)
@@ -182,8 +189,8 @@ def step_host_path(args):
         local = None
       t0 = time.perf_counter()
       for b in ctx.batches:
-        make_plan(b.layout, dispatch.comm_model(shape, config.attention),
-                  epsilon=config.attention.epsilon, with_arrays=False)
+        make_plan(b.layout, gate.comm_model(shape, config.attention),
+                  epsilon=config.attention.epsilon)
       sched = (time.perf_counter() - t0) * 1e3
       # The counts are the whole plan's on every process (off-diagonal blocks only).
       pad_q = sum(n * (n - 1) * d.send_q_idx.shape[-1] for d in ctx.dispatch)
@@ -203,7 +210,7 @@ def pair_usage(args):
   server) pair carries. The tiled exchange pads every pair to the largest pair's bucket; its rows
   per device, (N - 1) x capacity, against the busiest device's real rows (max over devices of the
   rows it sends or receives) is its cost relative to a transport that sends only what moves."""
-  from distca_jax import dispatch
+  from distca_jax import dispatch, gate
   from distca_jax.schedule.items import exchange_capacity
   from distca_jax.schedule.planner import pair_rows
 
@@ -215,10 +222,10 @@ def pair_usage(args):
   for dist in args.dist:
     for n in args.pairs:
       config, shape, batch = _trainer_batch(dist, n, t)
-      comm = dispatch.comm_model(shape, config.attention)
+      comm = gate.comm_model(shape, config.attention)
       for k, nano in enumerate(dispatch.split_pingpong_batch(batch)):
         lay = nano.layout
-        tasks = make_plan(lay, comm, epsilon=config.attention.epsilon, with_arrays=False).tasks
+        tasks = make_plan(lay, comm, epsilon=config.attention.epsilon).tasks
         q, kvm = pair_rows(tasks, lay)
         for name, m in (("Q", q), ("K/V", kvm)):
           used = int((m > 0).sum())

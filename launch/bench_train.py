@@ -79,7 +79,6 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   import numpy as np
 
   from distca_jax import attention as attention_lib
-  from distca_jax import dispatch
   from distca_jax import mesh as mesh_lib
   from distca_jax import pipeline
   from distca_jax.train.step import Trainer
@@ -146,7 +145,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   imb = ctx.imbalance() if hasattr(ctx, "imbalance") else None
   if hasattr(ctx, "loads"):  # the WLB baseline: attention area and tokens per device
     mem["loads"] = [x.tolist() for x in ctx.loads()]
-  if isinstance(ctx, dispatch.StepContext):
+  if ctx.cad and hasattr(ctx, "batches"):
     # The streams the step ran (one where two unequal halves were predicted slower).
     mem.update(streams=len(ctx.batches))
   loss = float(m["loss"])
@@ -157,7 +156,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
 
 
 def _predicted_saving(config, batch, shape, cache: dict) -> float:
-  """What the gate predicts CAD saves on this batch (`metrics.predicted_cad_saving`), planned as
+  """What the gate predicts CAD saves on this batch (`gate.predicted_cad_saving`), planned as
   the distca variants plan it, gate off. `cache` (one per batch) keeps one prediction per
   planning configuration: variants that differ only in what planning ignores share it."""
   import dataclasses
@@ -167,7 +166,7 @@ def _predicted_saving(config, batch, shape, cache: dict) -> float:
   a = dataclasses.replace(config.attention, impl="distca", gate=False, min_imbalance=1.0,
                           kernel="auto", exchange="tiled")
   if a not in cache:
-    cache[a] = dispatch.host_context(a, batch, shape).predicted_saving
+    cache[a] = dispatch.plan_step(a, batch, shape).predicted_saving
   return cache[a]
 
 
@@ -229,6 +228,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+  from distca_jax import gate
   from distca_jax.config import load_config
   from distca_jax.models.presets import resolve
   from distca_jax.train import metrics as metrics_lib
@@ -337,8 +337,8 @@ def main(argv=None) -> int:
             print(f"{kind:9s} {name:14s} ran colocated attention (predicted saving below "
                   f"attention.min_gain)", flush=True)
         r.update(batch=kind, variant=name, speedup=base_time / r["median_s"],
-                 predicted_gain=metrics_lib.predicted_cad_gain(shape, batch.layout,
-                                                               attention_config=config.attention),
+                 predicted_gain=gate.predicted_cad_gain(shape, batch.layout,
+                                                        attention_config=config.attention),
                  predicted_saving=_predicted_saving(config, batch, shape, saving_cache))
         rows.append(r)
         if args.compile_only:  # a memory report: no steps ran

@@ -6,7 +6,7 @@
 CPU only. For each measured batch (4 x H100, Llama-3-8B shape with 2 layers, 64K tokens per
 device; colocated and distca step ms from `bench_train.py --suite cad`; `--from` adds pairs
 from such runs' JSON) it rebuilds the batch from the sampler, fits the colocated step time from
-the slowest device's matmul and attention FLOPs, prints `metrics.predicted_cad_gain` beside the
+the slowest device's matmul and attention FLOPs, prints `gate.predicted_cad_gain` beside the
 measured saving, then plans the batch as the trainer does (ping-pong on), fits the exchange's
 overhead from the matmul time and the bytes the busiest device moves, prints the three
 `attention.gate_*` costs it implies, and predicts each batch's net saving from a fit of the
@@ -29,25 +29,14 @@ import dataclasses
 
 import numpy as np
 
-# (distribution, sampler step) -> (colocated ms, distca ms with CAD running), same process each.
-MEASURED = {
-    ("pretrain", 0): (1548.6, 1592.2), ("pretrain", 1): (1546.2, 1577.0),
-    ("pretrain", 2): (2739.5, 1992.7), ("prolong", 0): (2156.4, 1899.9),
-    ("prolong", 1): (2204.2, 1833.1), ("prolong", 2): (1978.2, 1829.1),
-    ("prolong", 32): (2259.0, 2210.0), ("pretrain", 38): (1616.9, 1647.9),
-    ("prolong", 14): (1603.4, 1639.1), ("pretrain", 29): (2327.0, 2144.9),
-    ("pretrain", 46): (1618.7, 1632.0), ("pretrain", 60): (1601.3, 1600.1),
-    ("pretrain", 79): (1819.3, 1849.4), ("prolong", 58): (2032.8, 2041.5),
-}
-# Attention time per FLOP in training steps against the fit's kernel (triton), per kernel:
-# `--kernel-logs` on one-device colocated runs (`gpu_session.sh kfit`: H200, Llama-3-8B shape with
-# 2 layers, ProLong 64K, 39 uncompiled steps each, 2026-11-29, the kernels with the twentieth
-# session's backward fixes; 0.832 on an H100 before them). `metrics.GATE_ATTENTION_COST` holds the
-# fit's attention cost scaled by these.
-KERNEL_COST_RATIO = {"mosaic": 0.813}
-DEVICES = 4
-SETUP = ("model.preset=llama3_8b", "model.layers=2", "data.length_scale=1",
-         "data.tokens_per_device=65536")
+from distca_jax import gate
+
+# The fit's measurements and shipped costs are data (distca_jax/gate_fit.json): (distribution,
+# sampler step) -> (colocated ms, distca ms with CAD running), of SETUP on DEVICES devices.
+MEASURED = gate.measured_batches()
+KERNEL_COST_RATIO = gate.KERNEL_COST_RATIO
+DEVICES = gate.FIT_DEVICES
+SETUP = gate.FIT_SETUP
 
 
 def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
@@ -63,7 +52,6 @@ def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
 
   cfg = load_config(None, list(SETUP) + ["attention.impl=distca", "attention.gate=true"]
                     + list(overrides))
@@ -84,10 +72,10 @@ def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
         colocated, gated, cad = 0.0, 0.0, 0
         for step in range(steps):
           batch = src.batch(step)
-          ctx = dispatch.host_context(attention, batch, shape, shapes=shapes)
-          linear, attn = metrics.colocated_flops(shape, batch.layout)
-          t = (linear + metrics.gate_attention_cost(attention) * attn).max()
-          runs_cad = isinstance(ctx, dispatch.StepContext)
+          ctx = dispatch.plan_step(attention, batch, shape, shapes=shapes)
+          linear, attn = gate.colocated_flops(shape, batch.layout)
+          t = (linear + gate.gate_attention_cost(attention) * attn).max()
+          runs_cad = ctx.cad
           colocated += t
           gated += t * (1 - ctx.predicted_saving) if runs_cad else t
           cad += runs_cad
@@ -175,18 +163,6 @@ def main() -> None:
     fit_simulator()
 
 
-def _gate_report():
-  """launch/gate_report.py (its log reader), imported from beside this file (also under
-  `python -P`)."""
-  import os
-  import sys
-
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import gate_report
-
-  return gate_report
-
-
 def kernel_cost(paths, setup: tuple) -> list[dict]:
   """Each attention kernel's cost in training steps, from one-device colocated `launch/train.py`
   logs of the same sampled steps (`gpu_session.sh kfit`): per log, the uncompiled steps' times
@@ -199,9 +175,6 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
-
-  gate_report = _gate_report()
 
   cfg = load_config(None, list(SETUP) + list(setup))
   shape = resolve(cfg.model)
@@ -210,23 +183,22 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
   print("| kernel log | steps | matmul TF/s | attention TF/s | step ms (min-max) | fit RMS ms "
         "| attention per FLOP vs first | gate_attention_cost |\n|---|---|---|---|---|---|---|---|")
   for path in paths:
-    steps = {s: v for s, v in gate_report.read(path).items() if not v["compiled"]}
+    steps = {s: v for s, v in gate.read_step_log(path).items() if not v["compiled"]}
     if len(steps) < 3:
       raise SystemExit(f"{path}: {len(steps)} uncompiled steps, too few to fit")
     # Log step s trained on the sampler's batch s - 1.
-    flops = np.array([[f.max() for f in metrics.colocated_flops(shape, src.batch(s - 1).layout)]
+    flops = np.array([[f.max() for f in gate.colocated_flops(shape, src.batch(s - 1).layout)]
                       for s in steps])
     ms = np.array([v["step_s"] * 1e3 for v in steps.values()])
-    coef, *_ = np.linalg.lstsq(flops, ms, rcond=None)
-    if coef[1] <= 0:
-      raise SystemExit(f"{path}: the step time does not grow with attention FLOPs ({coef[1]:.3g} "
-                       "ms per FLOP): too few or too alike batches to fit")
-    fits.append(dict(path=path, steps=len(ms), c_lin=coef[0], c_att=coef[1],
-                     rms=float(np.sqrt(np.mean((flops @ coef - ms) ** 2)))))
-    ratio = coef[1] / fits[0]["c_att"]
-    print(f"| {os.path.basename(path)} | {len(ms)} | {1e-9 / coef[0]:.0f} | {1e-9 / coef[1]:.0f} | "
-          f"{ms.min():.0f}-{ms.max():.0f} | {fits[-1]['rms']:.1f} | {ratio:.3f} | "
-          f"{metrics.gate_attention_cost(cfg.attention, metrics.GATE_FIT_KERNEL) * ratio:.3g} |")
+    try:
+      c_lin, c_att, rms = gate.fit_kernel_cost(flops, ms)
+    except ValueError as e:
+      raise SystemExit(f"{path}: {e}") from None
+    fits.append(dict(path=path, steps=len(ms), c_lin=c_lin, c_att=c_att, rms=rms))
+    ratio = c_att / fits[0]["c_att"]
+    print(f"| {os.path.basename(path)} | {len(ms)} | {1e-9 / c_lin:.0f} | {1e-9 / c_att:.0f} | "
+          f"{ms.min():.0f}-{ms.max():.0f} | {rms:.1f} | {ratio:.3f} | "
+          f"{gate.gate_attention_cost(cfg.attention, gate.GATE_FIT_KERNEL) * ratio:.3g} |")
   return fits
 
 
@@ -259,94 +231,79 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
   tiled exchange's bytes). Log step s trained on the sampler's batch s - 1; the distribution
   is `data.distribution` in `setup` (default: the config's)."""
   from distca_jax.config import load_config
-
-  gate_report = _gate_report()
+  from distca_jax.schedule.capacities import Capacities
 
   dist = load_config(None, list(setup)).data.distribution
   rest = tuple(o for o in setup if not o.startswith("data.distribution="))
-  col, cad = gate_report.read(colocated_log), gate_report.read(distca_log)
+  col, cad = gate.read_step_log(colocated_log), gate.read_step_log(distca_log)
   out = []
   for s in sorted(col.keys() & cad.keys()):
     c, d = col[s], cad[s]
     if c["compiled"] or d["compiled"] or d.get("cad") != 1.0 or "exchange_q_rows" not in d:
       continue
-    caps = {"c": int(d["exchange_q_rows"]), "ckv": int(d["exchange_kv_rows"])}
+    caps = Capacities(c=int(d["exchange_q_rows"]), ckv=int(d["exchange_kv_rows"]))
     out.append((devices, rest, dist, s - 1, c["step_s"] * 1e3, d["step_s"] * 1e3, caps))
   return out
 
 
 def fit(verbose: bool = True, extra=()) -> dict:
-  """The fit above, over MEASURED and `extra` ((devices, overrides, distribution, step,
-  colocated ms, CAD ms) tuples); prints it (and the per-batch table) when `verbose`. Returns the
-  cost model it implies (`gate_attention_cost`, `gate_exchange_fixed`,
-  `gate_exchange_flops_per_byte`, the `attention.` fields) and, per batch, the measured and the
-  shipped gate's predicted saving (fractions of the colocated step).
-
-  In FLOP units, so batches of different model shapes and token counts fit together (one
-  machine kind): colocated ms = L / lin + A / att, L the slowest device's 3 x matmul FLOPs and A
-  its attention FLOPs (3.5 x forward); the exchange's overhead ms = fixed x L / lin + b x bytes."""
+  """The fit above (`gate.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
+  distribution, step, colocated ms, CAD ms[, capacities]) tuples); prints it (and the per-batch
+  table) when `verbose`. Returns the cost model it implies (`gate_attention_cost`,
+  `gate_exchange_fixed`, `gate_exchange_flops_per_byte`, the `attention.` fields) and, per batch,
+  the measured and the shipped gate's predicted saving (fractions of the colocated step)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
 
   entries = [(DEVICES, SETUP, d, s, col, cad, None) for (d, s), (col, cad) in MEASURED.items()]
-  rows = []
+  rows, batches = [], []
   for devices, setup, dist, step, col, cad, *caps in list(entries) + list(extra):
     cfg = load_config(None, list(setup) + ["attention.impl=distca", "attention.gate=false"])
     shape = resolve(cfg.model)
     batch = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
                                   shape.vocab_size, devices).batch(step)
-    ctx = dispatch.host_context(cfg.attention, batch, shape)
+    ctx = dispatch.plan_step(cfg.attention, batch, shape)
     planned = sum(p.stats.load_after for p in ctx.plans)
-    linear, attn = metrics.colocated_flops(shape, batch.layout)
+    linear, attn = gate.colocated_flops(shape, batch.layout)
+    # The exchange at the capacities the step ran with: a training run's grown ones when its log
+    # says (from_train_logs), else the step's own (a benchmark compiles each batch).
+    moved_bytes = gate.exchange_bytes(cfg.attention, shape, ctx.plans,
+                                      (caps and caps[0]) or ctx.capacities).max() * shape.layers
+    batches.append(gate.FitBatch(
+        colocated_ms=col, distca_ms=cad, linear_flops=linear.max(), attention_flops=attn.max(),
+        planned_flops=gate.attention_flops_per_area(shape) * planned.max(),
+        exchange_bytes=moved_bytes))
     rows.append(dict(
         batch=f"{dist}@{step}" + ("" if (devices, setup) == (DEVICES, SETUP) else f" ({devices} dev)"),
-        col=col, cad=cad, imb=metrics.imbalance(attn),
-        gain=metrics.predicted_cad_gain(shape, batch.layout, attention_config=cfg.attention),
-        linear=linear.max(), attn=attn.max(),
-        planned=metrics.attention_flops_per_area(shape) * planned.max(),
+        imb=gate.imbalance(attn),
+        gain=gate.predicted_cad_gain(shape, batch.layout, attention_config=cfg.attention),
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
-        # The exchange at the capacities the step ran with: a training run's grown ones when
-        # its log says (from_train_logs), else the step's own (a benchmark compiles each batch).
-        bytes=dispatch.exchange_bytes(cfg.attention, shape, ctx.plans,
-                                      (caps and caps[0]) or ctx.capacities).max() * shape.layers,
         predicted=ctx.predicted_saving, attention=cfg.attention))
+  result = gate.fit_step_costs(batches)
   say = print if verbose else (lambda *a, **k: None)
-  col = np.array([r["col"] for r in rows])
-  c_lin, c_att = np.linalg.lstsq(np.array([[r["linear"], r["attn"]] for r in rows]), col,
-                                 rcond=None)[0]  # ms per FLOP
-  say(f"colocated step = matmul FLOPs at {1e-9 / c_lin:.0f} TF/s + attention FLOPs at "
-      f"{1e-9 / c_att:.0f} TF/s (effective)")
-  ideal = np.array([c_att * (r["attn"] - r["planned"]) for r in rows])
-  saved = np.array([r["col"] - r["cad"] for r in rows])
-  lin_ms = np.array([c_lin * r["linear"] for r in rows])
-  X = np.stack([lin_ms, [r["bytes"] for r in rows]], axis=1)
-  fixed, per_byte = np.linalg.lstsq(X, ideal - saved, rcond=None)[0]
-  resid = ideal - saved - X @ np.array([fixed, per_byte])
-  say(f"exchange overhead = {fixed:.4f} x the matmul time + {per_byte * 1e9:.3f} ms per GB the "
-      f"busiest device moves (residuals {np.abs(resid).max():.0f} ms at most)")
-  fitted = dict(gate_attention_cost=c_att / c_lin, gate_exchange_fixed=fixed,
-                gate_exchange_flops_per_byte=per_byte / c_lin)
+  say(f"colocated step = matmul FLOPs at {1e-9 / result.ms_per_linear_flop:.0f} TF/s + attention "
+      f"FLOPs at {1e-9 / result.ms_per_attention_flop:.0f} TF/s (effective)")
+  say(f"exchange overhead = {result.exchange_fixed:.4f} x the matmul time + "
+      f"{result.exchange_ms_per_byte * 1e9:.3f} ms per GB the busiest device moves (residuals "
+      f"{result.max_residual_ms:.0f} ms at most)")
+  fitted = result.costs
   a = rows[0]["attention"]
-  a = dataclasses.replace(a, gate_attention_cost=metrics.gate_attention_cost(
-      a, metrics.GATE_FIT_KERNEL))  # the shipped cost of the kernel these batches ran
+  a = dataclasses.replace(a, gate_attention_cost=gate.gate_attention_cost(
+      a, gate.GATE_FIT_KERNEL))  # the shipped cost of the kernel these batches ran
   say("fitted:  " + " ".join(f"attention.{k}={v:.4g}" for k, v in fitted.items()))
   say("shipped: " + " ".join(f"attention.{k}={getattr(a, k):.4g}" for k in fitted) + "\n")
   out = dict(fitted, batches={})
   say("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
       "| net saving, leave-one-out | predicted_cad_saving |")
   say("|---|---|---|---|---|---|---|---|")
-  for i, r in enumerate(rows):
-    keep = np.arange(len(rows)) != i
-    fi, bi = np.linalg.lstsq(X[keep], (ideal - saved)[keep], rcond=None)[0]
-    net = ideal[i] - fi * lin_ms[i] - bi * r["bytes"]
-    shipped = r["predicted"]
-    out["batches"][r["batch"]] = (saved[i] / r["col"], shipped)
+  for i, (r, b) in enumerate(zip(rows, batches)):
+    saved = result.measured_saving_ms[i] / b.colocated_ms
+    out["batches"][r["batch"]] = (saved, r["predicted"])
     say(f"| {r['batch']} | {r['imb']:.2f} | {r['gain']:.3f} | {r['moved']:,} | "
-        f"{lin_ms[i] + c_att * r['attn']:.0f} (measured {r['col']:.0f}) | "
-        f"{saved[i] / r['col']:+.1%} | {net / r['col']:+.1%} | {shipped:+.1%} |")
+        f"{result.fitted_colocated_ms[i]:.0f} (measured {b.colocated_ms:.0f}) | {saved:+.1%} | "
+        f"{result.leave_one_out_saving_ms[i] / b.colocated_ms:+.1%} | {r['predicted']:+.1%} |")
   return out
 
 

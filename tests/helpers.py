@@ -1,5 +1,5 @@
 """Shared test utilities: small configs, an independent plain-jnp Llama, parameter access, the
-launch scripts as modules."""
+launch scripts as modules, and the dispatch arrays' numpy specification (`simulate_dispatch`)."""
 
 from __future__ import annotations
 
@@ -114,3 +114,78 @@ def reference_value_and_grad(params, shape, batch):
   """Jitted (loss, grads) of `reference_loss` on one batch (the batch is a trace-time constant:
   its documents unroll into the traced program, the same arithmetic as eager, far faster)."""
   return jax.jit(jax.value_and_grad(lambda p: reference_loss(p, shape, batch)))(params)
+
+
+# ----------------------------------------------------------------------------- dispatch spec
+
+
+def _attention_np(q_TxHxD, k_SxKxD, v_SxKxD):
+  """Bottom-right causal attention of one task, float64 numpy; GQA (head h reads h // (H/K))."""
+  t, h, dim = q_TxHxD.shape
+  s, kh, _ = k_SxKxD.shape
+  k = np.repeat(k_SxKxD, h // kh, axis=1)
+  v = np.repeat(v_SxKxD, h // kh, axis=1)
+  logits = np.einsum("thd,shd->hts", q_TxHxD, k) / np.sqrt(dim)
+  mask = np.arange(s)[None, :] <= (s - t + np.arange(t))[:, None]
+  logits = np.where(mask[None], logits, -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("hts,shd->thd", p, v)
+
+
+def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim: int = 8,
+                      seed: int = 0) -> float:
+  """Runs a `DispatchPlan`'s data movement in numpy and returns the max |error| against direct
+  attention: the executable specification of the arrays training runs.
+
+  Random q [N, T, H, D] and k, v [N, T, K, D] per home buffer; per device: the local rows and the
+  send blocks gathered (padding zeroed); a tiled all_to_all (server s receives block [d, s] of
+  every d at rows T + d * C); the server's K/V gather over [local T | received N * Ckv]; reference
+  attention per task of its table; the reverse all_to_all; the `return_idx` gather. The
+  reference is per-document causal attention computed from the layout alone (each document's
+  rows concatenated in position order). A plan whose outputs for padding are not marked so
+  returns inf."""
+  if layout.prior is not None:
+    raise ValueError("simulate_dispatch: a layout with prior shards reads another stream's K/V")
+  n, t = layout.num_buffers, layout.buffer_len
+  c, ckv = plan.send_q_idx.shape[-1], plan.send_kv_idx.shape[-1]
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((n, t, heads, head_dim))
+  k = rng.standard_normal((n, t, kv_heads, head_dim))
+  v = rng.standard_normal((n, t, kv_heads, head_dim))
+  home = np.arange(n)[:, None]
+  keep = lambda valid, x: np.where(valid.reshape(valid.shape + (1, 1)), x, 0.0)
+  exchange = lambda blocks: blocks.transpose(1, 0, 2, 3, 4).reshape(
+      (n, n * blocks.shape[2]) + blocks.shape[3:])  # [src, dst, C, ...] -> dst's rows src * C
+  server_q = np.concatenate(
+      [keep(plan.local_q_valid, q[home, plan.local_q_idx]),
+       exchange(keep(plan.send_q_valid, q[home[..., None], plan.send_q_idx]))], axis=1)
+  server_kv = [keep(plan.server_kv_valid, np.concatenate(
+      [x, exchange(keep(plan.send_kv_valid, x[home[..., None], plan.send_kv_idx]))],
+      axis=1)[home, plan.server_kv_idx]) for x in (k, v)]
+  out = np.zeros_like(server_q)
+  for s in range(n):
+    for j in range(plan.q_start.shape[-1]):
+      qs, ql, ks, kl = (int(x[s, j]) for x in (plan.q_start, plan.q_len, plan.kv_start, plan.kv_len))
+      if ql:
+        out[s, qs:qs + ql] = _attention_np(server_q[s, qs:qs + ql], server_kv[0][s, ks:ks + kl],
+                                           server_kv[1][s, ks:ks + kl])
+  back = exchange(out[:, t:].reshape((n, n, c) + out.shape[2:]))
+  got = np.concatenate([out[:, :t], back], axis=1)[home, plan.return_idx]
+  seg, pos = layout.segment_ids(), layout.positions()
+  want = np.zeros_like(got)
+  for g in range(np.asarray(layout.doc_lens).size):
+    dd, rr = np.nonzero(seg == g)
+    o = np.argsort(pos[dd, rr], kind="stable")
+    dd, rr = dd[o], rr[o]
+    want[dd, rr] = _attention_np(q[dd, rr], k[dd, rr], v[dd, rr])
+  if (plan.return_valid != (seg >= 0)).any():
+    return float("inf")
+  return float(np.abs(keep(plan.return_valid, got - want)).max(initial=0.0))
+
+
+def dispatch_of(plan, layout):
+  """The `DispatchPlan` of a scheduler plan (its tasks at its capacities, tiled exchange)."""
+  from distca_jax.dispatch import build_dispatch
+
+  return build_dispatch(plan.tasks, layout, plan.capacities.without_shifts())

@@ -10,10 +10,14 @@ import pytest
 
 from distca_jax import attention as attn
 from distca_jax import dispatch
+from distca_jax import gate as gate_lib
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch, synthetic_from_config
+from distca_jax.dispatch import exchange, host
+from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.pingpong import split_pingpong
+from distca_jax.schedule.plan import make_plan
 from distca_jax.schedule.planner import pair_rows
 from distca_jax.train import metrics
 from distca_jax.train.step import Trainer
@@ -56,13 +60,22 @@ def _reference(params, shape, batches):
   return float(loss), grads
 
 
+def _plan_for_layout(attention_config, layout, shape, devices=None):
+  """The scheduler's plan of one nano-batch and its checked dispatch arrays at the plan's own
+  capacities (tiled exchange), planned as the trainer plans an unpipelined stream."""
+  plan = make_plan(layout, gate_lib.comm_model(shape, attention_config),
+                   epsilon=attention_config.epsilon,
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=False))
+  d = dispatch.build_dispatch(plan.tasks, layout, plan.capacities.without_shifts(), devices=devices)
+  dispatch.validate_plan(d, layout, devices)
+  return plan, d
+
+
 def _prefer_streams(monkeypatch, streams: int):
   """Make the gate's model prefer `streams` streams where a step may run one or two (a ping-pong
   split that cuts a document longer than half the step)."""
-  from distca_jax.train import metrics
-
-  real = metrics.predicted_cad_saving
-  monkeypatch.setattr(metrics, "predicted_cad_saving", lambda shape, layout, plans, *a:
+  real = gate_lib.predicted_cad_saving
+  monkeypatch.setattr(gate_lib, "predicted_cad_saving", lambda shape, layout, plans, *a:
                       real(shape, layout, plans, *a) + (1.0 if len(plans) == streams else 0.0))
 
 
@@ -221,7 +234,7 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   # measured in steps, so the fit's kernel's.
   import json
   recorded = json.loads((tmp_path / "d" / "config.json").read_text())["attention"]
-  assert recorded["gate_attention_cost"] == metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL]
+  assert recorded["gate_attention_cost"] == gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL]
   # A named kernel that cannot run here fails before anything is built, naming the key.
   with pytest.raises(ConfigError, match="attention.kernel: kernel backend 'triton'"):
     loop.run(small_config(*common, "attention.kernel=triton", f"train.out_dir={tmp_path / 't'}"),
@@ -253,7 +266,7 @@ def test_logged_imbalance_is_the_batch_s():
   """A CAD step logs the imbalance of the batch as loaded (what colocated attention runs), not
   of its ping-pong halves, which the split alone often evens out: a colocated and a distca run
   of the same batches log the same `attention_imbalance`; `after` is the plans' load."""
-  from distca_jax.train import metrics, profile
+  from distca_jax.train import profile
 
   cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=prolong",
                      "attention.impl=distca")
@@ -276,13 +289,12 @@ def test_grown_capacities_compute_the_same_step():
   batch = synthetic_from_config(cfg.data, 512, 4).batch(3)
   plain = _run(cfg, batch, 4)
   caps = plain[4].capacities
-  assert caps["c"] > 0 and caps["ckv"] > 0  # rows move between devices
+  assert caps.c > 0 and caps.ckv > 0  # rows move between devices
   shapes = dispatch.StepShapes()
-  shapes.fit(f"cad@{T // 2}", c=caps["c"] + 128, ckv=caps["ckv"] + 256, skv=2 * caps["skv"],
-             ctask=2 * caps["ctask"])
+  grown = Capacities(c=caps.c + 128, ckv=caps.ckv + 256, skv=2 * caps.skv, ctask=2 * caps.ctask)
+  shapes.fit(f"cad@{T // 2}", grown)
   loss, grads, params, shape, ctx = _run(cfg, batch, 4, shapes)
-  assert ctx.capacities == dict(c=caps["c"] + 128, ckv=caps["ckv"] + 256, skv=2 * caps["skv"],
-                                ctask=2 * caps["ctask"])
+  assert ctx.capacities == grown
   ref_loss, ref_grads = _reference(params, shape, [batch])
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   assert tree_rel_err(grads, ref_grads) <= 1e-5
@@ -336,20 +348,19 @@ def test_predicted_gain():
   """CAD's predicted saving: none on a balanced batch; where attention is nearly all of the step and
   one device holds it, balancing takes the slowest device to the mean (1 - 1/N of its step)."""
   from distca_jax.models.presets import ModelShape
-  from distca_jax.train import metrics
 
   shape = ModelShape(vocab_size=2, hidden=1, layers=1, heads=64, kv_heads=1, head_dim=1024, ffn=1,
                      rope_theta=1.0)
   T, N = 4096, 4
   lens = np.concatenate([[T], np.ones((N - 1) * T, np.int64)])
   one_long = make_batch(lens, np.zeros(N * T, np.int32), N, T).layout
-  assert metrics.predicted_cad_gain(shape, one_long) == pytest.approx(1 - 1 / N, abs=2e-3)
+  assert gate_lib.predicted_cad_gain(shape, one_long) == pytest.approx(1 - 1 / N, abs=2e-3)
   equal = make_batch(np.full(N, T), np.zeros(N * T, np.int32), N, T).layout
-  assert metrics.predicted_cad_gain(shape, equal) == 0.0
+  assert gate_lib.predicted_cad_gain(shape, equal) == 0.0
   # With the matmuls of a real model the same skew buys less, and more as documents grow.
   llama = dataclasses.replace(shape, vocab_size=128256, hidden=4096, heads=32, kv_heads=8,
                               head_dim=128, ffn=14336)
-  gains = [metrics.predicted_cad_gain(llama, make_batch(
+  gains = [gate_lib.predicted_cad_gain(llama, make_batch(
       np.concatenate([[t], np.ones(N * t - t, np.int64)]), np.zeros(N * t, np.int32), N, t).layout)
            for t in (1024, 8192, 65536)]
   assert 0 < gains[0] < gains[1] < gains[2] < 1 - 1 / N, gains
@@ -361,7 +372,6 @@ def test_gate_on_the_plan(monkeypatch):
   is predicted to cost the exchange's fixed part; a batch that cannot reach `min_gain` even
   perfectly balanced is not planned at all."""
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
 
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "data.distribution=prolong",
                      "attention.impl=distca")
@@ -370,8 +380,8 @@ def test_gate_on_the_plan(monkeypatch):
   shape = resolve(cfg.model)
   ungated = attn.host_context(cfg.attention, batch, shape)
   saving = ungated.predicted_saving  # with the tiled exchange's padded blocks
-  assert saving <= metrics.predicted_cad_saving(shape, batch.layout, ungated.plans)  # moved rows
-  assert saving <= metrics.predicted_cad_gain(shape, batch.layout, exchange=True)
+  assert saving <= gate_lib.predicted_cad_saving(shape, batch.layout, ungated.plans)  # moved rows
+  assert saving <= gate_lib.predicted_cad_gain(shape, batch.layout, exchange=True)
   for margin, gated in ((0.01, True), (-0.01, False)):
     a = dataclasses.replace(cfg.attention, gate=True, min_gain=saving + margin)
     ctx = attn.host_context(a, batch, shape)
@@ -387,26 +397,26 @@ def test_gate_on_the_plan(monkeypatch):
   linear = 3.0 * shape.matmul_flops_per_token() * tokens.max()
   area = metrics.attention_load_per_device(equal.layout).max()
   a = cfg.attention
-  step = linear + 3.5 * metrics.gate_attention_cost(a) * 4.0 * shape.head_dim * shape.heads * \
+  step = linear + 3.5 * gate_lib.gate_attention_cost(a) * 4.0 * shape.head_dim * shape.heads * \
       shape.layers * area
-  assert metrics.predicted_cad_saving(shape, equal.layout, plans, a) == pytest.approx(
+  assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, a) == pytest.approx(
       -a.gate_exchange_fixed * linear / step)
   # The cost model is the config's: a free exchange leaves exactly the (here zero) balance gain.
   free = dataclasses.replace(a, gate_exchange_fixed=0.0, gate_exchange_flops_per_byte=0.0)
-  assert metrics.predicted_cad_saving(shape, equal.layout, plans, free) == 0.0
+  assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, free) == 0.0
 
   def no_dispatch(*a, **k):
     raise AssertionError("built the dispatch arrays of a step the gate stopped")
 
   with monkeypatch.context() as m:  # a gated step's plans are made, their arrays are not
-    m.setattr(dispatch, "dispatch_for_plans", no_dispatch)
+    m.setattr(host, "_checked_arrays", no_dispatch)
     a = dataclasses.replace(cfg.attention, gate=True, min_gain=saving + 0.01)
     assert isinstance(attn.host_context(a, batch, shape), attn.ColocatedContext)
 
   def no_planning(*a, **k):
     raise AssertionError("planned a batch the pre-check should have stopped")
 
-  monkeypatch.setattr(dispatch, "schedule_layout", no_planning)
+  monkeypatch.setattr(host, "_schedule", no_planning)
   gated = dataclasses.replace(cfg.attention, gate=True, min_gain=0.0)
   assert isinstance(attn.host_context(gated, equal, shape), attn.ColocatedContext)
 
@@ -417,7 +427,6 @@ def test_gate_charges_the_padded_exchange():
   predicted to save less; the ragged exchange, the rows that move. A step the gate turns away
   leaves the run's capacities as they were."""
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
 
   cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=prolong",
                      "attention.impl=distca")
@@ -425,23 +434,23 @@ def test_gate_charges_the_padded_exchange():
   batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
   ctx = attn.host_context(cfg.attention, batch, shape)
   caps = ctx.capacities
-  comm = dispatch.comm_model(shape, cfg.attention)
-  got = dispatch.exchange_bytes(cfg.attention, shape, ctx.plans, caps)
-  want = 2 * 3 * (caps["c"] * comm.q_row_bytes + caps["ckv"] * comm.kv_row_bytes) * 2  # Ping, Pong
+  comm = gate_lib.comm_model(shape, cfg.attention)
+  got = gate_lib.exchange_bytes(cfg.attention, shape, ctx.plans, caps)
+  want = 2 * 3 * (caps.c * comm.q_row_bytes + caps.ckv * comm.kv_row_bytes) * 2  # Ping, Pong
   np.testing.assert_allclose(got, np.full(4, want))
   moved = sum(p.traffic.send + p.traffic.recv for p in ctx.plans)
   assert (got >= moved).all() and (got > moved).any()
   ragged = dataclasses.replace(cfg.attention, exchange="ragged")
-  np.testing.assert_array_equal(dispatch.exchange_bytes(ragged, shape, ctx.plans, caps), moved)
-  assert ctx.predicted_saving == pytest.approx(metrics.predicted_cad_saving(
+  np.testing.assert_array_equal(gate_lib.exchange_bytes(ragged, shape, ctx.plans, caps), moved)
+  assert ctx.predicted_saving == pytest.approx(gate_lib.predicted_cad_saving(
       shape, batch.layout, ctx.plans, cfg.attention, got))
 
   T = batch.layout.buffer_len // 2
   shapes = dispatch.StepShapes()
-  shapes.fit(f"cad@{T}", c=2 * caps["c"], ckv=2 * caps["ckv"], skv=caps["skv"], ctask=caps["ctask"])
+  shapes.fit(f"cad@{T}", dataclasses.replace(caps, c=2 * caps.c, ckv=2 * caps.ckv))
   before = dict(shapes.sizes)
   grown = attn.host_context(cfg.attention, batch, shape, shapes=shapes)
-  assert grown.capacities["c"] == 2 * caps["c"] and shapes.sizes == before
+  assert grown.capacities.c == 2 * caps.c and shapes.sizes == before
   assert grown.predicted_saving < ctx.predicted_saving
   gated = dataclasses.replace(cfg.attention, gate=True, min_gain=ctx.predicted_saving)
   fresh = dispatch.StepShapes()
@@ -449,7 +458,7 @@ def test_gate_charges_the_padded_exchange():
   # The gate turned the step away: no CAD capacity grew (the colocated step's shape is new).
   assert {k: v for k, v in shapes.sizes.items() if k.startswith("cad@")} == before
   assert isinstance(attn.host_context(gated, batch, shape, shapes=fresh), dispatch.StepContext)
-  assert fresh.sizes["cad@%d.c" % T] == caps["c"]
+  assert fresh.sizes["cad@%d.c" % T] == caps.c
 
 
 @pytest.mark.parametrize("dist", ["pretrain", "prolong"])
@@ -458,7 +467,6 @@ def test_gate_decides_alike_on_every_process(dist):
   decision alike (else they would run different executables): the prediction comes from the
   global plans, the same whatever rows a process builds."""
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
 
   n = 8
   cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
@@ -493,11 +501,11 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   shipped = AttentionConfig()
   assert shipped.gate_attention_cost is None  # per kernel: the fit's kernel's, and scaled ones
   assert fitted["gate_attention_cost"] == pytest.approx(
-      metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL], rel=0.02)
-  assert set(metrics.GATE_ATTENTION_COST) == {metrics.GATE_FIT_KERNEL, *fit_gate.KERNEL_COST_RATIO}
+      gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL], rel=0.02)
+  assert set(gate_lib.GATE_ATTENTION_COST) == {gate_lib.GATE_FIT_KERNEL, *fit_gate.KERNEL_COST_RATIO}
   for kernel, ratio in fit_gate.KERNEL_COST_RATIO.items():
-    assert metrics.GATE_ATTENTION_COST[kernel] == pytest.approx(
-        metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL] * ratio, rel=2e-3), kernel
+    assert gate_lib.GATE_ATTENTION_COST[kernel] == pytest.approx(
+        gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL] * ratio, rel=2e-3), kernel
   for name in ("gate_exchange_fixed", "gate_exchange_flops_per_byte"):
     assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
   assert len(fitted["batches"]) == 14
@@ -516,33 +524,33 @@ def test_gate_attention_cost_is_the_kernels(monkeypatch):
 
   cfg = small_config()
   shape = resolve(cfg.model)
-  fit = metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL]
-  assert metrics.GATE_ATTENTION_COST["mosaic"] < fit
+  fit = gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL]
+  assert gate_lib.GATE_ATTENTION_COST["mosaic"] < fit
   unset = AttentionConfig()
   set_cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention,
                                                                    gate_attention_cost=0.5))
-  for backend, want in (("mosaic", metrics.GATE_ATTENTION_COST["mosaic"]), ("triton", fit),
+  for backend, want in (("mosaic", gate_lib.GATE_ATTENTION_COST["mosaic"]), ("triton", fit),
                         ("reference", fit), ("pallas", fit)):
     monkeypatch.setattr(kernels, "resolve_backend", lambda b, d, t, backend=backend: backend)
     got, kernel = metrics.with_kernel_gate_cost(cfg, shape)
     assert (got.attention.gate_attention_cost, kernel) == (want, backend)
     assert metrics.with_kernel_gate_cost(set_cfg, shape)[0].attention.gate_attention_cost == 0.5
   # The run's log says where the cost came from.
-  mosaic_cost = metrics.GATE_ATTENTION_COST["mosaic"]
-  assert metrics.describe_gate_cost(unset, "mosaic") == (
+  mosaic_cost = gate_lib.GATE_ATTENTION_COST["mosaic"]
+  assert gate_lib.describe_gate_cost(unset, "mosaic") == (
       f"{mosaic_cost:.3g} (mosaic kernel, measured)")
-  assert metrics.describe_gate_cost(unset, "reference") == (
+  assert gate_lib.describe_gate_cost(unset, "reference") == (
       f"{fit:.3g} (triton's: the reference kernel is not measured in training steps)")
-  assert metrics.describe_gate_cost(dataclasses.replace(unset, gate_attention_cost=0.5),
+  assert gate_lib.describe_gate_cost(dataclasses.replace(unset, gate_attention_cost=0.5),
                                     "mosaic") == "0.5 (attention.gate_attention_cost)"
   # What predicts a step reads the resolved cost; unresolved, the fit kernel's.
   batch = _layout_batch("long_on_one", 4, seed=0)
-  mosaic = dataclasses.replace(unset, gate_attention_cost=metrics.GATE_ATTENTION_COST["mosaic"])
-  assert (metrics.predicted_cad_gain(shape, batch.layout, attention_config=unset)
-          == metrics.predicted_cad_gain(shape, batch.layout,
+  mosaic = dataclasses.replace(unset, gate_attention_cost=gate_lib.GATE_ATTENTION_COST["mosaic"])
+  assert (gate_lib.predicted_cad_gain(shape, batch.layout, attention_config=unset)
+          == gate_lib.predicted_cad_gain(shape, batch.layout,
                                         attention_config=dataclasses.replace(
                                             unset, gate_attention_cost=fit))
-          > metrics.predicted_cad_gain(shape, batch.layout, attention_config=mosaic) > 0)
+          > gate_lib.predicted_cad_gain(shape, batch.layout, attention_config=mosaic) > 0)
 
 
 def test_fit_gate_reads_bench_json(tmp_path):
@@ -569,7 +577,7 @@ def test_fit_gate_reads_bench_json(tmp_path):
   assert len(fitted["batches"]) == 14  # the same two batches again: same names, same fit
   # Two points counted twice move the small exchange terms; the step-time fit barely.
   assert fitted["gate_attention_cost"] == pytest.approx(
-      metrics.GATE_ATTENTION_COST[metrics.GATE_FIT_KERNEL], rel=0.02)
+      gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL], rel=0.02)
 
 
 def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
@@ -583,7 +591,7 @@ def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
          line(4, 3.0, 2, 1), line(5, 3.0, 2, 0)]
   (tmp_path / "c.log").write_text("noise\n" + "\n".join(col))
   (tmp_path / "d.log").write_text("\n".join(cad) + "\nsummary")
-  assert launch_script("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
+  assert launch_script("tools/gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
   out = capsys.readouterr().out
   assert out.startswith("2 steps timed in both runs")  # 1: both compiled, 3: distca, 4: colocated
   assert "| all | 2 | 5.00 | 4.00 | 1.250 |" in out
@@ -595,7 +603,7 @@ def test_gate_report_pairs_uncompiled_steps(tmp_path, capsys):
   assert "losses within 0.1% of each other on all 5 steps" in out
   assert "| query rows |" not in out  # one exchange shape: no per-shape table
   (tmp_path / "d.log").write_text("\n".join(cad[:3] + [cad[3].replace("loss=1", "loss=1.01"), cad[4]]))
-  assert launch_script("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
+  assert launch_script("tools/gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
   assert ("losses within 0.1% of each other up to step 3; first apart at step 4 (1.00%), apart "
           "on 1 of 5 steps") in capsys.readouterr().out
 
@@ -614,7 +622,7 @@ def test_gate_report_per_exchange_shape(tmp_path, capsys):
          line(6, 2.0, " cad=0")]
   (tmp_path / "c.log").write_text("\n".join(col))
   (tmp_path / "d.log").write_text("\n".join(cad))
-  assert launch_script("gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
+  assert launch_script("tools/gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
   out = capsys.readouterr().out
   assert "| 12,288 | 32,768 | 2 | 2 | +15.0% | +15.0% | +0.0 points |" in out
   assert "| 12,288 | 65,536 | 2 | 2 | +15.0% | +7.5% | +7.5 points |" in out
@@ -628,14 +636,13 @@ def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):
   from distca_jax.config import AttentionConfig, load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
 
   fit_gate = launch_script("fit_gate")
   setup = ("data.distribution=prolong",)
   cfg = load_config(None, list(fit_gate.SETUP) + list(setup))
   shape = resolve(cfg.model)
   src = synthetic_from_config(cfg.data, shape.vocab_size, 1)
-  flops = [[f.max() for f in metrics.colocated_flops(shape, src.batch(s - 1).layout)]
+  flops = [[f.max() for f in gate_lib.colocated_flops(shape, src.batch(s - 1).layout)]
            for s in range(1, 13)]
   assert np.ptp([a for _, a in flops]) > 0.2 * np.mean([a for _, a in flops])  # a fit can tell
   paths = []
@@ -651,7 +658,7 @@ def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):
     assert fit["c_att"] == pytest.approx(c_att, rel=1e-3)
     assert fit["c_lin"] == pytest.approx(1 / 250e9, rel=1e-3)
   row = capsys.readouterr().out.splitlines()[-1]
-  cost = metrics.GATE_ATTENTION_COST["triton"] * 340 / 400
+  cost = gate_lib.GATE_ATTENTION_COST["triton"] * 340 / 400
   assert row.startswith("| kfit_mosaic.log | 10 | 250 | 400 |")
   ratio, scaled = row.split("|")[-3:-1]
   assert ratio.strip() == "0.850" and float(scaled) == pytest.approx(cost, abs=1e-3)
@@ -669,7 +676,7 @@ def test_pong_plan_is_checked_against_its_ping():
   cfg = small_config("mesh.data=2", f"data.tokens_per_device={T}", "attention.impl=distca")
   ping, pong = dispatch.split_pingpong_batch(_layout_batch("span_all", 2, seed=2, T=T))
   assert pong.layout.prior.num_shards
-  _, plan = dispatch.plan_for_layout(cfg.attention, pong.layout, resolve(cfg.model))
+  _, plan = _plan_for_layout(cfg.attention, pong.layout, resolve(cfg.model))
   dispatch.validate_plan(plan, pong.layout, batch=pong, prior_batch=ping)
   shifted = dataclasses.replace(ping, positions=np.roll(ping.positions, 1, axis=1))
   with pytest.raises(dispatch.PlanMismatchError, match="earlier stream"):
@@ -683,7 +690,7 @@ def test_plan_for_another_batch_is_refused():
   b = synthetic_from_config(cfg.data, 512, 4).batch(1)
   from distca_jax.models.presets import resolve
 
-  _, plan_a = dispatch.plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
+  _, plan_a = _plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
   with pytest.raises(dispatch.PlanMismatchError, match="does not match the batch"):
     dispatch.validate_plan(plan_a, b.layout)
   with pytest.raises(dispatch.PlanMismatchError, match="batch has"):
@@ -764,7 +771,7 @@ def test_backward_has_no_autodiff_scatters():
   batch = _layout_batch("long_on_one", 2, seed=0, T=128)
   from distca_jax.models.presets import resolve
 
-  _, plan = dispatch.plan_for_layout(cfg.attention, batch.layout, resolve(cfg.model))
+  _, plan = _plan_for_layout(cfg.attention, batch.layout, resolve(cfg.model))
   assert plan.send_q_idx.shape[-1] > 0, "want a plan that moves rows"
   q = jax.numpy.ones((2, 128, 4, 16))
   kv = jax.numpy.ones((2, 128, 2, 16))
@@ -794,10 +801,10 @@ def test_validate_plan_checks_the_given_devices_rows():
   a = synthetic_from_config(cfg.data, 512, 4).batch(0)
   from distca_jax.models.presets import resolve
 
-  _, mine = dispatch.plan_for_layout(cfg.attention, a.layout, resolve(cfg.model), devices=[0, 2])
+  _, mine = _plan_for_layout(cfg.attention, a.layout, resolve(cfg.model), devices=[0, 2])
   with pytest.raises(dispatch.PlanMismatchError, match="does not match the batch"):
     dispatch.validate_plan(mine, a.layout)  # built for devices 0 and 2 only
-  _, plan = dispatch.plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
+  _, plan = _plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
   swapped = plan.local_q_idx.copy()
   swapped[0, [0, 1]] = swapped[0, [1, 0]]
   bad = dataclasses.replace(plan, local_q_idx=swapped)
@@ -812,13 +819,12 @@ def _global_plan(n: int, dist: str):
   """(batch, the scheduler's global plan) of the sampler's first batch of `dist` over `n` data
   ranks, planned as the trainer plans it (no arrays)."""
   from distca_jax.models.presets import resolve
-  from distca_jax.schedule.plan import make_plan
 
   cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
                      f"data.distribution={dist}")
   batch = synthetic_from_config(cfg.data, 512, n).batch(0)
-  comm = dispatch.comm_model(resolve(cfg.model), cfg.attention)
-  return batch, make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon, with_arrays=False)
+  comm = gate_lib.comm_model(resolve(cfg.model), cfg.attention)
+  return batch, make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon)
 
 
 def test_kv_gradients_return_drops_the_empty_slots():
@@ -829,7 +835,8 @@ def test_kv_gradients_return_drops_the_empty_slots():
   overstated the gate's saving once its K/V blocks grew to 65,536 rows)."""
   n = 4
   batch, plan = _global_plan(n, "prolong")
-  d = dispatch.build_dispatch(plan.tasks, batch.layout, plan.capacities.skv, plan.capacities.ctask)
+  d = dispatch.build_dispatch(plan.tasks, batch.layout,
+                              Capacities(skv=plan.capacities.skv, ctask=plan.capacities.ctask))
   assert d.send_kv_valid.any() and (~d.send_kv_valid).any()
   for dev in range(n):
     idx, valid = d.send_kv_idx[dev], d.send_kv_valid[dev]
@@ -849,20 +856,20 @@ def test_a_process_builds_only_its_devices_plan(dist):
   n = 8
   batch, plan = _global_plan(n, dist)
   assert (plan.tasks.server != plan.tasks.home).any()
-  args = (plan.tasks, batch.layout, plan.capacities.skv, plan.capacities.ctask)
+  caps = Capacities(skv=plan.capacities.skv, ctask=plan.capacities.ctask)
+  args = (plan.tasks, batch.layout, caps)
   whole = dispatch.build_dispatch(*args)
   req = plan.requirements  # capacities one short of what the plan needs: refused
   moved_q = int(pair_rows(plan.tasks, batch.layout)[0].max())
   for small in ({"skv": req.skv - 1}, {"ctask": req.ctask - 1}, {"c": moved_q - 1}):
-    kw = dict(zip(("skv", "ctask"), args[2:]), **small)
     with pytest.raises(dispatch.PlanMismatchError, match="capacit"):
-      dispatch.build_dispatch(*args[:2], **kw)
+      dispatch.build_dispatch(*args[:2], dataclasses.replace(caps, **small))
   blocks = ("send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid")
   for D in (np.array([0]), np.array([2, 5, 7]), np.arange(4, 8)):
     part = dispatch.build_dispatch(*args, devices=D)
     dispatch.validate_plan(part, batch.layout, D)
     others = np.setdiff1d(np.arange(n), D)
-    for f in dispatch._ARRAY_FIELDS:
+    for f in dispatch.ARRAY_FIELDS:
       x, y = getattr(whole, f), getattr(part, f)
       if f.endswith("_count"):
         np.testing.assert_array_equal(y, x, err_msg=f)
@@ -928,7 +935,7 @@ def test_shifted_exchange_equals_tiled(n, tensor, pingpong, layout):
   # Per-shift blocks never send more bytes than one block size for every pair, and fewer when
   # a shift moves nothing (at T = 128 every non-empty block is one 128-row bucket).
   shape = out["shifted"][3]
-  sent = {x: dispatch.exchange_bytes(small_config(f"attention.exchange={x}").attention, shape,
+  sent = {x: gate_lib.exchange_bytes(small_config(f"attention.exchange={x}").attention, shape,
                                      ctx.plans, ctx.capacities).max() for x in ("tiled", "shifted")}
   assert sent["shifted"] <= sent["tiled"]
   if 0 in d.shift_q + d.shift_kv:
@@ -943,30 +950,29 @@ def test_gate_charges_bytes_between_nodes_more():
   device's peers on the other node); so the gate predicts less saving. One node prices as
   before."""
   from distca_jax.models.presets import resolve
-  from distca_jax.train import metrics
 
   cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=prolong",
                      "attention.impl=distca", "attention.exchange=shifted")
   shape = resolve(cfg.model)
   batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
   ctx = attn.host_context(cfg.attention, batch, shape)
-  plans, caps, comm = ctx.plans, ctx.capacities, dispatch.comm_model(shape, cfg.attention)
+  plans, caps, comm = ctx.plans, ctx.capacities, gate_lib.comm_model(shape, cfg.attention)
   P = len(plans)
   one_node = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 0, 0))
   two = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 1, 1), gate_network_byte_cost=4.0)
   node = lambda i: i // 2
   for exchange in ("tiled", "shifted", "ragged"):
-    unset, one, split = (dispatch.exchange_bytes(dataclasses.replace(a, exchange=exchange), shape,
+    unset, one, split = (gate_lib.exchange_bytes(dataclasses.replace(a, exchange=exchange), shape,
                                                  plans, caps)
                          for a in (cfg.attention, one_node, two))
     np.testing.assert_array_equal(one, unset)
     if exchange == "tiled":  # 1 peer within the node (out and in), 2 across at 4x
-      block = caps["c"] * comm.q_row_bytes + caps["ckv"] * comm.kv_row_bytes
+      block = caps.c * comm.q_row_bytes + caps.ckv * comm.kv_row_bytes
       np.testing.assert_allclose(unset, 2 * 3 * block * P)
       np.testing.assert_allclose(split, max(2 * 1, 4 * 2 * 2) * block * P)
     elif exchange == "shifted":  # shift k: d sends b_k to d + k and receives b_k from d - k
       b = [q * comm.q_row_bytes + kv * comm.kv_row_bytes
-           for q, kv in zip(dispatch._shifts(caps, "q"), dispatch._shifts(caps, "kv"))]
+           for q, kv in zip(caps.shift_q, caps.shift_kv)]
       assert len(b) == 3
       for d in range(4):
         links = {True: 0.0, False: 0.0}  # within, across
@@ -978,10 +984,10 @@ def test_gate_charges_bytes_between_nodes_more():
     else:  # 1 of 3 peers within the node
       np.testing.assert_allclose(split, np.maximum(unset / 3, 4 * unset * 2 / 3))
     assert (split >= unset).all() and (split > unset).any()
-    saving = lambda a, x: metrics.predicted_cad_saving(shape, batch.layout, plans, a, x)
+    saving = lambda a, x: gate_lib.predicted_cad_saving(shape, batch.layout, plans, a, x)
     assert saving(two, split) < saving(one_node, one)
   with pytest.raises(ValueError, match="2 node numbers for 4 data ranks"):
-    dispatch.same_node(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), 4)
+    gate_lib.same_node(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), 4)
 
 
 def test_trainer_records_the_nodes_of_its_data_ranks():
@@ -998,8 +1004,8 @@ def test_trainer_records_the_nodes_of_its_data_ranks():
   # Host names by process: ranks numbered by the first rank on each host.
   assert mesh_lib.nodes_of([0, 0, 1, 1, 2, 3], ["b", "b", "a", "a"]) == (0, 0, 0, 0, 1, 1)
   # The run's log names the nodes when there are several.
-  assert metrics.describe_gate_nodes(with_gate_nodes(cfg, mesh).attention) == ""
-  assert metrics.describe_gate_nodes(dataclasses.replace(
+  assert gate_lib.describe_gate_nodes(with_gate_nodes(cfg, mesh).attention) == ""
+  assert gate_lib.describe_gate_nodes(dataclasses.replace(
       mine.attention, gate_nodes=(0, 1, 1, 1), gate_network_byte_cost=2.5)) == (
           "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes")
 
@@ -1028,12 +1034,12 @@ def test_shifted_plan_that_overflows_a_shift_is_refused():
 def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
   cfg = small_config("mesh.data=2", "attention.impl=distca")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2])
-  monkeypatch.setattr(dispatch, "TILED_POOL_LIMIT", 1)
+  monkeypatch.setattr(exchange, "TILED_POOL_LIMIT", 1)
   with caplog.at_level("WARNING", logger="distca_jax.dispatch"):
     dispatch.make_distca_attention(cfg.attention, mesh)
   assert "attention.exchange=tiled over 2 attention servers" in caplog.text
   caplog.clear()
-  monkeypatch.setattr(dispatch, "TILED_POOL_LIMIT", 2)
+  monkeypatch.setattr(exchange, "TILED_POOL_LIMIT", 2)
   with caplog.at_level("WARNING", logger="distca_jax.dispatch"):
     dispatch.make_distca_attention(cfg.attention, mesh)
   assert "attention.exchange=tiled" not in caplog.text
@@ -1082,15 +1088,16 @@ def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
   setup = fit_gate.SETUP + ("data.distribution=prolong",)
   pairs = fit_gate.from_train_logs(tmp_path / "c.log", tmp_path / "d.log", 2, setup)
   # Step 1 compiled in both, 3 ran colocated, 4 compiled in distca: step 2 only.
-  assert pairs == [(2, fit_gate.SETUP, "prolong", 1, 2000.0, 1800.0, {"c": 8192, "ckv": 16384})]
+  assert pairs == [(2, fit_gate.SETUP, "prolong", 1, 2000.0, 1800.0,
+                    Capacities(c=8192, ckv=16384))]
   seen = []
-  real = dispatch.exchange_bytes
+  real = gate_lib.exchange_bytes
 
   def spy(attention_config, shape, plans, capacities):
     seen.append(capacities)
     return real(attention_config, shape, plans, capacities)
 
-  monkeypatch.setattr(dispatch, "exchange_bytes", spy)
+  monkeypatch.setattr(gate_lib, "exchange_bytes", spy)
   fitted = fit_gate.fit(verbose=False, extra=pairs)
   assert "prolong@1 (2 dev)" in fitted["batches"] and len(fitted["batches"]) == 15
   assert any(c is pairs[0][6] for c in seen)  # priced at the logged capacities
@@ -1099,7 +1106,7 @@ def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
 def test_exchange_padding_report(capsys):
   """launch/exchange_padding.py: the tiled exchange sends at least what one block size for all
   pairs needs, which is at least what per-shift blocks need, which is at least what moves."""
-  assert launch_script("exchange_padding").main(["--steps", "2"]) == 0
+  assert launch_script("tools/exchange_padding").main(["--steps", "2"]) == 0
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| all |")]
   tiled, pair, shift = (float(x.strip().rstrip("x")) for x in rows[0].split("|")[2:5])
   assert tiled >= pair >= shift >= 1.0 and tiled > 1.0
@@ -1111,7 +1118,7 @@ def test_kv_return_bench(capsys):
   and fails otherwise), one table row per nano-batch plan with every slot counted."""
   args = ["--iters", "1", "--step", "0", "--ckv", "8192", "--set", "model.preset=tiny",
           "data.tokens_per_device=8192"]
-  assert launch_script("bench_kv_return").main(args) == 0
+  assert launch_script("tools/bench_kv_return").main(args) == 0
   rows = [l.split("|")[1:-1] for l in capsys.readouterr().out.splitlines()
           if l.startswith("| ") and not l.startswith("| plan")]
   assert len(rows) == 2  # ping-pong's two plans

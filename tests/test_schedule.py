@@ -19,10 +19,11 @@ from distca_jax.data.packing import Layout, pack
 from distca_jax.models.presets import PRESETS
 from distca_jax.schedule.cost import (AnalyticKernel, CommModel, TimeTable, causal_area, optimal_split,
                                       range_area, shipped_tables)
-from distca_jax.schedule.items import GRANULE, validate_layout
-from distca_jax.schedule.plan import (Capacities, CapacityError, colocated_plan, make_plan,
-                                      row_bucket, simulate_dispatch, task_bucket)
+from distca_jax.schedule.capacities import Capacities, StepShapes
+from distca_jax.schedule.items import GRANULE, row_bucket, task_bucket, validate_layout
+from distca_jax.schedule.plan import CapacityError, colocated_plan, make_plan
 from distca_jax.schedule.planner import balance
+from helpers import dispatch_of, simulate_dispatch
 
 COMM = CommModel(heads=4, kv_heads=1, head_dim=16)
 
@@ -61,16 +62,39 @@ def layouts(draw, max_buffers=4, buffer_lens=(256, 384, 1024)):
   return pack(out, n, t)
 
 
-def _trace(plan, layout):
-  """Follows every array entry back to (doc, position) using only the layout and the arrays."""
-  a = plan.arrays
-  n, cq, ckv = layout.num_buffers, a.cq, a.ckv
-  seg, pos = layout.segment_ids(), layout.positions()
-  return a, n, cq, ckv, seg, pos
+def _query_rows(a, s, rows, t):
+  """(home device, home rows, valid) of server s's query rows `rows` of the DispatchPlan `a`:
+  rows < T are its local rows, row T + d * C + j is row j of the block device d sent it."""
+  c = a.send_q_idx.shape[-1]
+  local = rows < t
+  src = np.where(local, s, (rows - t) // max(c, 1))
+  slot = np.where(local, 0, (rows - t) % max(c, 1))
+  lr = np.minimum(rows, t - 1)
+  if c == 0:
+    return src, a.local_q_idx[s, lr], a.local_q_valid[s, lr]
+  return (src, np.where(local, a.local_q_idx[s, lr], a.send_q_idx[src, s, slot]),
+          np.where(local, a.local_q_valid[s, lr], a.send_q_valid[src, s, slot]))
+
+
+def _kv_rows(a, s, slots, t):
+  """(home device, home K/V rows, valid) of server s's gathered K/V slots."""
+  ckv = a.send_kv_idx.shape[-1]
+  flat = a.server_kv_idx[s, slots]
+  local = flat < t
+  src = np.where(local, s, (flat - t) // max(ckv, 1))
+  slot = np.where(local, 0, (flat - t) % max(ckv, 1))
+  if ckv == 0:
+    return src, flat, a.server_kv_valid[s, slots]
+  return (src, np.where(local, flat, a.send_kv_idx[src, s, slot]),
+          a.server_kv_valid[s, slots] & np.where(local, True, a.send_kv_valid[src, s, slot]))
 
 
 def check_plan(plan, layout, epsilon=None):
-  a, n, cq, ckv, seg, pos = _trace(plan, layout)
+  """Follows every dispatch array entry (`DispatchPlan`, the arrays training runs) back to
+  (doc, position) using only the layout and the arrays."""
+  a = dispatch_of(plan, layout)
+  n, t_rows = layout.num_buffers, layout.buffer_len
+  seg, pos = layout.segment_ids(), layout.positions()
   doc_lens = np.asarray(layout.doc_lens)
   t = plan.tasks
   # 1. Every query token covered exactly once (tasks), in its home buffer.
@@ -87,10 +111,10 @@ def check_plan(plan, layout, epsilon=None):
   assert np.isclose(plan.stats.load_after.sum(), plan.stats.load_before.sum())
   # 3. Capacities respected and arrays of the stated shapes.
   c = plan.capacities
-  assert a.send_q_idx.shape == (n, n, c.cq) and a.send_kv_idx.shape == (n, n, c.ckv)
+  assert a.send_q_idx.shape == (n, n, c.c) and a.send_kv_idx.shape == (n, n, c.ckv)
   assert a.server_kv_idx.shape == (n, c.skv) and a.q_start.shape == (n, c.ctask)
   r = plan.requirements
-  assert r.cq <= c.cq and r.ckv <= c.ckv and r.skv <= c.skv and r.ctask <= c.ctask
+  assert r.c <= c.c and r.ckv <= c.ckv and r.skv <= c.skv and r.ctask <= c.ctask
   for arr in (a.send_q_idx, a.send_kv_idx, a.server_kv_idx, a.q_start, a.return_idx):
     assert arr.dtype == np.int32
   # 4. Server task tables: query rows trace to one document's positions [q_hi - q_len, q_hi),
@@ -103,27 +127,23 @@ def check_plan(plan, layout, epsilon=None):
         continue
       assert 0 < ql <= kl
       rows = a.q_start[s, j] + np.arange(ql)
-      src, slot = rows // cq, rows % cq
-      assert a.send_q_valid[src, s, slot].all()
-      home_rows = a.send_q_idx[src, s, slot]
+      src, home_rows, valid = _query_rows(a, s, rows, t_rows)
+      assert valid.all()
       g = seg[src, home_rows]
       assert (g == g[0]).all() and g[0] >= 0
       assert (pos[src, home_rows] == np.arange(kl - ql, kl)).all()
       krows = a.kv_start[s, j] + np.arange(kl)
-      assert a.server_kv_valid[s, krows].all()
-      flat = a.server_kv_idx[s, krows]
-      ksrc, kslot = flat // ckv, flat % ckv
-      assert a.send_kv_valid[ksrc, s, kslot].all()
-      local = a.send_kv_idx[ksrc, s, kslot]
+      ksrc, local, kvalid = _kv_rows(a, s, krows, t_rows)
+      assert kvalid.all()
       assert (seg[ksrc, local] == g[0]).all()
       assert (pos[ksrc, local] == np.arange(kl)).all()
   # 5. Every valid query slot is used by exactly one task (no stray rows), return covers tokens.
-  used = np.zeros((n, n * cq), np.int64)
+  used = np.zeros((n, t_rows + n * c.c), np.int64)
   for s in range(n):
     for j in range(c.ctask):
       used[s, a.q_start[s, j]:a.q_start[s, j] + a.q_len[s, j]] += 1
-  sent = a.send_q_valid.transpose(1, 0, 2).reshape(n, n * cq)
-  assert (used == sent.astype(np.int64)).all()
+  held = np.concatenate([a.local_q_valid, a.send_q_valid.transpose(1, 0, 2).reshape(n, n * c.c)], 1)
+  assert (used == held.astype(np.int64)).all()
   assert (a.return_valid == (seg >= 0)).all()
   # 6. Within ε where feasible: a move is cut at 128-token granularity, so allow two granules
   # of the longest document's rows beyond the tolerance.
@@ -144,8 +164,9 @@ def test_plan_invariants(layout, eps):
 @given(layout=layouts(max_buffers=3, buffer_lens=(256, 512)), eps=st.sampled_from([0.0, 0.1]))
 def test_dispatch_matches_direct_attention(layout, eps):
   plan = make_plan(layout, COMM, eps)
-  assert simulate_dispatch(plan, layout, seed=1) < 1e-9
-  assert simulate_dispatch(colocated_plan(layout, COMM), layout, seed=2) < 1e-9
+  assert simulate_dispatch(dispatch_of(plan, layout), layout, seed=1) < 1e-9
+  col = colocated_plan(layout, COMM)
+  assert simulate_dispatch(dispatch_of(col, layout), layout, seed=2) < 1e-9
 
 
 def _skewed_layout():
@@ -159,17 +180,15 @@ def _small_skewed_layout():
 def test_dispatch_check_can_fail():
   layout = _small_skewed_layout()
   plan = make_plan(layout, COMM, 0.05)
-  assert plan.stats.moves > 0 and simulate_dispatch(plan, layout) < 1e-9
-  a = plan.arrays
+  a = dispatch_of(plan, layout)
+  assert plan.stats.moves > 0 and simulate_dispatch(a, layout) < 1e-9
   ri = a.return_idx.copy()
   ri[0, [5, 6]] = ri[0, [6, 5]]
-  bad = dataclasses.replace(plan, arrays=dataclasses.replace(a, return_idx=ri))
-  assert simulate_dispatch(bad, layout) > 1e-3
+  assert simulate_dispatch(dataclasses.replace(a, return_idx=ri), layout) > 1e-3
   kl = a.kv_len.copy()
   s, j = np.unravel_index(np.argmax(kl), kl.shape)
   kl[s, j] -= 1
-  bad = dataclasses.replace(plan, arrays=dataclasses.replace(a, kv_len=kl))
-  assert simulate_dispatch(bad, layout) > 1e-6
+  assert simulate_dispatch(dataclasses.replace(a, kv_len=kl), layout) > 1e-6
 
 
 def test_skewed_layout_is_balanced_and_moves_pay():
@@ -191,9 +210,9 @@ def test_equal_documents_nothing_moves(n, t, size):
   assert plan.stats.moves == 0
   assert (plan.tasks.server == plan.tasks.home).all()
   assert plan.traffic.send.sum() == 0 and plan.traffic.recv.sum() == 0
-  # Only the s == d blocks hold rows.
-  off_diag = plan.arrays.send_q_valid & ~np.eye(n, dtype=bool)[:, :, None]
-  assert not off_diag.any()
+  # No off-diagonal block holds a row: every query row stays local.
+  a = dispatch_of(plan, layout)
+  assert not a.send_q_valid.any() and a.local_q_valid.sum() == layout.length.sum()
 
 
 def test_colocated_plan_keeps_everything_home():
@@ -210,7 +229,7 @@ def test_pretrain_scale_imbalance():
   lens = LengthSampler(load_lengths("pretrain")).sample(n * t, 0)
   layout = pack(lens, n, t)
   comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=8)
-  plan = make_plan(layout, comm, 0.05, with_arrays=False)
+  plan = make_plan(layout, comm, 0.05)
   assert plan.stats.imbalance_before > 1.5
   assert plan.stats.imbalance_after <= 1.05
   # Balancing costs bytes, but far less than shipping every buffer (most work stays home). One
@@ -235,8 +254,8 @@ def test_capacity_feedback_raises_epsilon():
 
 def test_capacity_too_small_raises():
   layout = _skewed_layout()
-  with pytest.raises(CapacityError, match="cq"):
-    make_plan(layout, COMM, 0.1, Capacities(cq=128))
+  with pytest.raises(CapacityError, match="ckv"):  # the colocated plan's K/V prefixes: 2048 rows
+    make_plan(layout, COMM, 0.1, Capacities(c=128, ckv=128))
   with pytest.raises(CapacityError, match="capacities"):
     colocated_plan(layout, COMM, Capacities(ctask=1))
 
@@ -258,24 +277,25 @@ def test_bad_layouts_raise():
     balance(good, COMM, -0.1)
 
 
-def test_capacity_policy_only_grows():
-  from distca_jax.schedule.plan import CapacityPolicy
-
-  policy = CapacityPolicy(buffer_len=1024)
+def test_step_shapes_only_grow():
+  """A run's StepShapes (the one "capacities only grow" mechanism) over plans of varying layouts:
+  each step's capacities hold what its plan needs, never shrink, and a new shape is counted once
+  per growth."""
+  shapes = StepShapes()
   rng = np.random.default_rng(0)
   seen = []
   for step in range(6):
     lens = rng.integers(1, 3000, 40)
     lens = lens[np.cumsum(lens) <= 4 * 1024]
     layout = pack(lens, 4, 1024)
-    plan = policy.plan(layout, COMM, 0.1)
+    plan = make_plan(layout, COMM, 0.1)
+    caps = shapes.fit("cad@1024", plan.capacities)
     check_plan(plan, layout)
-    seen.append(plan.capacities)
-    for k in ("cq", "ckv", "skv", "ctask"):
-      assert getattr(plan.capacities, k) >= getattr(plan.requirements, k)
+    seen.append(caps)
+    assert plan.capacities.fits(caps) and plan.requirements.fits(caps)
   for a, b in zip(seen, seen[1:]):  # monotone: never shrinks
-    assert all(getattr(b, k) >= getattr(a, k) for k in ("cq", "ckv", "skv", "ctask"))
-  assert policy.recompiles == len(set(seen)) <= 6
+    assert a.fits(b)
+  assert shapes.growths == len(set(seen)) <= 6
 
 
 def test_buckets():

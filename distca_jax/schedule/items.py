@@ -38,6 +38,12 @@ def row_bucket(rows: int, buffer_len: int) -> int:
   return buffer_len * (1 << math.ceil(math.log2(rows / buffer_len)))
 
 
+def task_bucket(n: int, minimum: int = 8) -> int:
+  """Smallest power of two >= max(n, minimum): task tables (and other counts that size a
+  compiled array) come in few sizes, so the jitted step recompiles rarely."""
+  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
 def exchange_capacity(moved: int, buffer_len: int) -> int:
   """Rows per (device, server) block of the all_to_all: 0 when no row moves (the exchange is
   skipped: a balanced batch costs what colocated attention costs), else a bucket."""

@@ -271,7 +271,7 @@ class Simulator:
     per = []
     shards = 0
     for k, lay in enumerate(halves):
-      plan = make_plan(lay, self.comm, cfg.epsilon, with_arrays=False)
+      plan = make_plan(lay, self.comm, cfg.epsilon)
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)

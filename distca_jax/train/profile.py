@@ -202,8 +202,7 @@ def attention_loads(ctx: Any, layout, shape, attention_config, tensor_parallel: 
 
   comm = CommModel.for_model(shape, tensor_parallel=tensor_parallel)
   plan = make_plan(layout, comm, epsilon=attention_config.epsilon,
-                   min_imbalance=attention_config.min_imbalance_for(pipelined=False),
-                   with_arrays=False)
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=False))
   return before, np.asarray(plan.stats.load_after, np.float64)
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attention_lib
+from distca_jax.colocated import stream_arrays as device_batch_arrays  # (re-exported)
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
@@ -36,12 +37,6 @@ class TrainState:
   step: jax.Array
   params: Any      # nnx.State of fp32 parameters
   opt_state: Any
-
-
-def device_batch_arrays(batch: Batch) -> dict[str, np.ndarray]:
-  """The per-token arrays the step reads (host numpy, [num_buffers, buffer_len])."""
-  return {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
-          "positions": batch.positions}
 
 
 def put_global(host_tree: Any, mesh: Mesh, spec: P = P("data")) -> Any:
@@ -224,22 +219,12 @@ class Trainer:
     return 0 if self._step_fn is None else self._step_fn._cache_size()
 
   def put_batch(self, batch: Batch, ctx_host: Any):
-    """Device arrays for one step. A distca `StepContext` brings its own nano-batches (ping-pong
-    re-packs the batch) and its dispatch plans; those become tuples over the streams."""
-    from distca_jax import pipeline
-    from distca_jax.dispatch import StepContext
-
-    if isinstance(ctx_host, pipeline.StepContext):
-      arrays = {k: put_global(v, self.mesh, pipeline.ARRAY_SPECS[k])
-                for k, v in pipeline.device_arrays(ctx_host).items()}
-      return arrays, {"forward": put_global(ctx_host.forward_ctx, self.mesh, pipeline.CTX_SPEC),
-                      "backward": put_global(ctx_host.backward_ctx, self.mesh, pipeline.CTX_SPEC),
-                      "schedule": ctx_host.schedule}
-    if isinstance(ctx_host, StepContext):
-      batches, ctxs = ctx_host.batches, ctx_host.dispatch
-      if len(batches) == 1:
-        return put_global(device_batch_arrays(batches[0]), self.mesh), put_global(ctxs[0], self.mesh)
-      per_stream = [device_batch_arrays(b) for b in batches]
-      arrays = {k: tuple(a[k] for a in per_stream) for k in per_stream[0]}
-      return put_global(arrays, self.mesh), put_global(tuple(ctxs), self.mesh)
-    return put_global(device_batch_arrays(batch), self.mesh), put_global(ctx_host, self.mesh)
+    """Device arrays for one step: what the host context lays out for it
+    (`attention.StepContext.device_inputs`: a CAD context brings its own nano-batches, since
+    ping-pong re-packs the batch, and a pipelined one its ticks), placed by their specs."""
+    (arrays, arrays_spec), (ctx, ctx_spec) = ctx_host.device_inputs(batch)
+    if isinstance(arrays_spec, dict):  # a spec per array
+      arrays = {k: put_global(v, self.mesh, arrays_spec[k]) for k, v in arrays.items()}
+    else:
+      arrays = put_global(arrays, self.mesh, arrays_spec)
+    return arrays, put_global(ctx, self.mesh, ctx_spec)

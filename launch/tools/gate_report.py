@@ -1,11 +1,11 @@
 """Compare two `launch/train.py` runs of the same sampled batches step by step: colocated
 attention against distca with its gate (`bash launch/gpu_session.sh gaterun` writes both logs).
 
-    python launch/gate_report.py colocated.log distca.log
+    python launch/tools/gate_report.py colocated.log distca.log
 
 Reads each run's per-step log lines (`step N: ... step_s=... compile_count=... cad=...`, written
-with `train.progress=false`), keeps the steps on which neither run compiled, and prints the
-run-level speedup (sum of colocated step times over the sum of distca's), the same over the steps
+with `train.progress=false`; `gate.read_step_log`), keeps the steps on which neither run
+compiled, and prints the run-level speedup (sum of colocated step times over the sum of distca's), the same over the steps
 the gate gave CAD and over those it kept colocated, and how often each happened; then, over the
 steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one,
 overall and, where the CAD steps ran at more than one exchange shape (the logged capacities
@@ -17,30 +17,16 @@ bf16 rounding, which the optimizer carries on, sets them apart).
 
 from __future__ import annotations
 
-import re
 import sys
 
 import numpy as np
 
-LINE = re.compile(r"^step (\d+): (.*)$")
+from distca_jax.gate import read_step_log as read
+
 # The logged exchange shape of a CAD step (its capacities: each value compiles the step once).
 SHAPE = ("exchange_q_rows", "exchange_kv_rows", "nano_batches")
 # Logged losses carry four significant digits.
 LOSS_TOLERANCE = 1e-3
-
-
-def read(path: str) -> dict[int, dict[str, float]]:
-  """Step -> its logged values; `compiled`: whether the step's compile count went up."""
-  steps, last = {}, 0.0
-  for line in open(path):
-    m = LINE.match(line.strip())
-    if not m:
-      continue
-    values = {k: float(v) for k, v in (kv.split("=", 1) for kv in m.group(2).split())}
-    values["compiled"] = float(values.get("compile_count", 0) > last)
-    last = values.get("compile_count", last)
-    steps[int(m.group(1))] = values
-  return steps
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,307 @@
+"""`validate_plan`: a step's dispatch arrays checked against the batch they are used with.
+
+Each check is one function over a `Scope` (the plan, the batch's segment ids and positions, the
+devices checked); `validate_plan` runs them in order. A plan made for another batch (other
+document boundaries) fails even when its shapes fit, because the last checks follow every row
+through the arrays back to its (document, position) in the batch. Host side, numpy, vectorised:
+the work is over rows, never a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from distca_jax.data.packing import PAD_SEGMENT, Layout
+from distca_jax.data.sources import Batch
+from distca_jax.dispatch.format import DispatchPlan, PlanMismatchError, rows_selector
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+  """What the checks read: the plan, the batch's per-row document and position (for the K/V rows
+  too: a Pong's include Ping's prior rows), and the devices checked with the index of their rows."""
+
+  plan: DispatchPlan
+  layout: Layout
+  devices: np.ndarray     # sorted device numbers checked
+  rows: object            # index of their rows in an [N, ...] array (`rows_selector`)
+  segment: np.ndarray     # [N, T] document of each home row (PAD_SEGMENT: padding)
+  position: np.ndarray    # [N, T] position in its document
+  kv_segment: np.ndarray  # [N, Tkv] the same for each local K/V row
+  kv_position: np.ndarray
+
+  @property
+  def N(self) -> int:
+    return self.layout.num_buffers
+
+  @property
+  def T(self) -> int:
+    return self.layout.buffer_len
+
+  @property
+  def Tkv(self) -> int:
+    return self.layout.kv_rows
+
+  @property
+  def C(self) -> int:
+    return self.plan.send_q_idx.shape[-1]
+
+  @property
+  def Ckv(self) -> int:
+    return self.plan.send_kv_idx.shape[-1]
+
+  @property
+  def real(self) -> np.ndarray:
+    return self.segment != PAD_SEGMENT
+
+  def mine(self, a: np.ndarray) -> np.ndarray:
+    """The checked devices' rows of a per-device array."""
+    return a[self.rows]
+
+  def blocks(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The [N, N, ...] blocks the checked devices send, and those they receive."""
+    return a[self.rows], a[:, self.rows]
+
+
+def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch | None = None,
+                  prior_batch: Batch | None = None) -> None:
+  """Refuses a plan that does not belong to `layout` or breaks its own capacities.
+
+  Follows every row through the plan, vectorised: each real token's output must come from a
+  query row holding that same token; each task's query rows must be consecutive positions of one
+  document ending at position kv_len - 1, and its key rows exactly that document's positions
+  0 .. kv_len - 1. `devices` (default: all) limits the checks to what those devices hold,
+  send and receive: the outputs of those homes, the tasks of those servers, the blocks they send
+  and receive (each process checks the devices it feeds, `build_dispatch(devices=...)` fills only
+  those). `batch`: the Batch packed by `layout`, whose segment ids and positions are then not
+  computed again. `prior_batch` (ping-pong's Pong): Ping's Batch, whose rows the layout's prior
+  shards name; each must hold the position the shard says. Raises PlanMismatchError naming what
+  is wrong.
+  """
+  check_shapes(plan, layout)
+  scope = _scope(plan, layout, devices, batch)
+  check_prior_rows_hold_their_positions(scope, prior_batch)
+  check_padding_is_the_batch_s(scope)
+  check_indices_in_range(scope)
+  check_kv_inverse(scope)
+  check_exchange_counts(scope)
+  check_each_token_has_one_slot(scope)
+  check_outputs_come_from_their_tokens(scope)
+  check_tasks_cover_one_document(scope)
+
+
+def check_shapes(plan: DispatchPlan, layout: Layout) -> None:
+  """The plan is for the batch's N buffers of T rows."""
+  N, T = layout.num_buffers, layout.buffer_len
+  if plan.return_idx.shape != (N, T) or plan.local_q_idx.shape != (N, T):
+    raise PlanMismatchError(f"plan is for buffers {plan.return_idx.shape}, the batch has ({N}, {T})")
+  if plan.send_q_idx.shape[:2] != (N, N) or plan.q_start.shape[0] != N:
+    raise PlanMismatchError(f"plan is for {plan.send_q_idx.shape[0]} devices, the batch has {N}")
+
+
+def _scope(plan, layout, devices, batch) -> Scope:
+  N = layout.num_buffers
+  D = np.arange(N) if devices is None else np.unique(np.asarray(devices, np.int64))
+  if D.size and (D[0] < 0 or D[-1] >= N):
+    raise ValueError(f"validate_plan: devices {devices} outside the plan's {N} devices")
+  if batch is not None and batch.layout is not layout:
+    raise ValueError("validate_plan: `batch` is not packed by `layout`")
+  seg = layout.segment_ids() if batch is None else batch.segment_ids
+  pos = layout.positions() if batch is None else batch.positions
+  seg_kv, pos_kv = seg, pos
+  if layout.prior is not None:  # Pong's K/V rows: its own, then Ping's
+    seg_kv = np.concatenate([seg, layout.prior.segment_ids()], axis=1)
+    pos_kv = np.concatenate([pos, layout.prior.positions()], axis=1)
+  return Scope(plan=plan, layout=layout, devices=D, rows=rows_selector(N, D), segment=seg,
+               position=pos, kv_segment=seg_kv, kv_position=pos_kv)
+
+
+def check_prior_rows_hold_their_positions(s: Scope, prior_batch: Batch | None) -> None:
+  """Ping's rows that Pong's prior shards name hold the positions the shards say."""
+  prior = s.layout.prior
+  if prior is None or prior_batch is None:
+    return
+  named = prior.segment_ids() != PAD_SEGMENT
+  if (prior_batch.positions.shape != (s.N, s.T)
+      or (prior_batch.segment_ids[named] == PAD_SEGMENT).any()
+      or (prior_batch.positions[named] != prior.positions()[named]).any()):
+    raise PlanMismatchError("plan does not match the batch: the rows of the earlier stream that "
+                            "its prior shards name hold other positions")
+
+
+def check_padding_is_the_batch_s(s: Scope) -> None:
+  """The plan returns an output exactly for the batch's real tokens."""
+  got, want = s.mine(s.plan.return_valid), s.real[s.devices]
+  if not np.array_equal(got, want):
+    i, r = np.argwhere(got != want)[0]
+    raise PlanMismatchError(f"plan does not match the batch: device {s.devices[i]} row {r} is "
+                            f"{'padding' if not want[i, r] else 'a real token'} in the batch")
+
+
+def check_indices_in_range(s: Scope) -> None:
+  """Every index points inside the array it indexes."""
+  p, T = s.plan, s.T
+  server_rows = T + s.N * s.C  # a server's query rows: local, then received
+  return_idx = s.mine(p.return_idx)
+  if (return_idx < 0).any() or (return_idx >= server_rows).any():
+    raise PlanMismatchError(f"plan return_idx outside the {server_rows} rows of a server's output")
+  q_start, q_len, kv_start, kv_len = map(s.mine, (p.q_start, p.q_len, p.kv_start, p.kv_len))
+  if (q_start + q_len > server_rows).any() or (kv_start + kv_len > p.server_kv_idx.shape[-1]).any():
+    raise PlanMismatchError("plan task table indexes rows past its capacities")
+  if (q_len > kv_len).any():
+    raise PlanMismatchError("plan has a task with more queries than keys")
+  server_kv_idx = s.mine(p.server_kv_idx)
+  if (server_kv_idx < 0).any() or (server_kv_idx >= s.Tkv + s.N * s.Ckv).any():
+    raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
+  for name, parts, limit in (("local_q_idx", (s.mine(p.local_q_idx),), T),
+                             ("send_q_idx", s.blocks(p.send_q_idx), T),
+                             ("send_kv_idx", s.blocks(p.send_kv_idx), s.Tkv)):
+    if any(a.size and (a.min() < 0 or a.max() >= limit) for a in parts):
+      raise PlanMismatchError(f"plan {name} outside the {limit} rows of a buffer")
+
+
+def check_kv_inverse(s: Scope) -> None:
+  """`server_kv_inv` is the exact inverse of `server_kv_idx`: the backward runs the exchange
+  transposed, gathering by it (`exchange._kv_grads_to_home`). Every filled slot's row maps back
+  to that slot and no other row is marked: then no row fills two slots (O(slots), no inverse
+  rebuilt)."""
+  p = s.plan
+  rows = s.Tkv + s.N * s.Ckv
+  if p.server_kv_inv.shape != (s.N, rows) or p.server_kv_inv_valid.shape != (s.N, rows):
+    raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
+  i, slot = np.nonzero(s.mine(p.server_kv_valid))
+  d, target = s.devices[i], s.mine(p.server_kv_idx)[i, slot]
+  if (int(s.mine(p.server_kv_inv_valid).sum()) != d.size
+      or not p.server_kv_inv_valid[d, target].all() or (p.server_kv_inv[d, target] != slot).any()):
+    if np.unique(d * rows + target).size < d.size:  # (the failure path only)
+      raise PlanMismatchError("plan gathers one K/V row into two server slots")
+    raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
+
+
+def check_exchange_counts(s: Scope) -> None:
+  """The exchange's counts describe its send blocks: valid rows packed from each block's start
+  (a ragged exchange sends rows [0, count) of a block), none on the diagonal, what s receives
+  from d is what d sends; and a shifted exchange's capacity per shift holds each block of it."""
+  p = s.plan
+  for name, valid, send, recv, shift in (
+      ("q", p.send_q_valid, p.send_q_count, p.recv_q_count, p.shift_q),
+      ("kv", p.send_kv_valid, p.send_kv_count, p.recv_kv_count, p.shift_kv)):
+    ramp = np.arange(valid.shape[-1])
+    if (send.shape != (s.N, s.N) or not np.array_equal(recv, send.T) or np.diagonal(send).any()
+        or not all(np.array_equal(v, ramp < n[..., None])
+                   for v, n in zip(s.blocks(valid), s.blocks(send)))):
+      raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count do not describe its "
+                              f"send blocks (rows packed from the start, recv the transpose)")
+    if shift:
+      _check_shift_capacities(name, shift, send, valid.shape[-1], s.N)
+
+
+def _check_shift_capacities(name: str, shift: tuple, send: np.ndarray, capacity: int, N: int):
+  """A shifted exchange sends rows [0, shift[k - 1]) of each block d -> d + k: none may lie past."""
+  if len(shift) != N - 1 or max(shift) > capacity:
+    raise PlanMismatchError(f"plan shift_{name} {shift} is not one capacity <= {capacity} per "
+                            f"shift of {N} devices")
+  k = (np.arange(N)[None, :] - np.arange(N)[:, None]) % N  # [d, s]: the shift of block d -> s
+  cap = np.asarray((0,) + tuple(shift))[k]
+  if (send > cap).any():
+    d, srv = np.argwhere(send > cap)[0]
+    raise PlanMismatchError(f"plan sends {int(send[d, srv])} {name} rows from device {d} to "
+                            f"{srv}, more than shift {int(k[d, srv])}'s capacity {int(cap[d, srv])}")
+
+
+def check_each_token_has_one_slot(s: Scope) -> None:
+  """As many query slots as real tokens: a local row or a row it sends, per checked home (with
+  the next check, every real token sits in exactly one slot, so the O return is the exact
+  transpose of the Q dispatch)."""
+  off_diagonal = s.devices[:, None] != np.arange(s.N)[None, :]
+  slots = (int(s.mine(s.plan.local_q_valid).sum())
+           + int((s.mine(s.plan.send_q_valid) & off_diagonal[..., None]).sum()))
+  tokens = int(s.real[s.devices].sum())
+  if slots != tokens:
+    raise PlanMismatchError(f"plan places {slots} query rows on servers for {tokens} real tokens")
+
+
+def _query_row_source(s: Scope, server, row):
+  """(home device, home row, valid) of server `server`'s query row `row` (arrays): rows < T are
+  its local rows, row T + h * C + j is row j of the block home h sent it."""
+  p, T = s.plan, s.T
+  local_row = np.minimum(row, T - 1)
+  if not s.C:  # nothing is exchanged: every row is local
+    return server, p.local_q_idx[server, local_row], p.local_q_valid[server, local_row]
+  home, j = np.maximum(row - T, 0) // s.C, np.maximum(row - T, 0) % s.C
+  local = row < T
+  return (np.where(local, server, home),
+          np.where(local, p.local_q_idx[server, local_row], p.send_q_idx[home, server, j]),
+          np.where(local, p.local_q_valid[server, local_row], p.send_q_valid[home, server, j]))
+
+
+def _kv_row_source(s: Scope, server, slot):
+  """(home device, home K/V row, valid) of slot `slot` of server `server`'s gathered K/V rows."""
+  p = s.plan
+  v = p.server_kv_idx[server, slot].astype(np.int64)
+  ok = p.server_kv_valid[server, slot]
+  if not s.Ckv:
+    return server, v, ok
+  home, j = np.maximum(v - s.Tkv, 0) // s.Ckv, np.maximum(v - s.Tkv, 0) % s.Ckv
+  local = v < s.Tkv
+  return (np.where(local, server, home), np.where(local, v, p.send_kv_idx[home, server, j]),
+          ok & np.where(local, True, p.send_kv_valid[home, server, j]))
+
+
+def check_outputs_come_from_their_tokens(s: Scope) -> None:
+  """Each real token's output row is the server row that received that same token. Home d's row
+  r < T is its local row r; row T + srv * C + j came back from server srv, which received it as
+  row j of d's block."""
+  p, T = s.plan, s.T
+  r = s.mine(p.return_idx).astype(np.int64)
+  home = np.broadcast_to(s.devices[:, None], r.shape)
+  local_row = np.minimum(r, T - 1)
+  if s.C:
+    server, j = np.maximum(r - T, 0) // s.C, np.maximum(r - T, 0) % s.C
+    got = np.where(r < T, p.local_q_idx[home, local_row], p.send_q_idx[home, server, j])
+    ok = np.where(r < T, p.local_q_valid[home, local_row], p.send_q_valid[home, server, j])
+  else:
+    got, ok = p.local_q_idx[home, local_row], p.local_q_valid[home, local_row]
+  wrong = s.real[s.devices] & ((got != np.arange(T)[None]) | ~ok)
+  if wrong.any():
+    i, row = np.argwhere(wrong)[0]
+    raise PlanMismatchError(f"plan does not match the batch: the output for device "
+                            f"{s.devices[i]} row {row} would come from another token")
+
+
+def _expand(start, length):
+  """Rows of ranges [start, start + length): (range of each row, row, offset in its range)."""
+  owner = np.repeat(np.arange(length.size), length)
+  offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+  return owner, np.repeat(start, length) + offset, offset
+
+
+def check_tasks_cover_one_document(s: Scope) -> None:
+  """Each task of a checked server reads the query rows of consecutive positions of one document
+  ending at position kv_len - 1, and as keys exactly that document's positions 0 .. kv_len - 1."""
+  p = s.plan
+  live = (p.q_len > 0) & np.isin(np.arange(s.N), s.devices)[:, None]
+  server, slot = np.nonzero(live)
+  q_start, q_len = p.q_start[live].astype(np.int64), p.q_len[live].astype(np.int64)
+  kv_start, kv_len = p.kv_start[live].astype(np.int64), p.kv_len[live].astype(np.int64)
+
+  task, row, offset = _expand(q_start, q_len)
+  home, home_row, q_ok = _query_row_source(s, server[task], row)
+  q_doc, q_pos = s.segment[home, home_row], s.position[home, home_row]
+  task_doc = np.full(q_len.size, -2, np.int64)
+  task_doc[task[::-1]] = q_doc[::-1]  # the document of each task's first query row
+  bad_q = ~q_ok | (q_doc != task_doc[task]) | (q_pos != (kv_len - q_len)[task] + offset)
+
+  kv_task, kv_slot, kv_offset = _expand(kv_start, kv_len)
+  holder, kv_row, k_ok = _kv_row_source(s, server[kv_task], kv_slot)
+  k_doc, k_pos = s.kv_segment[holder, kv_row], s.kv_position[holder, kv_row]
+  bad_k = ~k_ok | (k_doc != task_doc[kv_task]) | (k_pos != kv_offset)
+
+  if bad_q.any() or bad_k.any() or (task_doc == PAD_SEGMENT).any():
+    t = (int(task[np.argmax(bad_q)]) if bad_q.any() else
+         int(kv_task[np.argmax(bad_k)]) if bad_k.any() else 0)
+    raise PlanMismatchError(
+        f"plan does not match the batch: task {int(slot[t])} on server {int(server[t])} does not "
+        f"cover one document's queries with exactly that document's prefix")

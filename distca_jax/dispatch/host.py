@@ -1,0 +1,231 @@
+"""The host's planning of one CAD step: batch -> ping/pong split -> plans -> gate -> arrays -> check.
+
+Runs in the trainer's prefetch thread, one step ahead of the devices, numpy only (the arrays
+are host numpy; `DispatchPlan` is a JAX pytree only to travel to the devices). `plan_step` is the
+whole path of an unpipelined step; `plan_ticks` plans a pipelined step's ticks
+(`pipeline.host_context`). Both size the arrays of all their plans alike (they stack) and, given
+the run's `StepShapes`, at the largest capacities any earlier step needed (a step compiles only
+when one grows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from distca_jax import gate
+from distca_jax.colocated import colocated_contexts, stream_arrays
+from distca_jax.data.packing import Layout
+from distca_jax.data.sources import Batch
+from distca_jax.dispatch.checks import validate_plan
+from distca_jax.dispatch.format import DispatchPlan, build_dispatch
+from distca_jax.schedule.capacities import Capacities, StepShapes, largest
+from distca_jax.schedule.pingpong import pingpong_layouts
+from distca_jax.schedule.plan import Plan, make_plan
+from distca_jax.schedule.planner import kv_requests
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+  """Host-side inputs of one CAD step (not a pytree): the nano-batches the step trains on (one,
+  or Ping and Pong), their dispatch plans, and the scheduler's plans for reporting. Follows the
+  trainer's step-context protocol (`attention.StepContext`)."""
+
+  batches: tuple[Batch, ...]
+  dispatch: tuple[DispatchPlan, ...]
+  plans: tuple[Plan, ...]
+  # What the gate's cost model predicts the step saves (`gate.predicted_cad_saving`, with the
+  # exchange at the capacities the step runs with), whether or not the gate is on.
+  predicted_saving: float = float("nan")
+  # Per device, the batch's attention area as loaded (what colocated attention runs), before
+  # any split; None: the nano-batches' own loads stand in for it.
+  load_before: np.ndarray | None = None
+
+  cad = True  # the step runs CAD's exchange
+
+  @property
+  def capacities(self) -> Capacities:
+    """The capacities its dispatch arrays have."""
+    return capacities_of(self.dispatch[0])
+
+  def imbalance(self) -> tuple[float, float]:
+    """Attention-area imbalance (max/mean over servers) before scheduling (the batch as loaded,
+    not its ping-pong halves, which the split alone often evens out) and after (the plans'
+    loads, summed over nano-batches)."""
+    before = (sum(p.stats.load_before for p in self.plans) if self.load_before is None
+              else self.load_before)
+    return gate.imbalance(before), gate.imbalance(sum(p.stats.load_after for p in self.plans))
+
+  def device_inputs(self, batch: Batch):
+    """(per-token arrays, their spec), (dispatch plans, their spec) for the step: one stream's
+    as they are, several streams' as tuples over the streams (ping-pong re-packs the batch, so
+    `batch` itself is not read)."""
+    if len(self.batches) == 1:
+      return (stream_arrays(self.batches[0]), P("data")), (self.dispatch[0], P("data"))
+    per_stream = [stream_arrays(b) for b in self.batches]
+    arrays = {k: tuple(a[k] for a in per_stream) for k in per_stream[0]}
+    return (arrays, P("data")), (tuple(self.dispatch), P("data"))
+
+
+def capacities_of(plan: DispatchPlan) -> Capacities:
+  """The capacities a `DispatchPlan`'s arrays have."""
+  return Capacities(c=plan.send_q_idx.shape[-1], ckv=plan.send_kv_idx.shape[-1],
+                    skv=plan.server_kv_idx.shape[-1], ctask=plan.q_start.shape[-1],
+                    shift_q=plan.shift_q, shift_kv=plan.shift_kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+  """One way to run the step: its streams, their plans, the capacities they need together, and
+  the gate's predicted saving."""
+
+  batches: tuple[Batch, ...]
+  plans: tuple[Plan, ...]
+  kvs: tuple
+  capacities: Capacities
+  saving: float
+
+  @property
+  def layouts(self) -> list[Layout]:
+    return [b.layout for b in self.batches]
+
+
+def plan_step(attention_config, batch: Batch, shape, devices=None, shapes: StepShapes | None = None):
+  """The host context of one unpipelined CAD step (`StepContext`), or colocated attention's
+  (`colocated.ColocatedContext`: one stream, no exchange, no ping-pong split; compiled once
+  beside the distca step) for a step with nothing worth moving.
+
+  `devices`: the rows this process builds and checks (`mesh.local_rows`; the plans and the gate's
+  decision are global, the same on every process). `shapes`: the run's `StepShapes` (a trainer
+  passes one, so its steps compile only when a capacity grows); without it each step takes the
+  buckets it needs.
+
+  The gate (`attention.gate`, `gate.py`): a batch whose colocated attention imbalance is below
+  `attention.min_imbalance`, or that cannot reach `attention.min_gain` even perfectly balanced,
+  is not planned; one whose plans are predicted to save less than `min_gain` of the step, net of
+  the exchange at the capacities it would run with, runs colocated. The gate decides on the
+  plans alone, before their dispatch arrays are built and checked (the costly part at scale)."""
+  colocated = lambda: colocated_contexts([batch.layout], shapes=shapes)[0]
+  if not gate.worth_planning(attention_config, shape, batch.layout):
+    return colocated()
+  options = [_plan_option(attention_config, shape, batch.layout, streams, shapes)
+             for streams in stream_options(attention_config, batch)]
+  best = max(options, key=lambda o: o.saving)  # the first of equals
+  if gate.gate_refuses(attention_config, best.saving):
+    return colocated()
+  dispatch = _checked_arrays(best.plans, best.layouts, best.kvs, best.capacities, devices, shapes,
+                             best.batches)
+  return StepContext(batches=best.batches, plans=best.plans, dispatch=tuple(dispatch),
+                     predicted_saving=best.saving,
+                     load_before=gate.attention_load_per_device(batch.layout))
+
+
+def stream_options(attention_config, batch: Batch) -> list[tuple[Batch, ...]]:
+  """The streams the step may run as: ping-pong's Ping and Pong (`attention.pingpong`), or the
+  batch as one stream. A split that cuts a document longer than half the step gives halves of
+  unequal attention (Ping all prefix, Pong the suffix over the whole prefix), each balanced on
+  its own: such a step is planned both ways and runs the one predicted to save more (2 x H100,
+  a 104K-token document in 2 x 64K: one stream 1.134x colocated, two 1.096x; predicted +12.6% /
+  +10.3%), unless `attention.pingpong_allow_single` is off."""
+  if not attention_config.pingpong:
+    return [(batch,)]
+  halves = split_pingpong_batch(batch)
+  single = attention_config.pingpong_allow_single and _cuts_long_document(halves[1].layout)
+  return [halves] + ([(batch,)] if single else [])
+
+
+def _plan_option(attention_config, shape, layout: Layout, batches,
+                 shapes: StepShapes | None) -> _Option:
+  """Plans each stream of the batch (`layout`: the whole batch's); their capacities together (the
+  run's, if larger, uncommitted: the gate may still turn the step away) and what the gate
+  predicts they save at those capacities."""
+  layouts = [b.layout for b in batches]
+  plans = tuple(_schedule(attention_config, l, shape, pipelined=False) for l in layouts)
+  kvs = tuple(kv_requests(p.tasks, l) for p, l in zip(plans, layouts))
+  caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
+  saving = gate.predicted_cad_saving(shape, layout, plans, attention_config,
+                                     gate.exchange_bytes(attention_config, shape, plans, caps))
+  return _Option(batches=tuple(batches), plans=plans, kvs=kvs, capacities=caps, saving=saving)
+
+
+def plan_ticks(attention_config, layouts, shape, devices=None,
+               shapes: StepShapes | None = None) -> tuple[list[Plan], list[DispatchPlan]]:
+  """A pipelined step's ticks planned into checked dispatch arrays of one shape (they stack):
+  each tick's layout over all stages' rows, its plan (`attention.min_imbalance` for pipelined
+  ticks; no gate, no ping-pong)."""
+  plans = [_schedule(attention_config, l, shape, pipelined=True) for l in layouts]
+  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
+  caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
+  return plans, _checked_arrays(plans, layouts, kvs, caps, devices, shapes)
+
+
+def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
+  """The scheduler's plan for one nano-batch or tick (global: the same on every process)."""
+  return make_plan(layout, gate.comm_model(shape, attention_config),
+                   epsilon=attention_config.epsilon,
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=pipelined))
+
+
+def step_capacities(attention_config, plans, buffer_len: int,
+                    shapes: StepShapes | None = None) -> Capacities:
+  """The capacities the plans of one step need together (each the largest any of them needs;
+  per-shift rows only for `attention.exchange: shifted`), grown to the run's (`shapes`, not
+  committed) when given."""
+  caps = largest(*(p.capacities for p in plans))
+  if attention_config.exchange != "shifted":
+    caps = caps.without_shifts()
+  return caps if shapes is None else shapes.fit(f"cad@{buffer_len}", caps, commit=False)
+
+
+def _checked_arrays(plans, layouts, kvs, caps: Capacities, devices, shapes: StepShapes | None,
+                    batches=None) -> list[DispatchPlan]:
+  """The plans' dispatch arrays at `caps` (kept as the run's, `shapes`), each checked row by row
+  for `devices` against its layout (and its nano-batch, when at hand: Pong against Ping too)."""
+  if shapes is not None:
+    caps = shapes.fit(f"cad@{layouts[0].buffer_len}", caps)
+  dispatch = [build_dispatch(p.tasks, l, caps, devices=devices, kv=kv)
+              for p, l, kv in zip(plans, layouts, kvs)]
+  batches = batches or [None] * len(plans)
+  for i, (d, l, b) in enumerate(zip(dispatch, layouts, batches)):
+    validate_plan(d, l, devices, b, batches[i - 1] if l.prior is not None and i else None)
+  return dispatch
+
+
+def _cuts_long_document(pong: Layout) -> bool:
+  """Whether the ping-pong split behind Pong's layout cut a document longer than half the step's
+  tokens (Pong holds the smaller half)."""
+  prior = pong.prior
+  return bool(prior.num_shards) and int(pong.doc_lens[prior.doc[0]]) > int(pong.length.sum())
+
+
+def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
+  """Ping and Pong: the batch's documents split into two halves of equal tokens and balanced
+  attention (`schedule/pingpong.py`), each packed into buffers of half the length. Every token
+  keeps its target, loss weight and position: the two halves train exactly the batch (Pong's
+  layout lists the cut document's prefix in Ping as `prior` shards, which its attention reads)."""
+  layout = batch.layout
+  N, T = layout.num_buffers, layout.buffer_len
+  if T % 2:
+    raise ValueError(f"ping-pong needs an even buffer length, got {T}")
+  ping, pong, split = pingpong_layouts(layout.doc_lens, N, T)
+  # A packed batch holds each document at consecutive flat rows (buffer * T + offset).
+  doc_start = np.cumsum(layout.doc_lens) - layout.doc_lens
+  if not np.array_equal(layout.buffer * T + layout.buffer_offset,
+                        doc_start[layout.doc] + layout.doc_offset):
+    raise ValueError("ping-pong: the batch's layout is not packed in document order")
+  halves = []
+  for lay, lens, source in zip((ping, pong), split.lens, split.source):
+    starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)
+    take = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+
+    def gather(a):
+      out = np.zeros(N * (T // 2), a.dtype)
+      out[: take.size] = a.reshape(-1)[take]
+      return out.reshape(N, T // 2)
+
+    halves.append(Batch(tokens=gather(batch.tokens), targets=gather(batch.targets),
+                        loss_mask=gather(batch.loss_mask), segment_ids=lay.segment_ids(),
+                        positions=gather(batch.positions), layout=lay))
+  return tuple(halves)

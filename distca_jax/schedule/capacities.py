@@ -1,0 +1,170 @@
+"""A step's array capacities (`Capacities`), what a task placement needs, and capacities that only
+grow over a run (`StepShapes`). Numpy only.
+
+The capacities are the static sizes of the dispatch arrays (`dispatch.DispatchPlan`): every
+value compiles the step once, so they come from few buckets (`items.row_bucket`,
+`items.exchange_capacity`, `items.task_bucket`), and a training run keeps the largest any of its
+steps needed (`StepShapes`) so a step compiles only when one grows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from distca_jax.data.packing import Layout
+from distca_jax.schedule.items import Tasks, exchange_capacity, row_bucket, task_bucket
+from distca_jax.schedule.planner import KVRequests, kv_requests, pair_rows
+
+log = logging.getLogger(__name__)
+
+_SIZES = ("c", "ckv", "skv", "ctask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacities:
+  """The capacities of one step's dispatch arrays, in rows (or tasks):
+
+  c        query rows per exchanged (device, server) block (0: no query row moves)
+  ckv      K/V rows per exchanged block (0: no K/V row moves)
+  skv      K/V rows a server gathers (every document prefix it serves, contiguous)
+  ctask    tasks per server
+  shift_q, shift_kv  the shifted exchange's rows per shift k = 1 .. N-1 (the largest block
+           d -> d + k mod N); () for the other exchanges
+
+  As `make_plan`'s limits, a size that is None is not fixed (the plan takes the bucket it needs)
+  and empty shifts are not fixed."""
+
+  c: int | None = None
+  ckv: int | None = None
+  skv: int | None = None
+  ctask: int | None = None
+  shift_q: tuple = ()
+  shift_kv: tuple = ()
+
+  def __post_init__(self):
+    for name in _SIZES:
+      v = getattr(self, name)
+      if v is not None and v < 0:
+        raise ValueError(f"Capacities.{name}: must be >= 0 or None, got {v}")
+    object.__setattr__(self, "shift_q", tuple(int(x) for x in self.shift_q))
+    object.__setattr__(self, "shift_kv", tuple(int(x) for x in self.shift_kv))
+
+  def fits(self, limits: "Capacities") -> bool:
+    """Whether every size is within `limits` (None and empty shifts there: any)."""
+    sizes = all(getattr(limits, k) is None or getattr(self, k) <= getattr(limits, k)
+                for k in _SIZES)
+    shifts = all(not lim or (len(own) == len(lim) and all(a <= b for a, b in zip(own, lim)))
+                 for own, lim in ((self.shift_q, limits.shift_q), (self.shift_kv, limits.shift_kv)))
+    return sizes and shifts
+
+  def without_shifts(self) -> "Capacities":
+    """The same sizes for an exchange that is not shifted."""
+    return dataclasses.replace(self, shift_q=(), shift_kv=())
+
+
+def largest(*records):
+  """The elementwise maximum of records of one dataclass type (int fields, and tuples of ints
+  compared position by position; an empty tuple takes the other's)."""
+  first = records[0]
+  out = {}
+  for f in dataclasses.fields(first):
+    values = [getattr(r, f.name) for r in records]
+    if isinstance(values[0], tuple):
+      values = [v for v in values if v] or [()]
+      if len({len(v) for v in values}) > 1:
+        raise ValueError(f"{type(first).__name__}.{f.name}: tuples of different lengths {values}")
+      out[f.name] = tuple(int(max(xs)) for xs in zip(*values)) if values[0] else ()
+    else:
+      known = [v for v in values if v is not None]
+      out[f.name] = max(known) if known else None
+  return type(first)(**out)
+
+
+def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> Capacities:
+  """The smallest capacities a task placement needs (before bucketing): its most query / K/V rows
+  between two devices (overall and per shift), K/V rows on one server, tasks on one server."""
+  n = layout.num_buffers
+  kv = kv_requests(tasks, layout) if kv is None else kv
+  q_pairs, kv_pairs = pair_rows(tasks, layout, kv)
+  d = np.arange(n)
+  skv = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n)
+  return Capacities(
+      c=int(q_pairs.max(initial=0)), ckv=int(kv_pairs.max(initial=0)),
+      skv=int(skv.max(initial=0)), ctask=int(np.bincount(tasks.server, minlength=n).max(initial=0)),
+      shift_q=tuple(int(q_pairs[d, (d + k) % n].max()) for k in range(1, n)),
+      shift_kv=tuple(int(kv_pairs[d, (d + k) % n].max()) for k in range(1, n)))
+
+
+def bucketed(need: Capacities, buffer_len: int, fixed: Capacities = Capacities()) -> Capacities:
+  """`need` in buckets (exchanged blocks: `exchange_capacity`, 0 when nothing moves; the server's
+  K/V rows: `row_bucket`; tasks: `task_bucket`), except what `fixed` fixes."""
+  pick = lambda name, bucket: getattr(fixed, name) if getattr(fixed, name) is not None else bucket
+  rows = lambda r: exchange_capacity(r, buffer_len)
+  return Capacities(
+      c=pick("c", rows(need.c)), ckv=pick("ckv", rows(need.ckv)),
+      skv=pick("skv", row_bucket(need.skv, buffer_len)), ctask=pick("ctask", task_bucket(need.ctask)),
+      shift_q=fixed.shift_q or tuple(rows(r) for r in need.shift_q),
+      shift_kv=fixed.shift_kv or tuple(rows(r) for r in need.shift_kv))
+
+
+class StepShapes:
+  """The array capacities a training run's steps have compiled with, grown and never shrunk.
+
+  Every step's plan needs its own buckets (rows per exchanged block, K/V rows and tasks per
+  server; a colocated step's task capacity and K/V window). Taken step by step, most steps of a
+  run land on a combination no earlier step had, and each new combination compiles the step
+  again (4 x H100, Pretrain 64K: 17 compilations in 21 steps, ~9 s each). Kept here, each
+  capacity is the largest any step of the run has needed: a step compiles only when one of
+  them grows, a few times early in a run, and never for a shape an earlier step had. The cost
+  is padding: a step whose plan needs less still sends and holds the grown capacity (the tiled
+  exchange moves whole blocks).
+
+  One per run, used from the trainer's one prefetch thread; every process sees the same global
+  plans in the same order, so every process grows the same capacities at the same step.
+
+  `sizes` is what a checkpoint keeps: "<kind>.<field>" -> rows (a list for a tuple field), e.g.
+  "cad@65536.c"; a checkpoint of an older run wrote a shifted exchange's shifts as "<kind>.q1",
+  "<kind>.kv1", ..., read back here as `shift_q` / `shift_kv`."""
+
+  def __init__(self):
+    self.sizes: dict[str, Any] = {}
+    self.growths = 0  # shapes this process has used: each compiles the step once
+    self._used: set[str] = set()
+
+  def stored(self, kind: str, record_type):
+    """The capacities of `kind` kept so far, as a `record_type`, or None."""
+    prefix = f"{kind}."
+    own = {k[len(prefix):]: v for k, v in self.sizes.items() if k.startswith(prefix)}
+    if not own:
+      return None
+    for field, old in (("shift_q", "q"), ("shift_kv", "kv")):  # an older checkpoint's shifts
+      count = sum(1 for key in own if key.startswith(old) and key[len(old):].isdigit())
+      if count and field not in own:
+        own[field] = [own[f"{old}{k}"] for k in range(1, count + 1)]
+    names = {f.name for f in dataclasses.fields(record_type)}
+    return record_type(**{k: tuple(v) if isinstance(v, list) else v
+                          for k, v in own.items() if k in names})
+
+  def fit(self, kind: str, need, commit: bool = True):
+    """The capacities of `kind` ("cad@T", "colocated@T") for a step that needs `need` (a record
+    of capacities, each already a bucket): the elementwise maximum of `need` and what earlier
+    steps needed; kept for later steps unless `commit` is false (a step the gate may still turn
+    away)."""
+    before = self.stored(kind, type(need))
+    grown = need if before is None else largest(need, before)
+    if not commit:
+      return grown
+    if grown != before or kind not in self._used:  # a new shape (or restored sizes, first used here)
+      self.growths += 1
+      if before is not None and grown != before:
+        log.info("%s step capacities grew to %s: the step compiles again", kind, grown)
+      prefix = f"{kind}."
+      self.sizes = {k: v for k, v in self.sizes.items() if not k.startswith(prefix)}
+      self.sizes.update({f"{prefix}{k}": list(v) if isinstance(v, tuple) else v
+                         for k, v in dataclasses.asdict(grown).items()})
+      self._used.add(kind)
+    return grown
