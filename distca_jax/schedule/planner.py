@@ -23,8 +23,12 @@ candidates (long documents give the best ΔF per byte: a short document moved wh
 ∝ l for area ∝ l², so E ∝ l).
 Surplus and deficit live in lazy max-heaps; a move scores the candidates of sources in order of
 surplus and stops once the best score is within `prune` of an upper bound on what the next
-source could reach. Bytes in E use the paper's estimate (no deduplication); the plan's reported
-bytes (`traffic`) deduplicate KV per server and document.
+source could reach. Only splits are scored: an item that fits moves whole, with an E known from
+the start, and an item none of whose sub-ranges can beat the best found (`_subrange_bound`) is
+passed over, so batches of many short documents score few candidates. The layout's
+items stay numpy arrays; only what moves becomes Python objects. Bytes in E use the paper's
+estimate (no deduplication); the plan's reported bytes (`traffic`) deduplicate KV per server and
+document.
 """
 
 from __future__ import annotations
@@ -91,67 +95,90 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   n = layout.num_buffers
   g = float(GRANULE)
   qb, kvb = comm.q_row_bytes, comm.kv_row_bytes
-  beta = comm.beta
   max_moves = 8 * n + 64 if max_moves is None else max_moves
 
-  # Pieces as Python lists (a move appends at most three; scalar list access is several times
-  # cheaper than numpy scalar indexing in this loop).
-  home, doc = base.home.tolist(), base.doc.tolist()
-  lo, hi = base.q_lo.tolist(), base.q_hi.tolist()
-  off, server = base.home_off.tolist(), base.server.tolist()
-  area_np = base.area()
-  area = area_np.tolist()
-  p = len(home)
-
-  load_np = np.bincount(base.server, weights=area_np, minlength=n).astype(np.float64)
+  area0 = base.area()
+  p0 = base.size
+  load_np = np.bincount(base.server, weights=area0, minlength=n).astype(np.float64)
   load_before = load_np.copy()
   target = float(load_np.sum()) / n if n else 0.0
   tol = epsilon * target
   load = load_np.tolist()
 
-  # Home pieces per source; each source offers its top_k largest as candidates, kept as tuples
-  # (i, a0, e0, area): a move scores a handful of them, where scalar code beats numpy.
-  order = np.argsort(base.home, kind="stable")
-  bounds = np.searchsorted(base.home[order], np.arange(n + 1))
-  at_home = [order[bounds[s]:bounds[s + 1]].tolist() for s in range(n)]
-  by_area = np.lexsort((-area_np, base.home))
-  rank = np.arange(p) - bounds[base.home[by_area]]
-  first = by_area[rank < top_k]
+  # The layout's pieces stay numpy arrays (a batch of short documents has ~10^5 of them; turning
+  # them all into lists and back costs more than the loop); a move retires one piece and appends up
+  # to three to the lists `new`. Candidates are tuples (piece, a0, e0, area, E whole, doc, offset,
+  # E bound of its sub-ranges), compared by scalar code, which beats numpy on the handful of
+  # numbers a move touches.
+  retired: list[int] = []
+  new = {f: [] for f in ("home", "doc", "q_lo", "q_hi", "home_off", "server")}
+  lo_f, hi_f = base.q_lo.astype(np.float64), base.q_hi.astype(np.float64)
+  e_whole = area0 / np.maximum((hi_f - lo_f) * qb + hi_f * kvb, 1e-300)  # E of a whole-piece move
+  e_sub = _subrange_bound(lo_f, hi_f, qb, kvb, np.clip)
+
+  # Home pieces of each source by (area descending, piece id): `handed[s]` holds the alive ones
+  # already taken from that order (and the pieces a move leaves home), `nxt[s]` the next one.
+  by_area = _by_home_then_area(base.home, area0)
+  bounds = np.searchsorted(base.home[by_area], np.arange(n + 1)).tolist()
+  area_sorted = area0[by_area]
+  handed: list[list[tuple]] = [[] for _ in range(n)]
   cands: list[list[tuple]] = [[] for _ in range(n)]
-  for i, h, a0, e0, fa in zip(first.tolist(), base.home[first].tolist(), base.q_lo[first].tolist(),
-                              base.q_hi[first].tolist(), area_np[first].tolist()):
-    cands[h].append((i, float(a0), float(e0), fa))
+  whole = [(0.0, 0.0)] * n  # per source: (largest candidate area, best E among candidates)
+
+  def hand_out(s, k):
+    j = nxt[s]
+    idx = by_area[j:min(j + k, bounds[s + 1])]
+    handed[s].extend(zip(idx.tolist(), lo_f[idx].tolist(), hi_f[idx].tolist(), area0[idx].tolist(),
+                         e_whole[idx].tolist(), base.doc[idx].tolist(), base.home_off[idx].tolist(),
+                         e_sub[idx].tolist()))
+    nxt[s] = j + idx.size
 
   def refresh(s):
-    items = at_home[s]
-    if len(items) > top_k:
-      items = sorted(items, key=area.__getitem__, reverse=True)[:top_k]
-    cands[s] = [(i, float(lo[i]), float(hi[i]), area[i]) for i in items]
+    """cands[s] = the top_k largest home pieces of s (ties: the lower piece id)."""
+    pool = handed[s]
+    pool.sort(key=lambda c: (-c[3], c[0]))
+    # Pieces not yet handed out are in order, so only the next one can outrank the top_k-th.
+    while nxt[s] < bounds[s + 1] and (len(pool) < top_k or (-float(area_sorted[nxt[s]]), int(
+        by_area[nxt[s]])) < (-pool[top_k - 1][3], pool[top_k - 1][0])):
+      hand_out(s, chunk)
+      pool.sort(key=lambda c: (-c[3], c[0]))
+    cands[s] = c = pool[:top_k]
+    whole[s] = (max((x[3] for x in c), default=0.0), max((x[4] for x in c), default=0.0))
 
-  k_opt = 2.0 * beta / (beta + 2.0)  # n_q* = sqrt(k_opt * want), cost.optimal_split
+  chunk = 2 * top_k  # pieces handed out at a time
+  rank = np.arange(p0) - np.asarray(bounds)[base.home[by_area]]
+  first = by_area[rank < chunk]
+  for h, c in zip(base.home[first].tolist(), zip(
+      first.tolist(), lo_f[first].tolist(), hi_f[first].tolist(), area0[first].tolist(),
+      e_whole[first].tolist(), base.doc[first].tolist(), base.home_off[first].tolist(),
+      e_sub[first].tolist())):
+    handed[h].append(c)
+  nxt = [min(bounds[s] + chunk, bounds[s + 1]) for s in range(n)]
+  for s in range(n):
+    refresh(s)
+
+  k_opt = 2.0 * comm.beta / (comm.beta + 2.0)  # n_q* = sqrt(k_opt * want), cost.optimal_split
   # Upper bound of E for a move of `w` pairs: the unconstrained byte-optimal shard. E grows like
   # sqrt(w), so once a source's cap bounds E below the best found, smaller caps cannot win.
   e_free_coef = 1.0 / (math.sqrt(k_opt) * qb + (1.0 / math.sqrt(k_opt) + 0.5 * math.sqrt(k_opt)) * kvb)
   inv_g = 1.0 / g
 
-  def score(a0, e0, fa, cap):
-    """(E, x, y, got) of the best move of min(fa, cap) pairs from piece [a0, e0); E <= 0: none."""
-    if fa <= cap:
-      x, y = a0, e0
-    else:
-      want = cap
-      nq = math.sqrt(k_opt * want)
-      y = want / nq + 0.5 * nq
-      y_min = 0.5 * (math.sqrt(1.0 + 4.0 * (a0 * a0 + a0) + 8.0 * want) - 1.0)
-      y = min(max(y, y_min), e0)
-      y = round(y * inv_g) * g
-      y = min(e0, (a0 // g + 1.0) * g) if y <= a0 else min(y, e0)
-      t = 2.0 * y + 1.0
-      x = y - 0.5 * (t - math.sqrt(max(t * t - 8.0 * want, 0.0)))
-      x = round(x * inv_g) * g
-      if x >= y:
-        x = math.floor((y - 1.0) * inv_g) * g
-      x = max(x, a0)
+  def score(a0, e0, cap):
+    """(E, x, y, got) of the best move of `cap` pairs out of piece [a0, e0) (its area is larger:
+    a piece that fits moves whole, with the E of its tuple); E <= 0: none."""
+    want = cap
+    nq = math.sqrt(k_opt * want)
+    y = want / nq + 0.5 * nq
+    y_min = 0.5 * (math.sqrt(1.0 + 4.0 * (a0 * a0 + a0) + 8.0 * want) - 1.0)
+    y = min(max(y, y_min), e0)
+    y = round(y * inv_g) * g
+    y = min(e0, (a0 // g + 1.0) * g) if y <= a0 else min(y, e0)
+    t = 2.0 * y + 1.0
+    x = y - 0.5 * (t - math.sqrt(max(t * t - 8.0 * want, 0.0)))
+    x = round(x * inv_g) * g
+    if x >= y:
+      x = math.floor((y - 1.0) * inv_g) * g
+    x = max(x, a0)
     nrow = y - x
     got = nrow * (y + x + 1.0) * 0.5
     # A rounded move may overshoot by part of a granule, never by more than half the tolerance
@@ -195,7 +222,7 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     # While some destination is outside the tolerance, any surplus source may give; once all are
     # inside, only sources outside it (so the loop ends as soon as everyone is within ε).
     floor_ = 0.0 if cap_d > tol else tol
-    best = (0.0, -1, -1, 0.0, 0.0, 0.0)  # E, source, piece, x, y, got
+    best_e, best = 0.0, None  # best E; (source, candidate, x, y, got)
     popped = []
     while sur_heap and len(popped) < max_sources:
       entry = heapq.heappop(sur_heap)
@@ -210,35 +237,50 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
       # Sources come in order of surplus, so caps and this bound only fall: stop once the best
       # score is within `prune` of what this (and any later) source could reach with a move of
       # exactly its cap (rounding to the 128 grid can beat the bound by a fraction of a granule).
-      if best[0] >= (1.0 - prune) * e_free_coef * math.sqrt(cap):
+      if best_e >= (1.0 - prune) * e_free_coef * math.sqrt(cap):
         break
-      for i, a0, e0, fa in cands[s]:
-        e, x, y, got = score(a0, e0, fa, cap)
-        if e > best[0]:
-          best = (e, s, i, x, y, got)
+      # Candidates that fit move whole, with a known E: a source whose candidates all fit and
+      # cannot beat the best is skipped unscored (short documents, moved whole, rarely can).
+      fa_max, ew_max = whole[s]
+      if fa_max <= cap and ew_max <= best_e:
+        continue
+      for c in cands[s]:
+        if c[3] <= cap:
+          if c[4] > best_e:
+            best_e, best = c[4], (s, c, c[1], c[2], c[3])
+          continue
+        if c[7] <= best_e:  # no sub-range of this piece beats the best
+          continue
+        e, x, y, got = score(c[1], c[2], cap)
+        if e > best_e:
+          best_e, best = e, (s, c, x, y, got)
     for entry in popped:
       heapq.heappush(sur_heap, entry)
-    if best[1] < 0:
+    if best is None:
       stuck[d] = True
       stuck_max = max(stuck_max, cap_d)
       ver[d] += 1  # drops its deficit entry
       continue
-    _, s, i, x, y, moved = best
+    s, c, x, y, moved = best
+    i, li, hi_i, doc_i, off_i = c[0], int(c[1]), int(c[2]), c[5], c[6]
     xi, yi = int(x), int(y)
     # Split piece i = [lo, hi) into [lo, x) home, [x, y) -> d, [y, hi) home.
-    li, hi_i = lo[i], hi[i]
-    at_home[s].remove(i)
+    handed[s].remove(c)
+    if i < p0:
+      retired.append(i)
+    else:
+      new["q_hi"][i - p0] = new["q_lo"][i - p0]  # retired: zero-length, dropped below
     for a, b, dst in ((li, xi, s), (yi, hi_i, s), (xi, yi, d)):
       if b <= a:
         continue
-      home.append(home[i]), doc.append(doc[i]), lo.append(a), hi.append(b)
-      off.append(off[i] + (a - li)), server.append(dst)
-      area.append((b - a) * (b + a + 1.0) / 2.0)
+      for f, v in (("home", s), ("doc", doc_i), ("q_lo", a), ("q_hi", b),
+                   ("home_off", off_i + (a - li)), ("server", dst)):
+        new[f].append(v)
       if dst == s:
-        at_home[s].append(p)
-      p += 1
-    area[i] = 0.0
-    hi[i] = lo[i]  # retired: zero-length, dropped below
+        fa = (b - a) * (b + a + 1.0) / 2.0
+        handed[s].append((p0 + len(new["home"]) - 1, float(a), float(b), fa,
+                          fa / ((b - a) * qb + b * kvb), doc_i, off_i + (a - li),
+                          _subrange_bound(float(a), float(b), qb, kvb, _clip)))
     load[s] -= moved
     load[d] += moved
     push(s)
@@ -246,14 +288,38 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     refresh(s)
     moves += 1
 
-  i64 = lambda v: np.asarray(v, np.int64)
-  lo_a, hi_a = i64(lo), i64(hi)
-  live = hi_a > lo_a
-  tasks = Tasks(home=i64(home)[live], doc=i64(doc)[live], q_lo=lo_a[live], q_hi=hi_a[live],
-                home_off=i64(off)[live], server=i64(server)[live]).sorted()
+  keep = np.ones(p0, bool)
+  keep[retired] = False
+  added = {f: np.asarray(v, np.int64) for f, v in new.items()}
+  live = added["q_hi"] > added["q_lo"]
+  tasks = Tasks(**{f: np.concatenate([getattr(base, f)[keep], added[f][live]]) for f in new}).sorted()
   load_after = np.bincount(tasks.server, weights=tasks.area(), minlength=n)
   return tasks, BalanceStats(epsilon=epsilon, moves=moves, load_before=load_before,
                              load_after=load_after)
+
+
+def _clip(v: float, lo: float, hi: float) -> float:
+  return min(max(v, lo), hi)
+
+
+def _subrange_bound(a0, e0, qb: float, kvb: float, clip):
+  """Upper bound of E (pairs per byte) over the sub-ranges [x, y) of pieces [a0, e0) (floats or
+  arrays; `clip`: np.clip or `_clip`). E of the m rows ending at y, m (2 y - m + 1) / 2 pairs for
+  m qb + y kvb bytes, grows with y, so y = e0; in m it peaks at the positive root of
+  qb m² + 2 e0 kvb m - (2 e0 + 1) e0 kvb, clipped to the piece."""
+  m = (((e0 * kvb) ** 2 + qb * kvb * e0 * (2.0 * e0 + 1.0)) ** 0.5 - e0 * kvb) / qb
+  m = clip(m, 1.0, e0 - a0)
+  # A hair above the exact value: a bound that rounds below the score it bounds would skip it.
+  return m * (2.0 * e0 - m + 1.0) / (2.0 * (m * qb + e0 * kvb)) * (1.0 + 1e-9)
+
+
+def _by_home_then_area(home: np.ndarray, area: np.ndarray) -> np.ndarray:
+  """Piece order by (home, area descending, index): one integer sort key where it fits (several
+  times faster than np.lexsort); areas are integers (one of q and 2 q_lo + q + 1 is even)."""
+  scale = int(area.max(initial=0.0)) + 1
+  if home.size and int(home.max()) < 2 ** 62 // scale:
+    return np.argsort(home * scale + (scale - 1 - area.astype(np.int64)), kind="stable")
+  return np.lexsort((-area, home))
 
 
 # ----------------------------------------------------------------------------- KV requests
