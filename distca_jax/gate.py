@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distca_jax.config import AttentionConfig
 from distca_jax.data.packing import Layout
 from distca_jax.models.presets import ModelShape
 from distca_jax.schedule.capacities import Capacities
@@ -118,8 +119,6 @@ def describe_gate_nodes(attention_config) -> str:
 def _costs(attention_config):
   """`attention_config` (default: `AttentionConfig()`) with its attention cost resolved."""
   if attention_config is None:
-    from distca_jax.config import AttentionConfig  # the schema's defaults (numpy only)
-
     attention_config = AttentionConfig()
   if attention_config.gate_attention_cost is None:  # callers that resolve no kernel: the fit's
     cost = gate_attention_cost(attention_config)

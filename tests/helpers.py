@@ -10,7 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distca_jax import dispatch
+from distca_jax import gate as gate_lib
 from distca_jax.config import load_config
+from distca_jax.data.sources import make_batch, synthetic_from_config
+from distca_jax.schedule.plan import make_plan
 
 
 def launch_script(name: str):
@@ -189,3 +193,77 @@ def dispatch_of(plan, layout):
   from distca_jax.dispatch import build_dispatch
 
   return build_dispatch(plan.tasks, layout, plan.capacities.without_shifts())
+
+
+# ----------------------------------------------------------------------------- CAD steps in tests
+
+
+def layout_batch(kind: str, n: int, seed: int, T: int = 256):
+  """A batch of `n` buffers of T tokens whose documents are laid out as `kind` says."""
+  rng = np.random.default_rng(seed)
+  total = n * T
+  if kind == "span_all":      # one document spanning every device
+    lens = np.array([total - 37, 37])
+  elif kind == "long_on_one":  # device 0 holds all the long documents, the rest many short ones
+    lens = np.concatenate([[T // 2, T // 2], np.full((total - T) // 16, 16)])
+  elif kind == "equal":        # nothing to balance
+    lens = np.full(total // 64, 64)
+  else:
+    raise ValueError(kind)
+  return make_batch(lens, rng.integers(0, 512, lens.sum()).astype(np.int32), n, T)
+
+
+def run_step(cfg, batch, n, shapes=None):
+  """(loss, grads, params, model shape, host context) of one step of `cfg` on `n` devices."""
+  from distca_jax import attention as attn
+  from distca_jax import mesh as mesh_lib
+  from distca_jax.train.step import Trainer
+
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:n])
+  trainer = Trainer(cfg, mesh)
+  state = trainer.init_state(0)
+  ctx = attn.host_context(cfg.attention, batch, trainer.shape, shapes=shapes)
+  arrays, dctx = trainer.put_batch(batch, ctx)
+  (loss, _), grads = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))(state.params, arrays, dctx)
+  return float(loss), pure_params(grads), pure_params(state.params), trainer.shape, ctx
+
+
+def reference_over(params, shape, batches):
+  """Token-weighted mean loss over nano-batches, single-device plain jnp."""
+  counts = [float(b.loss_mask.sum()) for b in batches]
+  outs = [reference_value_and_grad(params, shape, b) for b in batches]
+  loss = sum(l * c for (l, _), c in zip(outs, counts)) / sum(counts)
+  grads = jax.tree.map(lambda *g: sum(x * c for x, c in zip(g, counts)) / sum(counts), *[g for _, g in outs])
+  return float(loss), grads
+
+
+def plan_for_layout(attention_config, layout, shape, devices=None):
+  """The scheduler's plan of one nano-batch and its checked dispatch arrays at the plan's own
+  capacities (tiled exchange), planned as the trainer plans an unpipelined stream."""
+  plan = make_plan(layout, gate_lib.comm_model(shape, attention_config),
+                   epsilon=attention_config.epsilon,
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=False))
+  d = dispatch.build_dispatch(plan.tasks, layout, plan.capacities.without_shifts(), devices=devices)
+  dispatch.validate_plan(d, layout, devices)
+  return plan, d
+
+
+def prefer_streams(monkeypatch, streams: int):
+  """Make the gate's model prefer `streams` streams where a step may run one or two (a ping-pong
+  split that cuts a document longer than half the step)."""
+  real = gate_lib.predicted_cad_saving
+  monkeypatch.setattr(gate_lib, "predicted_cad_saving", lambda shape, layout, plans, *a:
+                      real(shape, layout, plans, *a) + (1.0 if len(plans) == streams else 0.0))
+
+
+def global_plan(n: int, dist: str, T: int = 256):
+  """(batch, the scheduler's global plan) of the sampler's first batch of `dist` over `n` data
+  ranks, planned as the trainer plans it (no arrays)."""
+  from distca_jax.models.presets import resolve
+
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     f"data.distribution={dist}")
+  batch = synthetic_from_config(cfg.data, 512, n).batch(0)
+  comm = gate_lib.comm_model(resolve(cfg.model), cfg.attention)
+  return batch, make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon)
+

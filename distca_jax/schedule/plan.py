@@ -34,7 +34,7 @@ from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.capacities import Capacities, bucketed, requirements
 from distca_jax.schedule.items import Tasks, initial_tasks, validate_layout
-from distca_jax.schedule.planner import BalanceStats, Traffic, balance, kv_requests, traffic
+from distca_jax.schedule.planner import BalanceStats, Traffic, balance, traffic
 
 PLAN_FORMAT = "distca-plan-v1"
 

@@ -9,6 +9,8 @@ import dataclasses
 
 import numpy as np
 
+from distca_jax import kernels
+from distca_jax.config import ConfigError
 from distca_jax.data.packing import Layout
 from distca_jax.gate import (attention_load_per_device, gate_attention_cost, imbalance,
                              shard_attention_area)
@@ -41,9 +43,6 @@ def with_kernel_gate_cost(config, shape: ModelShape):
   platform (the one every core attention call of the run takes, `gate.gate_attention_cost`),
   unless the config sets it. Returns (config, kernel); a named kernel that cannot run the model
   is a ConfigError."""
-  from distca_jax import kernels  # JAX: resolving a kernel asks the platform
-  from distca_jax.config import ConfigError
-
   a = config.attention
   try:
     kernel = kernels.resolve_backend(a.kernel, shape.head_dim, config.model.dtype)

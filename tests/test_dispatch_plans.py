@@ -1,0 +1,234 @@
+"""The host side of CAD: the ping-pong split, the step's capacities that only grow, the dispatch
+arrays a process builds (`dispatch/format.py`), and the checks that refuse a plan that does not
+belong to its batch (`dispatch/checks.py`)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from distca_jax import attention as attn
+from distca_jax import dispatch
+from distca_jax import mesh as mesh_lib
+from distca_jax.data.sources import synthetic_from_config
+from distca_jax.schedule.capacities import Capacities
+from distca_jax.schedule.pingpong import split_pingpong
+from distca_jax.schedule.planner import pair_rows
+from distca_jax.train.step import Trainer
+from helpers import global_plan, layout_batch, plan_for_layout, small_config
+
+T = 256  # buffer length
+
+
+@pytest.mark.parametrize("source", ["span_all", "pretrain", "prolong"])
+def test_pingpong_halves_hold_the_batch(source):
+  """Ping and Pong together hold every token of the batch once, each with its own target, loss
+  weight and position; Pong's prior shards name rows of Ping that hold exactly the cut
+  document's prefix."""
+  n = 4
+  if source == "span_all":
+    batch = layout_batch(source, n, seed=1, T=128)
+  else:
+    batch = synthetic_from_config(small_config(f"mesh.data={n}", "data.tokens_per_device=512",
+                                               f"data.distribution={source}").data, 512, n).batch(7)
+  ping, pong = dispatch.split_pingpong_batch(batch)
+  key = lambda b: sorted(zip(*(a[b.segment_ids >= 0].tolist() for a in
+                               (b.tokens, b.targets, b.loss_mask, b.positions))))
+  whole = key(batch)
+  assert sorted(key(ping) + key(pong)) == whole
+  assert ping.layout.prior is None and pong.layout.prior is not None
+  prior = pong.layout.prior
+  cut = split_pingpong(batch.layout.doc_lens).cut
+  assert (prior.num_shards > 0) == (cut is not None)
+  if cut is not None:  # the prefix's rows in Ping: positions 0 .. x-1 of that document, in order
+    g, x = cut
+    rows = np.concatenate([np.arange(o, o + l) + b * ping.layout.buffer_len for b, o, l in
+                           zip(prior.buffer, prior.buffer_offset, prior.length)])
+    assert ping.positions.reshape(-1)[rows].tolist() == list(range(x))
+    start = int(np.sum(batch.layout.doc_lens[:g]))
+    assert ping.tokens.reshape(-1)[rows].tolist() == batch.tokens.reshape(-1)[start:start + x].tolist()
+
+
+def _step_shape(ctx):
+  """What the step compiles for: its kind and every context array's shape (and the window)."""
+  if isinstance(ctx, attn.ColocatedContext):
+    return ("colocated", ctx.q_start.shape, ctx.window)
+  return (f"cad x{len(ctx.batches)}",) + tuple(jax.tree.leaves(jax.tree.map(np.shape, ctx.dispatch)))
+
+
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_step_shapes_only_grow(pingpong):
+  """Over a run's sampled batches, a trainer's StepShapes gives every step capacities no smaller
+  than any earlier step's: no shape repeats after it was left, one new shape per growth, fewer
+  shapes than steps planned alone (each taking its own buckets) -- and the same CAD plans."""
+  cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=pretrain",
+                     "attention.impl=distca", "attention.gate=false", "model.layers=1",
+                     f"attention.pingpong={str(pingpong).lower()}")
+  shape = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])).shape
+  source = synthetic_from_config(cfg.data, 512, 4)
+  shapes = dispatch.StepShapes()
+  grown, alone = [], []
+  for step in range(16):
+    batch = source.batch(step)
+    ctx = attn.host_context(cfg.attention, batch, shape, shapes=shapes)
+    grown.append(_step_shape(ctx))
+    alone_ctx = attn.host_context(cfg.attention, batch, shape)
+    alone.append(_step_shape(alone_ctx))
+    if isinstance(ctx, dispatch.StepContext):  # same tasks, larger arrays
+      assert [p.tasks.server.tolist() for p in ctx.plans] == [p.tasks.server.tolist() for p in alone_ctx.plans]
+  firsts = [s for i, s in enumerate(grown) if s not in grown[:i]]
+  # Within each kind (colocated, CAD in one or two streams), each new shape is elementwise >=
+  # the previous one.
+  kinds = {s[0] for s in grown}
+  for kind in kinds:
+    seq = [s for s in firsts if s[0] == kind]
+    for a, b in zip(seq, seq[1:]):
+      assert all(np.all(np.array(y) >= np.array(x)) for x, y in zip(a[1:], b[1:]))
+  # A step reuses the latest shape of its kind: no return to a shape it had left.
+  for kind in kinds:
+    seq = [s for s in grown if s[0] == kind]
+    assert all(seq[i] == seq[i + 1] or seq[i + 1] not in seq[:i + 1] for i in range(len(seq) - 1))
+  assert len(firsts) == shapes.growths
+  assert len(firsts) < len(set(alone)), (len(firsts), len(set(alone)))
+
+
+def test_pong_plan_is_checked_against_its_ping():
+  """Pong's plan reads its cut document's prefix from Ping's rows: checked against the Ping it was
+  split with it passes, against a Ping whose rows hold other positions it is refused."""
+  from distca_jax.models.presets import resolve
+
+  cfg = small_config("mesh.data=2", f"data.tokens_per_device={T}", "attention.impl=distca")
+  ping, pong = dispatch.split_pingpong_batch(layout_batch("span_all", 2, seed=2, T=T))
+  assert pong.layout.prior.num_shards
+  _, plan = plan_for_layout(cfg.attention, pong.layout, resolve(cfg.model))
+  dispatch.validate_plan(plan, pong.layout, batch=pong, prior_batch=ping)
+  shifted = dataclasses.replace(ping, positions=np.roll(ping.positions, 1, axis=1))
+  with pytest.raises(dispatch.PlanMismatchError, match="earlier stream"):
+    dispatch.validate_plan(plan, pong.layout, batch=pong, prior_batch=shifted)
+
+
+def test_plan_for_another_batch_is_refused():
+  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     "attention.pingpong=false")
+  a = synthetic_from_config(cfg.data, 512, 4).batch(0)
+  b = synthetic_from_config(cfg.data, 512, 4).batch(1)
+  from distca_jax.models.presets import resolve
+
+  _, plan_a = plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
+  with pytest.raises(dispatch.PlanMismatchError, match="does not match the batch"):
+    dispatch.validate_plan(plan_a, b.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match="batch has"):
+    dispatch.validate_plan(plan_a, layout_batch("equal", 2, 0).layout)
+  bad = dataclasses.replace(plan_a, q_start=plan_a.q_start + 10 * T)
+  with pytest.raises(dispatch.PlanMismatchError, match="past its capacities"):
+    dispatch.validate_plan(bad, a.layout)
+  swapped = plan_a.local_q_idx.copy()
+  swapped[0, [0, 1]] = swapped[0, [1, 0]]
+  with pytest.raises(dispatch.PlanMismatchError, match="another token"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, local_q_idx=swapped), a.layout)
+  # The backward's transposes: a wrong K/V inverse, or a query row placed on two servers.
+  inv = plan_a.server_kv_inv.copy()
+  slot = np.argwhere(plan_a.server_kv_inv_valid)[0]
+  inv[tuple(slot)] += 1
+  with pytest.raises(dispatch.PlanMismatchError, match="inverse"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_inv=inv), a.layout)
+  counts = plan_a.send_q_count.copy()  # the exchange's counts must describe its blocks
+  off = np.argwhere(counts > 0)[0]
+  counts[tuple(off)] -= 1
+  with pytest.raises(dispatch.PlanMismatchError, match="send_q_count"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, send_q_count=counts), a.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match="recv_kv_count"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, recv_kv_count=plan_a.send_kv_count), a.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match="send_kv_idx outside"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, send_kv_idx=plan_a.send_kv_idx - T), a.layout)
+  kv_idx = plan_a.server_kv_idx.copy()  # one K/V row gathered into two slots of server 0
+  used = np.flatnonzero(plan_a.server_kv_valid[0])
+  kv_idx[0, used[1]] = kv_idx[0, used[0]]
+  with pytest.raises(dispatch.PlanMismatchError, match="two server slots"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_idx=kv_idx), a.layout)
+  free = np.argwhere(~plan_a.local_q_valid)
+  assert free.size, "want a batch where some rows move (free local slots)"
+  twice_valid = plan_a.local_q_valid.copy()
+  twice_valid[tuple(free[0])] = True
+  twice_idx = plan_a.local_q_idx.copy()
+  twice_idx[tuple(free[0])] = plan_a.local_q_idx[free[0][0], 0]
+  with pytest.raises(dispatch.PlanMismatchError, match="query rows on servers"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, local_q_valid=twice_valid,
+                                               local_q_idx=twice_idx), a.layout)
+
+
+def test_validate_plan_checks_the_given_devices_rows():
+  """A process checks the outputs and tasks of the rows it feeds: a wrong output row of device 0
+  is refused when device 0 is among them, and is left to device 0's process otherwise."""
+  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     "attention.pingpong=false")
+  a = synthetic_from_config(cfg.data, 512, 4).batch(0)
+  from distca_jax.models.presets import resolve
+
+  _, mine = plan_for_layout(cfg.attention, a.layout, resolve(cfg.model), devices=[0, 2])
+  with pytest.raises(dispatch.PlanMismatchError, match="does not match the batch"):
+    dispatch.validate_plan(mine, a.layout)  # built for devices 0 and 2 only
+  _, plan = plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
+  swapped = plan.local_q_idx.copy()
+  swapped[0, [0, 1]] = swapped[0, [1, 0]]
+  bad = dataclasses.replace(plan, local_q_idx=swapped)
+  for devices in (None, [0], [0, 3]):
+    with pytest.raises(dispatch.PlanMismatchError, match="another token"):
+      dispatch.validate_plan(bad, a.layout, devices)
+  dispatch.validate_plan(bad, a.layout, [1, 2, 3])
+  assert mesh_lib.local_rows(mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])) is None  # one process
+
+
+@pytest.mark.parametrize("dist", ["pretrain", "prolong"])
+def test_a_process_builds_only_its_devices_plan(dist):
+  """build_dispatch(devices=D): D's rows and the blocks D sends or receives equal the whole
+  plan's, every other row stays zero, the counts are the whole plan's, and it passes D's checks."""
+  n = 8
+  batch, plan = global_plan(n, dist)
+  assert (plan.tasks.server != plan.tasks.home).any()
+  caps = Capacities(skv=plan.capacities.skv, ctask=plan.capacities.ctask)
+  args = (plan.tasks, batch.layout, caps)
+  whole = dispatch.build_dispatch(*args)
+  req = plan.requirements  # capacities one short of what the plan needs: refused
+  moved_q = int(pair_rows(plan.tasks, batch.layout)[0].max())
+  for small in ({"skv": req.skv - 1}, {"ctask": req.ctask - 1}, {"c": moved_q - 1}):
+    with pytest.raises(dispatch.PlanMismatchError, match="capacit"):
+      dispatch.build_dispatch(*args[:2], dataclasses.replace(caps, **small))
+  blocks = ("send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid")
+  for D in (np.array([0]), np.array([2, 5, 7]), np.arange(4, 8)):
+    part = dispatch.build_dispatch(*args, devices=D)
+    dispatch.validate_plan(part, batch.layout, D)
+    others = np.setdiff1d(np.arange(n), D)
+    for f in dispatch.ARRAY_FIELDS:
+      x, y = getattr(whole, f), getattr(part, f)
+      if f.endswith("_count"):
+        np.testing.assert_array_equal(y, x, err_msg=f)
+      elif f in blocks:
+        np.testing.assert_array_equal(y[D], x[D], err_msg=f)
+        np.testing.assert_array_equal(y[:, D], x[:, D], err_msg=f)
+        assert not y[others][:, others].any(), f
+      else:
+        np.testing.assert_array_equal(y[D], x[D], err_msg=f)
+        assert not y[others].any(), f
+
+
+def test_shifted_plan_that_overflows_a_shift_is_refused():
+  """A shifted plan whose block carries more rows than its shift's capacity would drop rows on
+  the wire: refused before the step runs."""
+  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
+                     "attention.pingpong=false", "attention.exchange=shifted",
+                     "data.distribution=prolong")
+  batch = synthetic_from_config(cfg.data, 512, 4).batch(5)
+  ctx = attn.host_context(cfg.attention, batch, Trainer(cfg, mesh_lib.make_mesh(
+      cfg.mesh, jax.devices()[:4])).shape)
+  d = ctx.dispatch[0]
+  rows = np.asarray(d.send_q_count)
+  per_shift = [int(rows[np.arange(4), (np.arange(4) + k) % 4].max()) for k in (1, 2, 3)]
+  k = int(np.argmax(per_shift)) + 1  # the shift that carries the most rows
+  assert 0 < per_shift[k - 1] <= d.shift_q[k - 1]
+  small = tuple(x if i != k - 1 else per_shift[k - 1] - 1 for i, x in enumerate(d.shift_q))
+  with pytest.raises(dispatch.PlanMismatchError, match=f"shift {k}'s capacity"):
+    dispatch.validate_plan(dataclasses.replace(d, shift_q=small), batch.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match="one capacity"):
+    dispatch.validate_plan(dataclasses.replace(d, shift_q=d.shift_q[:-1]), batch.layout)
