@@ -56,7 +56,8 @@ from distca_jax.train.checkpoint import Checkpointer, space_problem, state_bytes
 from distca_jax.train.finite import NonFiniteError, check_step
 from distca_jax.train.resume import restore_any_layout, resume
 from distca_jax.train.step import Trainer
-from distca_jax.train.summary import Summary, format_summary, peak_memory, write_profile
+from distca_jax.train.summary import (StepReporter, Summary, format_summary, peak_memory,
+                                      write_profile)
 
 __all__ = ["NonFiniteError", "Summary", "format_summary", "make_source", "restore_any_layout", "run"]
 
@@ -193,10 +194,30 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   source = make_source(config, mesh.shape["data"])
   if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
     raise ConfigError("train.profile_start and train.profile_steps: must be >= 1")
+  out_dir, ck_dir, named = _run_dir(config, name, main, log)
+  last_step = config.train.steps
+  if config.train.stop_at_step is not None:
+    last_step = min(last_step, config.train.stop_at_step)
+  t0 = time.perf_counter()
+  state = trainer.init_state(config.train.seed)
+  shapes = StepShapes()
+  checkpointer, start_step = None, 0
+  if config.checkpoint.every > 0:
+    checkpointer, state, start_step = _open_checkpoints(config.checkpoint, ck_dir, trainer, state,
+                                                        shapes, main and not named, log)
+  job = Job(config=config, mesh=mesh, trainer=trainer, source=source, out_dir=out_dir, main=main,
+            last_step=last_step, checkpointer=checkpointer, start_step=start_step, shapes=shapes,
+            init_s=time.perf_counter() - t0)
+  return job, state
+
+
+def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bool]:
+  """(the run's directory, its checkpoint directory, whether the directory was named here),
+  refusing one whose checkpoints the run would ignore; process 0 writes config.json (after
+  saying how it differs from the one a resumed run had) and links runs/latest."""
   out_dir, named = rundir.choose(config.train.out_dir, name)
-  ck = config.checkpoint
-  ck_dir = Path(ck.dir) if ck.dir else out_dir / "checkpoints"
-  has_steps = rundir.check_reuse(ck_dir, ck.every, ck.resume)
+  ck_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else out_dir / "checkpoints"
+  has_steps = rundir.check_reuse(ck_dir, config.checkpoint.every, config.checkpoint.resume)
   if main:
     changes = rundir.config_changes(out_dir / "config.json", config) if has_steps else []
     if changes:
@@ -207,28 +228,25 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
     if named:
       rundir.link_latest(out_dir)
     log(f"run directory {out_dir}" + (f" ({rundir.RUNS / rundir.LATEST} links it)" if named else ""))
-  last_step = config.train.steps
-  if config.train.stop_at_step is not None:
-    last_step = min(last_step, config.train.stop_at_step)
+  return out_dir, ck_dir, named
 
-  t0 = time.perf_counter()
-  state = trainer.init_state(config.train.seed)
-  shapes = StepShapes()
-  checkpointer, start_step = None, 0
-  if ck.every > 0:
-    problem = space_problem(ck_dir, state_bytes(state))
-    if problem:
-      raise ConfigError(f"checkpoint.dir: {problem}")
-    checkpointer = Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep)
-    if ck.resume:
-      state, extra = resume(checkpointer, trainer, state, ck.step, main and not named, log)
-      if extra is not None:
-        start_step = int(extra["step"])
-        shapes.sizes.update(extra.get("step_shapes", {}))
-  job = Job(config=config, mesh=mesh, trainer=trainer, source=source, out_dir=out_dir, main=main,
-            last_step=last_step, checkpointer=checkpointer, start_step=start_step, shapes=shapes,
-            init_s=time.perf_counter() - t0)
-  return job, state
+
+def _open_checkpoints(ck, ck_dir: Path, trainer: Trainer, state, shapes: StepShapes, say: bool,
+                      log) -> tuple[Checkpointer, Any, int]:
+  """(checkpointer, state, first step): the disk's room for a checkpoint checked before the
+  first step, and with `checkpoint.resume` the newest good checkpoint restored (its step
+  capacities into `shapes`). `say`: report a start from step 0."""
+  problem = space_problem(ck_dir, state_bytes(state))
+  if problem:
+    raise ConfigError(f"checkpoint.dir: {problem}")
+  checkpointer = Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep)
+  if not ck.resume:
+    return checkpointer, state, 0
+  state, extra = resume(checkpointer, trainer, state, ck.step, say, log)
+  if extra is None:
+    return checkpointer, state, 0
+  shapes.sizes.update(extra.get("step_shapes", {}))
+  return checkpointer, state, int(extra["step"])
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -240,12 +258,17 @@ def _train(job: Job, state, signals: stopping.StopSignals, log) -> Progress:
   c = job.config
   colocated = 0 if c.attention.impl == "distca" and job.trainer.pipeline is None else None
   p = Progress(state=state, colocated_steps=colocated)
-  report = _Reporter(job, log)
+  report = StepReporter(job.out_dir, main=job.main, tensorboard=c.train.tensorboard,
+                        progress=c.train.progress, log_every=c.train.log_every,
+                        first_step=job.start_step, last_step=job.last_step,
+                        local_devices=_local_devices(job.mesh), log=log)
   prefetch = Prefetcher(lambda step: _host_item(job, step), job.start_step, job.last_step)
   run_start = time.perf_counter()
   try:
     for _ in range(job.start_step, job.last_step):
       step, record = _run_step(job, p, prefetch)
+      if step == job.start_step and job.main:  # model.remat=auto decides at the first compile
+        log(f"remat {job.trainer.remat}: {job.trainer.remat_reason}")
       report(step, record)
       if job.checkpointer is not None:
         job.checkpointer.check_saves()  # a background save that failed stops the run now
@@ -396,39 +419,6 @@ def _close(job: Job, p: Progress, prefetch: Prefetcher, report, quiet: bool) -> 
         raise
 
 
-class _Reporter:
-  """The step's record to TensorBoard (every train.log_every steps), the progress bar or a log
-  line (process 0 only)."""
-
-  def __init__(self, job: Job, log):
-    c, self.job, self.log = job.config, job, log
-    self.writer = _tensorboard(job.out_dir, c.train.tensorboard and job.main)
-    self.bar = _progress(c.train.progress and job.main, job.start_step, job.last_step)
-    self.local_devices = [d for d in job.mesh.devices.flat if d.process_index == jax.process_index()]
-
-  def __call__(self, step: int, record: dict[str, float]) -> None:
-    every = self.job.config.train.log_every
-    memory = peak_memory(self.local_devices)
-    if memory is not None:
-      record["peak_memory_gib"] = max(memory) / 2**30
-    if self.writer is not None and step % every == 0:
-      for key, value in record.items():
-        self.writer.add_scalar(f"train/{key}", value, step + 1)
-      for d, b in zip(self.local_devices, memory or ()):
-        self.writer.add_scalar(f"memory/peak_gib/device{d.id}", b / 2**30, step + 1)
-    if self.bar is not None:
-      self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-      self.bar.update(1)
-    elif self.job.main and step % every == 0:
-      self.log(f"step {step + 1}: " + " ".join(f"{k}={_log_value(v)}" for k, v in record.items()))
-
-  def close(self) -> None:
-    if self.bar is not None:
-      self.bar.close()
-    if self.writer is not None:
-      self.writer.close()
-
-
 # ----------------------------------------------------------------------------- summary
 
 
@@ -452,14 +442,14 @@ def _summary(job: Job, p: Progress) -> Summary:
       devices=mesh.size, mesh_shape=dict(mesh.shape), start_step=job.start_step,
       attention_imbalance_after=float(np.mean(p.imbalances_after)) if p.imbalances_after else None,
       step_time_median_s=stats["median_s"], step_time_p90_s=stats["p90_s"],
-      peak_memory_bytes=peak_memory([d for d in mesh.devices.flat
-                                     if d.process_index == jax.process_index()]),
+      peak_memory_bytes=peak_memory(_local_devices(mesh)),
       microbatches=job.config.train.microbatches, pipeline_bubble=bubble,
       colocated_steps=p.colocated_steps, step_shapes=job.shapes.growths,
       attention=job.config.attention.impl, out_dir=str(job.out_dir), saved_step=p.saved_step,
       interrupted=p.interrupted, packing=job.config.data.packing,
       token_imbalance=float(np.mean(p.token_imbalances)) if p.token_imbalances else None,
-      wlb_cp_steps=dict(p.wlb_cp_steps) or None)
+      wlb_cp_steps=dict(p.wlb_cp_steps) or None,
+      remat=f"{trainer.remat} ({trainer.remat_reason})")
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -470,23 +460,5 @@ def _peak_flops(job: Job) -> float | None:
                                            job.config.train.peak_tflops)
 
 
-def _log_value(v) -> str:
-  """A step record's value in the log line: counts and capacities exactly (a 4-digit rounding
-  printed 12,288 exchange rows as 1.229e+04), measurements to 4 significant digits."""
-  return str(int(v)) if isinstance(v, (int, np.integer)) else f"{v:.4g}"
-
-
-def _tensorboard(out_dir: Path, enabled: bool):
-  if not enabled:
-    return None
-  from tensorboardX import SummaryWriter
-
-  return SummaryWriter(str(out_dir / "tb"))
-
-
-def _progress(enabled: bool, start: int, total: int):
-  if not enabled:
-    return None
-  from tqdm import tqdm
-
-  return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+def _local_devices(mesh) -> list:
+  return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]

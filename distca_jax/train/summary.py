@@ -1,5 +1,6 @@
-"""What a training run reports at its end: the `Summary` record (summary.json), its text form,
-and the profile report (profile.json, attention_load.png) of a profiled run."""
+"""What a training run reports: each step's record (TensorBoard, the progress bar or a log line),
+and at its end the `Summary` record (summary.json), its text form, and the profile report
+(profile.json, attention_load.png) of a profiled run."""
 
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ class Summary:
   packing: str = "in_order"
   token_imbalance: float | None = None
   wlb_cp_steps: dict[int, int] | None = None
+  # The blocks' remat policy the step ran and why (model.remat=auto: which candidates fit).
+  remat: str = ""
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -96,6 +99,8 @@ def format_summary(s: Summary) -> str:
                    f"below attention.min_imbalance)")
     else:
       lines.append(f"CAD on {s.steps} of {s.steps} steps")
+  if s.remat:
+    lines.append(f"remat {s.remat}")
   if s.peak_memory_bytes:
     lines.append(f"peak memory per device {max(s.peak_memory_bytes) / 2**30:.2f} GiB (max over local devices)")
   if s.interrupted:
@@ -150,3 +155,51 @@ def write_profile(config, out_dir: Path, summary: Summary, trainer, last_args, t
         "imbalance_before": summary.attention_imbalance,
         "imbalance_after": summary.attention_imbalance_after, "png": str(png)}
   profile_lib.write_report(out_dir, report)
+
+
+class StepReporter:
+  """Each step's record to TensorBoard (`<out_dir>/tb`, every `log_every` steps), the progress
+  bar or a log line; only where `main` (process 0). Adds the peak memory of `local_devices`
+  (where the backend keeps statistics) to the record."""
+
+  def __init__(self, out_dir: Path, *, main: bool, tensorboard: bool, progress: bool,
+               log_every: int, first_step: int, last_step: int, local_devices, log):
+    self.main, self.log_every, self.local_devices, self.log = main, log_every, local_devices, log
+    self.writer = None
+    if tensorboard and main:
+      from tensorboardX import SummaryWriter
+
+      self.writer = SummaryWriter(str(out_dir / "tb"))
+    self.bar = None
+    if progress and main:
+      from tqdm import tqdm
+
+      self.bar = tqdm(total=last_step, initial=first_step, desc="train", unit="step",
+                      dynamic_ncols=True)
+
+  def __call__(self, step: int, record: dict[str, float]) -> None:
+    memory = peak_memory(self.local_devices)
+    if memory is not None:
+      record["peak_memory_gib"] = max(memory) / 2**30
+    if self.writer is not None and step % self.log_every == 0:
+      for key, value in record.items():
+        self.writer.add_scalar(f"train/{key}", value, step + 1)
+      for d, b in zip(self.local_devices, memory or ()):
+        self.writer.add_scalar(f"memory/peak_gib/device{d.id}", b / 2**30, step + 1)
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+      self.bar.update(1)
+    elif self.main and step % self.log_every == 0:
+      self.log(f"step {step + 1}: " + " ".join(f"{k}={_log_value(v)}" for k, v in record.items()))
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    if self.writer is not None:
+      self.writer.close()
+
+
+def _log_value(v) -> str:
+  """A step record's value in the log line: counts and capacities exactly (a 4-digit rounding
+  printed 12,288 exchange rows as 1.229e+04), measurements to 4 significant digits."""
+  return str(int(v)) if isinstance(v, (int, np.integer)) else f"{v:.4g}"
