@@ -97,15 +97,16 @@ def run_training(config, args, **run_kwargs):
   directory, unless `train.out_dir` is set, is named after `args.config`'s file (`default`
   without one). Returns (exit code, summary): (0, summary); (128 + the signal's number,
   summary) for a run SIGTERM or SIGINT stopped (it saved a checkpoint and its summary);
-  (3, None) if the distributed start failed; (2, None) on a ConfigError the run raised; (1,
-  None) when a step became non-finite or a checkpoint could not be read or saved. The reason is
-  one line on stderr."""
+  (3, None) if the distributed start failed; (2, None) on a ConfigError the run raised, a
+  `checkpoint.step` with no checkpoint or a directory of another model's checkpoints; (1, None)
+  when a step became non-finite or a checkpoint could not be read or saved. The reason is one
+  line on stderr."""
   from distca_jax.config import ConfigError
 
   configure_xla(cpu_devices=config.train.cpu_devices)
   from distca_jax import mesh as mesh_lib
   from distca_jax.train import loop, stopping
-  from distca_jax.train.checkpoint import CheckpointError
+  from distca_jax.train.checkpoint import CheckpointError, CheckpointMismatchError, NoCheckpointError
 
   try:
     mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
@@ -119,7 +120,10 @@ def run_training(config, args, **run_kwargs):
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2, None
-  except CheckpointError as e:
+  except (NoCheckpointError, CheckpointMismatchError) as e:  # checkpoint.step, train.out_dir
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    return 2, None
+  except CheckpointError as e:  # unreadable, or a save failed
     print(f"checkpoint error: {e}", file=sys.stderr)
     return 1, None
   except loop.NonFiniteError as e:
