@@ -1,6 +1,7 @@
 """Step-time benchmark of whole training steps: colocated vs distca on chosen batches, one table.
 
-    python launch/bench_train.py --suite mfu        # 1 device: model tokens/s and MFU, colocated
+    python launch/bench_train.py --suite mfu        # 1 device: model tokens/s and MFU, colocated,
+                                                    # remat=full beside remat=auto (--remat)
     python launch/bench_train.py --suite cad        # all devices: colocated vs distca (ping-pong
                                                     # on/off) vs the WLB-LLM-style baseline
                                                     # (--wlb-cp) on sampled, skewed and uniform
@@ -139,6 +140,8 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
     xplane = profile_lib.find_xplane(trace_dir)
     if xplane is not None:
       phases = profile_lib.phase_breakdown(xplane, compiled.as_text())
+      if mesh.size == 1:  # one device: the step's parts (LM head, norms, optimizer, ...)
+        mem["parts_ms"] = profile_lib.step_parts(xplane, compiled.as_text())["ms_per_step"]
       mem["phases_ms"] = phases["ms_per_step"]
       mem["per_device_ms"] = phases["per_device_ms"]
       mem["top_ops_ms"] = phases["top_ops_ms"]
@@ -148,6 +151,8 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   if ctx.cad and hasattr(ctx, "batches"):
     # The streams the step ran (one where two unequal halves were predicted slower).
     mem.update(streams=len(ctx.batches))
+  mem["remat_info"] = {"policy": trainer.remat, "reason": trainer.remat_reason,
+                       "candidates": trainer.remat_candidates}
   loss = float(m["loss"])
   del state
   return {"median_s": float(np.median(times)), "host_ms": host_ms, "compile_s": compile_s,
@@ -168,6 +173,107 @@ def _predicted_saving(config, batch, shape, cache: dict) -> float:
   if a not in cache:
     cache[a] = dispatch.plan_step(a, batch, shape).predicted_saving
   return cache[a]
+
+
+def _mfu_suite(args) -> list[dict]:
+  """One device, colocated: each model row (the overrides' model at every `--tokens`, and with
+  `--mfu-8b-layers N` the Llama-3-8B shape with N layers at the largest) timed under every
+  policy of `--remat`; ratios are against the first policy's step of the same row."""
+  import jax
+
+  from distca_jax.config import load_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import metrics as metrics_lib
+
+  tokens = args.tokens or [32768, 65536]
+  models = [("", T) for T in tokens]
+  if args.mfu_8b_layers:
+    models.append((f"model.preset=llama3_8b model.layers={args.mfu_8b_layers}", max(tokens)))
+  rows = []
+  for model, T in models:
+    if args.loss_ablation:
+      base = load_config(args.config, ["mesh.data=1"] + args.overrides + model.split())
+      rows.extend(_loss_ablation(resolve(base.model), T))
+    base_time = None
+    for remat in args.remat:
+      config = load_config(args.config, ["mesh.data=1", f"data.tokens_per_device={T}"]
+                           + args.overrides + model.split() + [f"model.remat={remat}"])
+      shape = resolve(config.model)
+      label = f"{config.model.preset}" + (f" L{shape.layers}" if model else "")
+      batch = _batches("pretrain", 1, T, config, shape.vocab_size)
+      trace = f"{args.trace_dir}/{label.replace(' ', '_')}-{T}-{remat}" if args.trace_dir else None
+      try:
+        r = _time_variant(config, batch, args.warmup, args.steps, trace)
+      except Exception as e:  # noqa: BLE001 (a policy that does not fit is reported; the run goes on)
+        print(f"{label} T={T} remat={remat}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        jax.clear_caches()
+        gc.collect()
+        continue
+      flops = metrics_lib.step_flops(shape, batch.layout)
+      peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops)
+      base_time = base_time or r["median_s"]
+      info = r.pop("remat_info")
+      r.update(model=label, tokens=T, remat=remat, policy=info["policy"],
+               tokens_per_s=T / r["median_s"], speedup=base_time / r["median_s"],
+               mfu=flops / r["median_s"] / peak if peak else None, kernel=config.attention.kernel)
+      r["remat_reason"] = {"why": info["reason"], "candidates": info["candidates"]}
+      rows.append(r)
+      print(f"{label} T={T} remat={remat} ({info['policy']}): {r['median_s']*1e3:.1f} ms/step, "
+            f"{r['tokens_per_s']:,.0f} tok/s, MFU {r['mfu'] * 100 if r['mfu'] else float('nan'):.1f}%, "
+            f"x{r['speedup']:.3f}, temp {r['temp_gib']:.1f} + args {r['args_gib']:.1f} GiB, "
+            f"compile {r['compile_s']:.1f}s", flush=True)
+      if remat == "auto":
+        print(f"  {info['reason']}", flush=True)
+      if "parts_ms" in r:
+        busy = sum(r["parts_ms"].values())
+        print(f"  busy {busy:.0f} ms of {r['median_s'] * 1e3:.0f} ms (gaps "
+              f"{r['median_s'] * 1e3 - busy:.0f}): "
+              + "  ".join(f"{k} {v:.0f}" for k, v in r["parts_ms"].items() if v >= 0.5), flush=True)
+        for op, ms in r.pop("top_ops_ms", {}).items():
+          print(f"    {ms:8.1f} ms  {op}")
+      jax.clear_caches()
+      gc.collect()
+  print("\n| model | tokens | remat | policy | step ms | tokens/s | MFU | vs first | XLA temp + args GiB | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    if "remat" not in r:
+      continue
+    print(f"| {r['model']} | {r['tokens']} | {r['remat']} | {r['policy']} | {r['median_s'] * 1e3:.1f} | "
+          f"{r['tokens_per_s']:,.0f} | {r['mfu'] * 100 if r['mfu'] else float('nan'):.1f}% | "
+          f"{r['speedup']:.3f} | {r['temp_gib']:.1f} + {r['args_gib']:.1f} | {r['compile_s']:.0f} |")
+  return rows
+
+
+def _loss_ablation(shape, T: int, reps: int = 5) -> list[dict]:
+  """The LM head and loss alone (value and gradients of `chunked_cross_entropy` at the model's
+  width and vocabulary, bf16 hidden states, fp32 head): gradient fused into the forward vs
+  recomputed logits in the backward, median of `reps` synchronised calls each."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from distca_jax.train.loss import chunked_cross_entropy
+
+  k = jax.random.split(jax.random.key(0), 3)
+  h = jax.random.normal(k[0], (1, T, shape.hidden), jnp.bfloat16)
+  w = jax.random.normal(k[1], (shape.hidden, shape.vocab_size), jnp.float32) * shape.hidden ** -0.5
+  t = jax.random.randint(k[2], (1, T), 0, shape.vocab_size)
+  m = jnp.ones((1, T), jnp.float32)
+  out = []
+  for fused in (False, True):
+    f = jax.jit(jax.value_and_grad(
+        lambda h, w: chunked_cross_entropy(h, w, t, m, scale=1.0 / T, fuse_grad=fused), argnums=(0, 1)))
+    jax.block_until_ready(f(h, w))
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(h, w))
+      times.append(time.perf_counter() - t0)
+    out.append({"loss_fused": fused, "tokens": T, "median_s": float(np.median(times))})
+  print(f"LM head + loss alone, D={shape.hidden} V={shape.vocab_size} T={T}: recompute "
+        f"{out[0]['median_s'] * 1e3:.1f} ms, fused {out[1]['median_s'] * 1e3:.1f} ms "
+        f"(x{out[0]['median_s'] / out[1]['median_s']:.3f})", flush=True)
+  return out
 
 
 def main(argv=None) -> int:
@@ -201,6 +307,12 @@ def main(argv=None) -> int:
                       help="xprof trace of the last step, with its busy time per phase and device "
                            "(DIR/<batch>-<variant>); cad: the first batch's colocated and distca "
                            "variants, pp: every variant")
+  parser.add_argument("--remat", nargs="+", default=["full", "auto"],
+                      help="mfu: model.remat policies timed on every row (the first is the baseline)")
+  parser.add_argument("--mfu-8b-layers", type=int, default=0,
+                      help="mfu: also the Llama-3-8B shape with this many layers at the largest --tokens")
+  parser.add_argument("--loss-ablation", action="store_true",
+                      help="mfu: time the LM head and loss alone per row, fused vs recomputed gradient")
   parser.add_argument("--json", default=None, help="write all results here")
   parser.add_argument("overrides", nargs="*")
   args = parser.parse_args(argv)
@@ -235,19 +347,7 @@ def main(argv=None) -> int:
 
   rows = []
   if args.suite == "mfu":
-    for T in args.tokens or [32768, 65536]:
-      config = load_config(args.config, ["mesh.data=1", f"data.tokens_per_device={T}"] + args.overrides)
-      shape = resolve(config.model)
-      batch = _batches("pretrain", 1, T, config, shape.vocab_size)
-      r = _time_variant(config, batch, args.warmup, args.steps)
-      flops = metrics_lib.step_flops(shape, batch.layout)
-      peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops)
-      r.update(tokens=T, tokens_per_s=T / r["median_s"],
-               mfu=flops / r["median_s"] / peak if peak else None, kernel=config.attention.kernel)
-      rows.append(r)
-      print(f"T={T}: {r['median_s']*1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tok/s, "
-            f"MFU {r['mfu'] * 100 if r['mfu'] else float('nan'):.1f}%, peak {max(r['peak_gib']):.1f} GiB, "
-            f"compile {r['compile_s']:.1f}s", flush=True)
+    rows = _mfu_suite(args)
   elif args.suite == "pp":
     from distca_jax import pipeline
 
@@ -360,11 +460,12 @@ def main(argv=None) -> int:
         if "per_device_ms" in r:  # traced: busy ms of the step per device and phase
           for dev, ph in r["per_device_ms"].items():
             print(f"          {dev}: " + "  ".join(f"{k} {v:.0f} ms" for k, v in ph.items()), flush=True)
-  cols = [k for k, v in rows[0].items() if k != "peak_gib" and not isinstance(v, dict)]
-  print("\n| " + " | ".join(cols) + " | peak GiB |")
-  for r in rows:
-    cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (r.get(k) for k in cols)]
-    print("| " + " | ".join(cells) + f" | {max(r['peak_gib']):.1f} |")
+  if args.suite != "mfu":  # (the mfu suite printed its own table)
+    cols = [k for k, v in rows[0].items() if k != "peak_gib" and not isinstance(v, dict)]
+    print("\n| " + " | ".join(cols) + " | peak GiB |")
+    for r in rows:
+      cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (r.get(k) for k in cols)]
+      print("| " + " | ".join(cells) + f" | {max(r['peak_gib']):.1f} |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1, default=str)

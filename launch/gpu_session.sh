@@ -2,7 +2,9 @@
 # The maintained GPU benchmarks, run on a machine that has JAX but not this package or
 # jax-triton (a lent GPU host). Usage: bash launch/gpu_session.sh SUITE [SUITE...] (--help: this)
 # Training steps (launch/bench_train.py, launch/train.py, launch/profile_steps.py):
-#   mfu    1 GPU: llama_1b tokens/s and MFU, colocated, 32K and 64K tokens per device
+#   mfu    1 GPU: llama_1b tokens/s and MFU, colocated, 32K and 64K tokens per device (MFU_TOKENS),
+#          remat=full beside remat=auto; MFU_ARGS: more bench_train.py options (--remat POLICY...,
+#          --mfu-8b-layers N, --loss-ablation, --trace-dir DIR), MFU_TIMEOUT (default 230 s)
 #   cad    all GPUs: colocated vs distca (ping-pong on/off) and the WLB-LLM-style baseline
 #          (data.packing=wlb, colocated attention), llama3_8b shape with 2 layers
 #          (env CAD_BATCHES, CAD_TOKENS, CAD_WLB_CP: the baseline's CP group size, default auto,
@@ -73,8 +75,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpus.txt"
 for suite in "$@"; do
   case $suite in
-    mfu) CUDA_VISIBLE_DEVICES=0 timeout -k 10 230 python3 -P launch/bench_train.py --suite mfu --tokens 32768 65536 \
-           --warmup 1 --steps 3 --json "$OUT/mfu.json" model.preset=llama_1b data.length_scale=1 2>&1 | grep -v -i warn | tee "$OUT/mfu.log" ;;
+    mfu) CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${MFU_TIMEOUT:-230} python3 -P launch/bench_train.py --suite mfu \
+           --tokens ${MFU_TOKENS:-32768 65536} --warmup 1 --steps 3 --json "$OUT/mfu.json" ${MFU_ARGS:-} \
+           -- model.preset=llama_1b data.length_scale=1 2>&1 | grep -v -i warn | tee -a "$OUT/mfu.log" ;;
     cad) timeout -k 10 ${CAD_TIMEOUT:-330} python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
            --batches ${CAD_BATCHES:-pretrain prolong skewed uniform} --pingpong-ablation "${CAD_ABLATION-pretrain}" \
            --resend-ablation "${CAD_RESEND-skewed}" --ragged-ablation "${CAD_RAGGED-prolong}" \

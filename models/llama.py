@@ -25,6 +25,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from .presets import ModelShape
 
@@ -42,6 +43,11 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None,
 
 def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
   """Rotary embedding (rotate-half form) at the given in-document positions, computed in fp32."""
+  with jax.named_scope("rope"):  # the profiler's step parts (distca_jax/train/profile.py)
+    return _rope(x_BxTxNxE, positions_BxT, theta)
+
+
+def _rope(x_BxTxNxE, positions_BxT, theta):
   E = x_BxTxNxE.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
   angle_BxTxE2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
@@ -58,9 +64,10 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...]).astype(x.dtype)
+    with jax.named_scope("rmsnorm"):
+      x32 = x.astype(jnp.float32)
+      y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+      return (y * self.scale[...]).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -91,18 +98,21 @@ class Attention(nnx.Module):
     return q, k, self.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
 
   def output(self, o_BxTxHxE):
-    return jnp.einsum("bthe,hed->btd", o_BxTxHxE.astype(self.dtype), self.wo[...].astype(self.dtype))
+    out = jnp.einsum("bthe,hed->btd", o_BxTxHxE.astype(self.dtype), self.wo[...].astype(self.dtype))
+    return checkpoint_name(out, "attn_out")
+
+  def core(self, qkv, attn_ctxs):
+    """Core attention of every stream, issued after all projections, so that one stream's
+    dispatch has independent work (the other stream's) to overlap with. A later stream may read
+    the K/V rows of the one before it (`prior_kv`: a document cut between two streams)."""
+    return tuple(self.core_attention(q, k, v, ctx) if i == 0 else
+                 self.core_attention(q, k, v, ctx, prior_kv=qkv[i - 1][1:])
+                 for i, ((q, k, v), ctx) in enumerate(zip(qkv, attn_ctxs)))
 
   def __call__(self, xs_BxTxD, positions_BxT, attn_ctxs):
     """Tuples in, tuple out: one entry per nano-batch stream (see `Llama`)."""
-    qkv = [self.project(x, pos) for x, pos in zip(xs_BxTxD, positions_BxT)]
-    # Core attention of every stream is issued after all projections, so that one stream's
-    # dispatch has independent work (the other stream's) to overlap with. A later stream may
-    # read the K/V rows of the one before it (`prior_kv`: a document cut between two streams).
-    outs = [self.core_attention(q, k, v, ctx) if i == 0 else
-            self.core_attention(q, k, v, ctx, prior_kv=qkv[i - 1][1:])
-            for i, ((q, k, v), ctx) in enumerate(zip(qkv, attn_ctxs))]
-    return tuple(self.output(o) for o in outs)
+    qkv = tuple(self.project(x, pos) for x, pos in zip(xs_BxTxD, positions_BxT))
+    return tuple(self.output(o) for o in self.core(qkv, attn_ctxs))
 
 
 class MLP(nnx.Module):
@@ -117,9 +127,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxTxD):
     c = lambda w: w[...].astype(self.dtype)
-    gate = jnp.einsum("btd,df->btf", x_BxTxD, c(self.w_gate))
-    up = jnp.einsum("btd,df->btf", x_BxTxD, c(self.w_up))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, c(self.w_down))
+    gate = checkpoint_name(jnp.einsum("btd,df->btf", x_BxTxD, c(self.w_gate)), "mlp_gate")
+    up = checkpoint_name(jnp.einsum("btd,df->btf", x_BxTxD, c(self.w_up)), "mlp_up")
+    with jax.named_scope("swiglu"):
+      h = jax.nn.silu(gate) * up
+    return jnp.einsum("btf,fd->btd", h, c(self.w_down))
 
 
 class Block(nnx.Module):
@@ -144,6 +156,14 @@ class Block(nnx.Module):
     """Residual, MLP and residual after the attention's output projection."""
     x = x_BxTxD + attn_out_BxTxD
     return self.constrain(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", "act_embed"))
+
+  # The same cut over tuples of streams, for the remat policies that keep core attention out of
+  # the rematerialised region (`_remat_block`).
+  def streams_attention_inputs(self, xs_BxTxD, positions_BxT):
+    return tuple(self.attention_inputs(x, pos) for x, pos in zip(xs_BxTxD, positions_BxT))
+
+  def streams_finish(self, xs_BxTxD, os_BxTxHxE):
+    return tuple(self.finish(x, self.attn.output(o)) for x, o in zip(xs_BxTxD, os_BxTxHxE))
 
 
 class Llama(nnx.Module):
@@ -185,14 +205,46 @@ class Llama(nnx.Module):
     through it)."""
     xs = tuple(self.constrain(x.astype(self.dtype), ("batch", "seq", "act_embed")) for x in xs_BxTxD)
     for block in self.blocks:
-      xs = _maybe_remat(block, self.remat)(xs, tuple(positions_BxT), tuple(attn_ctxs))
+      xs = _remat_block(block, self.remat)(xs, tuple(positions_BxT), tuple(attn_ctxs))
     return tuple(self.final_norm(x) for x in xs)
 
 
-def _maybe_remat(block: Block, remat: str):
-  """The block's call, rematerialised in the backward pass as `remat` says."""
+# What each `model.remat` policy keeps for the backward pass, from the most kept (fastest, most
+# memory) to the least. `model.remat=auto` tries them in this order (`AUTO_ORDER`) and takes
+# the first whose compiled step fits the device (`distca_jax/train/step.py`).
+#   none       everything autodiff saves; nothing recomputed.
+#   save_proj  core attention outside the recomputed region (its kernel's residuals Q, K, V, O and
+#              the softmax statistics are kept), plus the output projection and the MLP's gate
+#              and up projections (`checkpoint_name`); the backward recomputes only elementwise
+#              work (RMSNorm, RoPE, SwiGLU's product).
+#   save_attn  as save_proj without the MLP's projections: the backward recomputes the gate and
+#              up matmuls (two of the block's seven).
+#   save_dots  the whole block recomputed except matmul outputs; the attention kernel's forward
+#              runs again in the backward.
+#   full       only the block's input kept; the whole block, attention included, runs again.
+REMAT_POLICIES = ("none", "save_proj", "save_attn", "save_dots", "full")
+AUTO_ORDER = ("none", "save_proj", "save_attn", "full")
+_SAVED_NAMES = {"save_proj": ("attn_out", "mlp_gate", "mlp_up"), "save_attn": ("attn_out",)}
+
+
+def _remat_block(block: Block, remat: str):
+  """The block's call over tuples of streams, rematerialised in the backward pass as `remat`
+  says (`REMAT_POLICIES`)."""
   if remat == "none":
     return block
-  # save_dots keeps the matmul outputs (more memory, no recompute of the projections).
+  if remat in _SAVED_NAMES:
+    policy = jax.checkpoint_policies.save_only_these_names(*_SAVED_NAMES[remat])
+    inputs = nnx.remat(Block.streams_attention_inputs, policy=policy)
+    finish = nnx.remat(Block.streams_finish, policy=policy)
+
+    def call(xs, positions, attn_ctxs):
+      # Core attention between the two recomputed halves: its residuals are saved, so the
+      # backward never runs the attention forward again.
+      os = block.attn.core(inputs(block, xs, positions), attn_ctxs)
+      return finish(block, xs, os)
+
+    return call
+  if remat not in ("save_dots", "full"):
+    raise ValueError(f"remat: one of {REMAT_POLICIES}, got {remat!r}")
   policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "save_dots" else None
   return functools.partial(nnx.remat(Block.__call__, policy=policy), block)

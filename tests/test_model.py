@@ -11,7 +11,8 @@ from distca_jax import mesh as mesh_lib
 from distca_jax.data.sources import SyntheticSource, make_batch, synthetic_from_config
 from distca_jax.models.presets import resolve
 from distca_jax.train.step import Trainer, device_batch_arrays, put_global
-from helpers import pure_params, reference_hidden, reference_loss, rel_err, small_config
+from helpers import (pure_params, reference_hidden, reference_loss, rel_err, small_config,
+                     tree_rel_err)
 
 
 def _one_device_trainer(cfg):
@@ -99,9 +100,121 @@ def test_cross_entropy_and_grads_matches_autodiff(T, chunk):
   t = jax.random.randint(k[2], (2, T), 0, 50)
   m = (jax.random.uniform(k[3], (2, T)) < 0.8).astype(jnp.float32)
   scale, acc = 0.37, jnp.full((16, 50), 0.5)
-  f = lambda h, w: chunked_cross_entropy(h, w, t, m, chunk=chunk) * scale
+  # Plain autodiff (logits recomputed in the backward), not the fused path built on the function
+  # under test.
+  f = lambda h, w: chunked_cross_entropy(h, w, t, m, chunk=chunk, fuse_grad=False) * scale
   loss, (dh, dw) = jax.value_and_grad(f, argnums=(0, 1))(h, w)
   got_loss, got_dh, got_acc = cross_entropy_and_grads(h, w, t, m, scale, acc, chunk=chunk)
   assert rel_err(got_loss, loss) < 1e-6
   assert rel_err(got_dh, dh) < 1e-6
   assert rel_err(got_acc, acc + dw) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_fused_cross_entropy_matches_autodiff_and_dense_reference(dtype, tol):
+  """The loss whose forward computes its gradients: value and gradients against autodiff of the
+  recomputing loss and of a dense one ([T, V] logits at once), with a scale inside and an
+  upstream cotangent other than 1."""
+  from distca_jax.train.loss import chunked_cross_entropy
+
+  k = jax.random.split(jax.random.key(1), 4)
+  h = jax.random.normal(k[0], (2, 96, 16)).astype(dtype)
+  w = jax.random.normal(k[1], (16, 50)) * 0.3
+  t = jax.random.randint(k[2], (2, 96), 0, 50)
+  m = (jax.random.uniform(k[3], (2, 96)) < 0.8).astype(jnp.float32)
+
+  def dense(h, w):
+    logits = jnp.einsum("btd,dv->btv", h.astype(jnp.float32), w)
+    nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, t[..., None], -1)[..., 0]
+    return jnp.sum(nll * m) * 0.37
+
+  grad = lambda f: jax.jit(jax.value_and_grad(lambda h, w: 3.0 * f(h, w), argnums=(0, 1)))
+  fused = grad(lambda h, w: chunked_cross_entropy(h, w, t, m, chunk=32, scale=0.37))(h, w)
+  plain = grad(lambda h, w: chunked_cross_entropy(h, w, t, m, chunk=32, scale=0.37,
+                                                  fuse_grad=False))(h, w)
+  ref = grad(dense)(h, w)
+  for want in (plain, ref):
+    assert rel_err(fused[0], want[0]) < tol
+    assert rel_err(np.asarray(fused[1][0], np.float32), np.asarray(want[1][0], np.float32)) < tol
+    assert rel_err(fused[1][1], want[1][1]) < tol
+  assert fused[1][0].dtype == dtype and fused[1][1].dtype == jnp.float32
+
+
+def _grad_of_policy(remat, layers=2):
+  cfg = small_config("mesh.data=1", f"model.remat={remat}", f"model.layers={layers}")
+  trainer, _ = _one_device_trainer(cfg)
+  state = trainer.init_state(0)
+  batch = synthetic_from_config(cfg.data, resolve(cfg.model).vocab_size, 1).batch(0)
+  arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch.layout))
+  f = jax.jit(jax.grad(lambda p: trainer.loss_fn(p, arrays, ctx)[0]))
+  return f(state.params), f.lower(state.params).as_text()
+
+
+def test_remat_policies_same_gradients_and_what_they_recompute():
+  """Every policy gives the gradients of no remat. The matmuls the backward recomputes: none
+  under save_proj (core attention and the projections kept), the MLP's gate and up under
+  save_attn, attention's own under save_dots, all of them under full."""
+  from distca_jax.models.llama import AUTO_ORDER, REMAT_POLICIES
+
+  assert set(AUTO_ORDER) <= set(REMAT_POLICIES) and AUTO_ORDER[0] == "none" and AUTO_ORDER[-1] == "full"
+  ref, _ = _grad_of_policy("none")
+  dots = {}
+  for remat in REMAT_POLICIES:
+    g, text = _grad_of_policy(remat)
+    assert tree_rel_err(g, ref) < 1e-6, remat
+    dots[remat] = text.count("stablehlo.dot_general")
+  assert dots["none"] == dots["save_proj"] < dots["save_attn"] < dots["full"]
+  assert dots["save_proj"] < dots["save_dots"] < dots["full"]
+
+
+def test_remat_auto_takes_the_first_policy_that_fits(monkeypatch):
+  """`model.remat=auto` with the device's free memory faked: huge -> none; nothing -> every
+  candidate compiled, full taken; in between -> the first in order whose need fits. The chosen
+  step runs from the executable the choice compiled (one compile) and trains as a fixed policy
+  does."""
+  from distca_jax.models.llama import AUTO_ORDER
+  from distca_jax.train import step as step_lib
+
+  def auto_trainer(free):
+    monkeypatch.setattr(step_lib, "_fixed_remat", lambda config, mesh: (None, ""))
+    monkeypatch.setattr(step_lib, "_free_device_bytes", lambda mesh: free)
+    cfg = small_config("mesh.data=1", "model.remat=auto")
+    trainer, _ = _one_device_trainer(cfg)
+    batch = synthetic_from_config(cfg.data, resolve(cfg.model).vocab_size, 1).batch(0)
+    arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch.layout))
+    state, metrics = trainer.step(trainer.init_state(0), arrays, ctx)
+    state, metrics = trainer.step(state, arrays, ctx)
+    return trainer, float(metrics["loss"])
+
+  trainer, loss = auto_trainer(1 << 50)
+  assert trainer.remat == "none" and [c["policy"] for c in trainer.remat_candidates] == ["none"]
+  assert trainer.compile_count() == 1 and "none needs" in trainer.remat_reason
+  trainer, _ = auto_trainer(1)
+  assert trainer.remat == "full" and [c["policy"] for c in trainer.remat_candidates] == list(AUTO_ORDER)
+  assert not any(c["fits"] for c in trainer.remat_candidates)
+  needs = {c["policy"]: c["need_bytes"] for c in trainer.remat_candidates}
+  free = int(needs["save_proj"] / (1 - step_lib.REMAT_MEMORY_MARGIN)) + 1
+  want = next(p for p in AUTO_ORDER if needs[p] <= free * (1 - step_lib.REMAT_MEMORY_MARGIN))
+  trainer, loss_mid = auto_trainer(free)
+  assert trainer.remat == want and trainer.compile_count() == 1
+  monkeypatch.undo()
+  fixed, _ = _one_device_trainer(small_config("mesh.data=1", "model.remat=full"))
+  batch = synthetic_from_config(fixed.config.data, fixed.shape.vocab_size, 1).batch(0)
+  arrays, ctx = fixed.put_batch(batch, attn.host_context(fixed.config.attention, batch.layout))
+  state, _ = fixed.step(fixed.init_state(0), arrays, ctx)
+  _, metrics = fixed.step(state, arrays, ctx)
+  assert abs(float(metrics["loss"]) - loss) < 1e-5 and abs(loss_mid - loss) < 1e-5
+
+
+def test_remat_auto_resolves_without_compiling_on_cpu_and_in_the_pipeline():
+  from distca_jax.train import step as step_lib
+
+  cfg = small_config("mesh.data=1", "model.remat=auto")
+  trainer, _ = _one_device_trainer(cfg)
+  assert trainer.remat == "full" and "CPU" in trainer.remat_reason
+  if jax.device_count() >= 2:
+    piped = small_config("mesh.data=1", "mesh.pipe=2", "model.remat=auto", "attention.pingpong=false")
+    mesh = mesh_lib.make_mesh(piped.mesh, jax.devices()[:2])
+    remat, why = step_lib._fixed_remat(piped, mesh)
+    assert remat == "full" and "pipeline" in why
+  assert small_config().model.remat == "none"  # the tests' own configs still choose

@@ -28,6 +28,41 @@ def test_phase_of_follows_the_named_scope_contract():
   assert p("") == "other"
 
 
+def test_step_part_of_names_the_parts_of_a_step():
+  p = profile_lib.step_part_of
+  assert p("jit(_train_step)/jvp()/blocks/0/core_attention/dot_general") == "attention"
+  assert p("jit(_train_step)/transpose(jvp(lm_head_loss))/bcv,dv->bcd/dot_general") == "lm_head_loss"
+  assert p("jit(_train_step)/optimizer/mul") == "optimizer"
+  assert p("jit(_train_step)/transpose(jvp())/rmsnorm/reduce_sum") == "rmsnorm"
+  assert p("jit(_train_step)/jvp()/rope/sin") == "rope"
+  assert p("jit(_train_step)/jvp()/swiglu/logistic") == "swiglu"
+  assert p("jit(_train_step)/transpose(jvp())/btd,df->btf/dot_general") == "matmul"
+  assert p("jit(_train_step)/jvp()/add") == "other"
+  assert p("jit(_train_step)/jvp()/dot_general_helper/add") == "other"
+  assert set(profile_lib.STEP_PARTS) >= {part for _, part in profile_lib.STEP_SCOPES} | {"matmul", "other"}
+
+
+def test_step_parts_of_a_traced_program(tmp_path):
+  def f(x):
+    with jax.named_scope("rmsnorm"):
+      x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True))
+    x = jnp.sin(x @ x)
+    with jax.named_scope("lm_head_loss"):
+      return jnp.sum(jax.nn.logsumexp(x @ x, -1))
+
+  step = jax.jit(jax.value_and_grad(f))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(256, 256)), jnp.float32) / 16
+  jax.block_until_ready(step(x))
+  with jax.profiler.trace(str(tmp_path), profiler_options=profile_lib.trace_options()):
+    jax.block_until_ready(step(x))
+  parts = profile_lib.step_parts(profile_lib.find_xplane(tmp_path), step.lower(x).compile().as_text(),
+                                 module="jit_f")
+  ms = parts["ms_per_step"]
+  assert set(ms) == set(profile_lib.STEP_PARTS)
+  assert ms["lm_head_loss"] > 0 and ms["matmul"] > 0 and ms["rmsnorm"] > 0 and ms["attention"] == 0
+  assert sum(parts["fraction"].values()) == pytest.approx(1.0)
+
+
 def test_op_names_and_leaf_events():
   hlo = ('  %fusion.3 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fc, '
          'metadata={op_name="jit(f)/core_attention/mul" source_file="x.py" source_line=3}\n'

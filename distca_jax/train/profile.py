@@ -95,9 +95,37 @@ def find_xplane(trace_dir: str | Path) -> Path | None:
   return Path(files[-1]) if files else None
 
 
+# The parts of a one-device step (`step_parts`), by the named scopes of the model, the loss and
+# the optimizer (models/llama.py, train/loss.py, train/step.py) and, outside them, the op: a
+# matmul (the blocks' projections and MLP) or the rest (residual adds, casts, the embedding).
+STEP_SCOPES = (("optimizer", "optimizer"), ("dispatch", "dispatch"), ("return", "return"),
+               ("core_attention", "attention"), ("lm_head_loss", "lm_head_loss"),
+               ("rmsnorm", "rmsnorm"), ("rope", "rope"), ("swiglu", "swiglu"))
+STEP_PARTS = ("attention", "matmul", "lm_head_loss", "rmsnorm", "rope", "swiglu", "optimizer",
+              "dispatch", "return", "other")
+
+
+def step_part_of(op_name: str) -> str:
+  """Part of the step an op belongs to (`STEP_PARTS`): its innermost-listed scope of
+  `STEP_SCOPES`, else `matmul` for a dot, else `other`."""
+  for scope, part in STEP_SCOPES:
+    if re.search(rf"(^|[/(]){re.escape(scope)}($|[/)])", op_name):
+      return part
+  return "matmul" if re.search(r"(^|/)dot_general[^/]*$", op_name) else "other"
+
+
+def step_parts(xplane_path: str | Path, hlo_text: str = "", module: str = "train_step",
+               steps: int = 1, top_ops: int = 15) -> dict[str, Any]:
+  """`phase_breakdown` by the parts of a step (`step_part_of`) instead of CAD's phases."""
+  return phase_breakdown(xplane_path, hlo_text, module, steps, top_ops,
+                         classify=step_part_of, phases=STEP_PARTS)
+
+
 def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "train_step",
-                    steps: int = 1, top_ops: int = 15) -> dict[str, Any]:
+                    steps: int = 1, top_ops: int = 15, classify=phase_of,
+                    phases: tuple[str, ...] = PHASES) -> dict[str, Any]:
   """Busy milliseconds per step and device of each phase, from a trace of `steps` steps.
+  `classify` maps an op's name stack to one of `phases` (default: CAD's, `phase_of`).
 
   Only ops of HLO modules whose name contains `module` count. Returns {"ms_per_step": {phase:
   ms} (mean over devices), "per_device_ms": {device: {phase: ms}}, "fraction": {phase: share},
@@ -136,18 +164,18 @@ def phase_breakdown(xplane_path: str | Path, hlo_text: str = "", module: str = "
       for device, events in per_device.items():
         devices.add(device)
         for _, dur, op_name in _leaf_events(events):
-          busy[device, phase_of(op_name)] += dur
+          busy[device, classify(op_name)] += dur
           by_op[op_group(op_name)] += dur
           ops += 1
   n_dev = max(1, len(devices))
-  per_device = {d: {p: busy.get((d, p), 0.0) / 1e6 / max(1, steps) for p in PHASES}
+  per_device = {d: {p: busy.get((d, p), 0.0) / 1e6 / max(1, steps) for p in phases}
                 for d in sorted(devices)}
-  ms = {p: sum(v[p] for v in per_device.values()) / n_dev for p in PHASES}
+  ms = {p: sum(v[p] for v in per_device.values()) / n_dev for p in phases}
   total = sum(ms.values())
   top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]
   return {"ms_per_step": ms, "per_device_ms": per_device,
-          "fraction": {p: (ms[p] / total if total else 0.0) for p in PHASES},
-          "devices": len(devices), "ops": ops, "scoped": any(ms[p] for p in PHASES if p != "other"),
+          "fraction": {p: (ms[p] / total if total else 0.0) for p in phases},
+          "devices": len(devices), "ops": ops, "scoped": any(ms[p] for p in phases if p != "other"),
           "top_ops_ms": {k: v / 1e6 / n_dev / max(1, steps) for k, v in top}}
 
 

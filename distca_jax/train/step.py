@@ -8,6 +8,8 @@ parameters and optimizer state, the optimizer, and the jitted step. The state is
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from typing import Any
 
 import jax
@@ -22,13 +24,18 @@ from distca_jax.colocated import stream_arrays as device_batch_arrays  # (re-exp
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
-from distca_jax.models.llama import Llama
+from distca_jax.models.llama import AUTO_ORDER, Llama
 from distca_jax.models.presets import ModelShape, resolve
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train.loss import chunked_cross_entropy
 from distca_jax.train.optimizer import make_optimizer
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+# `model.remat=auto` takes a policy whose compiled step needs at most this share of the device
+# memory still free (the allocator's limit less what is in use: state and batch); the rest is
+# headroom for fragmentation and for buffers outside the step.
+REMAT_MEMORY_MARGIN = 0.08
 
 
 @jax.tree_util.register_dataclass
@@ -91,8 +98,13 @@ class Trainer:
     constrain = mesh_lib.activation_constrainer(mesh, self.rules)
     dtype = DTYPES[config.model.dtype]
 
+    # The remat policy: fixed by the config, or (`auto`) chosen at the first compile.
+    self.remat, self.remat_reason = _fixed_remat(config, mesh)
+    self.remat_candidates: list[dict[str, Any]] = []
+    self._auto_compiled = None  # (signature, compiled step) of the policy `auto` chose
+
     def build(seed):
-      return Llama(self.shape, dtype=dtype, remat=config.model.remat,
+      return Llama(self.shape, dtype=dtype, remat=self.remat or AUTO_ORDER[0],
                    core_attention=self.core_attention, constrain=constrain,
                    norm_eps=config.model.norm_eps, rngs=nnx.Rngs(seed))
 
@@ -105,7 +117,7 @@ class Trainer:
     # pipeline.split_blocks) and the step runs the lock-step 1F1B schedule.
     self.pipeline = None
     if mesh.shape["pipe"] > 1:
-      from distca_jax import pipeline
+      from distca_jax.train import pipeline
 
       self.pipeline = pipeline.PipelinedLlama(abstract_model, mesh, self.core_attention)
       self.param_shardings = pipeline.pipeline_shardings(self.param_shardings, mesh)
@@ -122,7 +134,7 @@ class Trainer:
       params = nnx.state(build(jax.random.key(seed_arr)), nnx.Param)
       if self.pipeline is None:
         return params
-      from distca_jax import pipeline
+      from distca_jax.train import pipeline
 
       return pipeline.split_blocks(params, self.shape.layers, self.pipeline.stages)
 
@@ -148,35 +160,42 @@ class Trainer:
   def relayout(self, state: "TrainState", from_stages: int, to_stages: int) -> "TrainState":
     """`state` in the parameter layout of `from_stages` pipeline stages -> `to_stages`'s (jit it
     with the target shardings; see `restore_any_layout`)."""
-    from distca_jax import pipeline
+    from distca_jax.train import pipeline
 
     return pipeline.relayout_state(state, from_stages, to_stages, self.shape.layers,
                                    self.abstract_params)
 
   # ------------------------------------------------------------------ step
 
-  def loss_fn(self, params, arrays: dict[str, Any], ctx: Any):
+  def loss_fn(self, params, arrays: dict[str, Any], ctx: Any, remat: str | None = None):
     """Mean next-token loss over real tokens, and the real-token count. With ping-pong, every
-    entry of `arrays` and `ctx` is a tuple over nano-batches; the mean is over all of them."""
+    entry of `arrays` and `ctx` is a tuple over nano-batches; the mean is over all of them.
+    `remat`: the blocks' remat policy (default: the trainer's)."""
     model = nnx.merge(self.graphdef, params)
+    model.remat = remat or self.remat or AUTO_ORDER[0]
     h = model(arrays["tokens"], arrays["positions"], ctx)
     streams = isinstance(h, tuple)
     hs = h if streams else (h,)
     targets = arrays["targets"] if streams else (arrays["targets"],)
     masks = arrays["loss_mask"] if streams else (arrays["loss_mask"],)
-    total = sum(chunked_cross_entropy(h_i, model.lm_head[...], t_i, m_i)
-                for h_i, t_i, m_i in zip(hs, targets, masks))
     count = sum(jnp.sum(m_i) for m_i in masks)
-    return total / jnp.maximum(count, 1.0), count
+    # The mean's 1 / count goes into the loss, where its backward applies it (the head's
+    # gradient is computed in the loss's forward pass, `loss.chunked_cross_entropy`).
+    scale = 1.0 / jnp.maximum(count, 1.0)
+    loss = sum(chunked_cross_entropy(h_i, model.lm_head[...], t_i, m_i, scale=scale)
+               for h_i, t_i, m_i in zip(hs, targets, masks))
+    return loss, count
 
-  def _train_step(self, state: TrainState, arrays, ctx):
+  def _train_step(self, state: TrainState, arrays, ctx, remat: str | None = None):
     if self.pipeline is None:
-      (loss, count), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(state.params, arrays, ctx)
+      (loss, count), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(
+          state.params, arrays, ctx, remat)
     else:
       (loss, count), grads = self.pipeline.value_and_grad(
           state.params, arrays, ctx["forward"], ctx["backward"], ctx["schedule"])
-    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):  # the profiler's step parts (train/profile.py)
+      updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss,
         "grad_norm": optax.global_norm(grads),
@@ -186,27 +205,71 @@ class Trainer:
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+  def _jit(self, state: TrainState, remat: str):
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    # A partial of its own per policy: jit's trace cache must not hand one policy's trace to
+    # another.
+    return jax.jit(functools.partial(self._train_step, remat=remat),
+                   in_shardings=(shardings, None, None), out_shardings=(shardings, None),
+                   donate_argnums=(0,))
+
   def _jitted_step(self, state: TrainState):
     if self._step_fn is None:
-      shardings = jax.tree.map(lambda x: x.sharding, state)
-      self._step_fn = jax.jit(self._train_step, in_shardings=(shardings, None, None),
-                              out_shardings=(shardings, None), donate_argnums=(0,))
+      self._step_fn = self._jit(state, self.remat or AUTO_ORDER[0])
     return self._step_fn
+
+  def _choose_remat(self, state: TrainState, arrays, ctx):
+    """`model.remat=auto`: compiles the step with each policy of `AUTO_ORDER` (least remat
+    first) and keeps the first whose memory analysis fits the device's free memory with
+    `REMAT_MEMORY_MARGIN`; the last (full) is taken without checking. The chosen compiled step
+    is kept and runs these shapes (no second compile)."""
+    free = _free_device_bytes(self.mesh)
+    for i, name in enumerate(AUTO_ORDER):
+      fn = self._jit(state, name)
+      t0 = time.perf_counter()
+      compiled = fn.trace(state, arrays, ctx).lower().compile()
+      need = _step_bytes(compiled.memory_analysis())
+      fits = need is not None and need <= free * (1 - REMAT_MEMORY_MARGIN)
+      self.remat_candidates.append({"policy": name, "need_bytes": need, "free_bytes": free,
+                                    "compile_s": round(time.perf_counter() - t0, 2), "fits": fits})
+      if fits or i == len(AUTO_ORDER) - 1:
+        break
+    self.remat, self._step_fn = name, fn
+    self._auto_compiled = (_signature(arrays, ctx), compiled)
+    tried = "; ".join(f"{c['policy']} needs {_gib(c['need_bytes'])}" for c in self.remat_candidates)
+    self.remat_reason = (f"auto: the first of {'/'.join(AUTO_ORDER)} whose step fits "
+                         f"{1 - REMAT_MEMORY_MARGIN:.0%} of the {_gib(free)} free per device "
+                         f"({tried})")
+
+  def _prepare(self, state: TrainState, arrays, ctx):
+    if self.remat is None:
+      self._choose_remat(state, arrays, ctx)
+
+  def _auto_executable(self, arrays, ctx):
+    if self._auto_compiled is not None and self._auto_compiled[0] == _signature(arrays, ctx):
+      return self._auto_compiled[1]
+    return None
 
   def step(self, state: TrainState, arrays, ctx):
     """One optimizer step (jitted once per distinct shape of `ctx`)."""
+    self._prepare(state, arrays, ctx)
+    compiled = self._auto_executable(arrays, ctx)
+    if compiled is not None:
+      return compiled(state, arrays, ctx)
     return self._jitted_step(state)(state, arrays, ctx)
 
   def lower(self, state: TrainState, arrays, ctx, platforms: tuple[str, ...] | None = None):
     """The step traced and lowered for these shapes (`jax.stages.Lowered`), not compiled;
-    `platforms`: lower for those instead of this process's devices (e.g. ("cuda",) on a CPU)."""
+    `platforms`: lower for those instead of this process's devices (e.g. ("cuda",) on a CPU).
+    With `model.remat=auto` undecided, lowers with the first policy of `AUTO_ORDER`."""
     traced = self._jitted_step(state).trace(state, arrays, ctx)
     return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
   def compile(self, state: TrainState, arrays, ctx):
     """The compiled step for these shapes without running it (memory planning:
-    `.memory_analysis()`)."""
-    return self.lower(state, arrays, ctx).compile()
+    `.memory_analysis()`); `model.remat=auto` chooses its policy here if not yet chosen."""
+    self._prepare(state, arrays, ctx)
+    return self._auto_executable(arrays, ctx) or self.lower(state, arrays, ctx).compile()
 
   def compiled_text(self, state: TrainState, arrays, ctx) -> str:
     """HLO text of the compiled step for these shapes (from the jit cache: no recompilation when
@@ -216,7 +279,8 @@ class Trainer:
     return self._step_fn.lower(state, arrays, ctx).compile().as_text()
 
   def compile_count(self) -> int:
-    return 0 if self._step_fn is None else self._step_fn._cache_size()
+    jitted = 0 if self._step_fn is None else self._step_fn._cache_size()
+    return jitted + (self._auto_compiled is not None)
 
   def put_batch(self, batch: Batch, ctx_host: Any):
     """Device arrays for one step: what the host context lays out for it
@@ -228,3 +292,53 @@ class Trainer:
     else:
       arrays = put_global(arrays, self.mesh, arrays_spec)
     return arrays, put_global(ctx, self.mesh, ctx_spec)
+
+
+def _fixed_remat(config: Config, mesh: Mesh) -> tuple[str | None, str]:
+  """The remat policy and why, where it is known before compiling: set in the config, or
+  `auto` resolved without compiling (None: choose at the first compile)."""
+  remat = config.model.remat
+  if remat != "auto":
+    return remat, "model.remat set in the config"
+  if mesh.shape["pipe"] > 1:
+    return "full", ("auto: full, the pipeline keeps only block inputs between a micro-batch's "
+                    "forward and backward ticks and recomputes each block once")
+  if mesh.devices.flat[0].platform == "cpu":
+    # Nothing to fit on the host, and compiling candidates would cost the CPU job its time.
+    return "full", "auto: full on CPU (no device memory to fit; candidates not compiled)"
+  if not _free_device_bytes(mesh):
+    return "full", "auto: full, the device reports no memory statistics"
+  return None, ""
+
+
+def _free_device_bytes(mesh: Mesh) -> int:
+  """Bytes the allocator can still hand out on the fullest addressable device of `mesh` (its
+  limit less what is in use), 0 where the backend keeps no statistics."""
+  free = []
+  for d in mesh.devices.flat:
+    if d.process_index != jax.process_index():
+      continue
+    stats = d.memory_stats() or {}
+    if "bytes_limit" not in stats:
+      return 0
+    free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+  return min(free) if free else 0
+
+
+def _step_bytes(analysis) -> int | None:
+  """Device bytes the compiled step needs beyond its inputs (already allocated): temporaries,
+  outputs not aliased to donated inputs, and its code. None without an analysis."""
+  if analysis is None:
+    return None
+  return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+             - analysis.alias_size_in_bytes + analysis.generated_code_size_in_bytes)
+
+
+def _signature(arrays, ctx) -> tuple:
+  """What decides whether a compiled step takes these inputs: their tree, shapes and dtypes."""
+  leaves, tree = jax.tree.flatten((arrays, ctx))
+  return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
+def _gib(n: int | None) -> str:
+  return "?" if n is None else f"{n / 2**30:.1f} GiB"
