@@ -81,7 +81,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
 
   from distca_jax import attention as attention_lib
   from distca_jax import mesh as mesh_lib
-  from distca_jax import pipeline
+  from distca_jax.train import pipeline
   from distca_jax.train.step import Trainer
 
   mesh = mesh_lib.make_mesh(config.mesh)
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
   if args.suite == "mfu":
     rows = _mfu_suite(args)
   elif args.suite == "pp":
-    from distca_jax import pipeline
+    from distca_jax.train import pipeline
 
     # Every device is a pipeline stage (data = 1); colocated vs CAD attention in the pipeline.
     n = len(jax.devices())

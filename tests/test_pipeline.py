@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from distca_jax import mesh as mesh_lib
-from distca_jax import pipeline
+from distca_jax.train import pipeline
 from distca_jax.config import ConfigError, load_config
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.train.step import Trainer

@@ -222,8 +222,8 @@ def resolve_exchange(exchange: str) -> str:
                      f"backend is {jax.default_backend()}; use attention.exchange=tiled")
   if exchange == "ragged":
     log.warning("attention.exchange=ragged: XLA's GPU ragged_all_to_all waits on the host before "
-                "each call; on 2 x H100 the step ran 0.74x colocated where tiled gives 1.09x "
-                "(docs/PERFORMANCE.md, 'The ragged exchange on 2 x H100')")
+                "each call, which made the step slower than the tiled exchange "
+                "(docs/PERFORMANCE.md, the ragged exchange)")
   return exchange
 
 

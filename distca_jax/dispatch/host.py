@@ -126,9 +126,8 @@ def stream_options(attention_config, batch: Batch) -> list[tuple[Batch, ...]]:
   """The streams the step may run as: ping-pong's Ping and Pong (`attention.pingpong`), or the
   batch as one stream. A split that cuts a document longer than half the step gives halves of
   unequal attention (Ping all prefix, Pong the suffix over the whole prefix), each balanced on
-  its own: such a step is planned both ways and runs the one predicted to save more (2 x H100,
-  a 104K-token document in 2 x 64K: one stream 1.134x colocated, two 1.096x; predicted +12.6% /
-  +10.3%), unless `attention.pingpong_allow_single` is off."""
+  its own, and one stream can then beat two: such a step is planned both ways and runs the one
+  the gate predicts saves more, unless `attention.pingpong_allow_single` is off."""
   if not attention_config.pingpong:
     return [(batch,)]
   halves = split_pingpong_batch(batch)

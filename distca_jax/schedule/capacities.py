@@ -117,7 +117,7 @@ class StepShapes:
   Every step's plan needs its own buckets (rows per exchanged block, K/V rows and tasks per
   server; a colocated step's task capacity and K/V window). Taken step by step, most steps of a
   run land on a combination no earlier step had, and each new combination compiles the step
-  again (4 x H100, Pretrain 64K: 17 compilations in 21 steps, ~9 s each). Kept here, each
+  again (seconds each, and most steps of a run early on). Kept here, each
   capacity is the largest any step of the run has needed: a step compiles only when one of
   them grows, a few times early in a run, and never for a shape an earlier step had. The cost
   is padding: a step whose plan needs less still sends and holds the grown capacity (the tiled

@@ -1,6 +1,6 @@
 """CA-task items: the units of attention work the scheduler places, derived from a packed layout.
 
-DESIGN.md §1 "CA-task". A task is a range of query positions [q_lo, q_hi) of one document, whose
+docs/METHOD.md "CA-tasks". A task is a range of query positions [q_lo, q_hi) of one document, whose
 keys are the document prefix [0, q_hi) (bottom-right causal). Every task has one *home* device,
 the buffer that holds its query rows; its rows there are [home_off, home_off + q_hi - q_lo).
 
@@ -25,7 +25,7 @@ import numpy as np
 from distca_jax.data.packing import Layout
 
 # Flash-attention tile: shards of at least this many rows keep the fused kernel efficient, and
-# cut points at multiples of it in document coordinates keep tiles aligned (DESIGN.md "The idea").
+# cut points at multiples of it in document coordinates keep tiles aligned (docs/METHOD.md "The idea").
 GRANULE = 128
 
 

@@ -296,7 +296,7 @@ def _host_item(job: Job, step: int):
   c, trainer, shape, shapes = job.config, job.trainer, job.trainer.shape, job.shapes
   rows = mesh_lib.local_rows(job.mesh)  # each process checks the plans of the rows it feeds
   if trainer.pipeline is not None:
-    from distca_jax import pipeline
+    from distca_jax.train import pipeline
 
     m = c.train.microbatches
     mbs = [job.source.batch(step * m + i) for i in range(m)]
@@ -429,7 +429,7 @@ def _summary(job: Job, p: Progress) -> Summary:
   peak = _peak_flops(job)
   bubble = 0.0
   if trainer.pipeline is not None:
-    from distca_jax import pipeline
+    from distca_jax.train import pipeline
 
     bubble = pipeline.Schedule(trainer.stages, job.config.train.microbatches).bubble_fraction
   return Summary(

@@ -4,7 +4,7 @@ The model's L decoder blocks are split into S = mesh.pipe stages of L/S consecut
 block parameters are stacked `[S, L/S, ...]` with the stage dimension sharded over `pipe`. A step
 trains on M micro-batches (each a `Batch` of one buffer per data rank) and runs a static sequence
 of ticks. In a tick *every* stage runs forward, or every stage runs backward (the paper's modified
-1F1B, DESIGN.md §4D):
+1F1B, docs/METHOD.md "4D parallelism"):
 
   forward tick f:  stage s runs micro-batch f - s         (f = 0 .. M+S-2)
   backward tick b: stage s runs micro-batch b - (S-1-s)   (b = 0 .. M+S-2)
