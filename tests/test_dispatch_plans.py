@@ -232,3 +232,26 @@ def test_shifted_plan_that_overflows_a_shift_is_refused():
     dispatch.validate_plan(dataclasses.replace(d, shift_q=small), batch.layout)
   with pytest.raises(dispatch.PlanMismatchError, match="one capacity"):
     dispatch.validate_plan(dataclasses.replace(d, shift_q=d.shift_q[:-1]), batch.layout)
+
+
+def test_step_shapes_restore_a_checkpoint_s_sizes():
+  """`StepShapes.sizes` is what a checkpoint keeps: restored, a run starts from those capacities
+  (a step needing less gets them; one needing more grows them); an older checkpoint's shifts,
+  written as q1.. / kv1.., read back as the record's shift_q / shift_kv."""
+  saved = dispatch.StepShapes()
+  grown = Capacities(c=256, ckv=512, skv=1024, ctask=16, shift_q=(128, 256, 0),
+                     shift_kv=(512, 0, 128))
+  saved.fit("cad@128", grown)
+  restored = dispatch.StepShapes()
+  restored.sizes.update(saved.sizes)
+  small = Capacities(c=128, ckv=128, skv=512, ctask=8, shift_q=(128, 0, 0), shift_kv=(0, 0, 128))
+  assert restored.fit("cad@128", small) == grown and restored.growths == 1
+  larger = dataclasses.replace(small, c=512, shift_q=(384, 0, 0))
+  assert restored.fit("cad@128", larger) == dataclasses.replace(grown, c=512, shift_q=(384, 256, 0))
+  old = {"cad@128.c": 256, "cad@128.ckv": 512, "cad@128.skv": 1024, "cad@128.ctask": 16,
+         "cad@128.q1": 128, "cad@128.q2": 256, "cad@128.q3": 0,
+         "cad@128.kv1": 512, "cad@128.kv2": 0, "cad@128.kv3": 128}
+  legacy = dispatch.StepShapes()
+  legacy.sizes.update(old)
+  assert legacy.stored("cad@128", Capacities) == grown
+  assert legacy.fit("cad@128", small) == grown
