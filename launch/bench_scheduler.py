@@ -226,7 +226,7 @@ def pair_usage(args):
       for k, nano in enumerate(dispatch.split_pingpong_batch(batch)):
         lay = nano.layout
         tasks = make_plan(lay, comm, epsilon=config.attention.epsilon).tasks
-        q, kvm = pair_rows(tasks, lay)
+        q, kvm, _ = pair_rows(tasks, lay)
         for name, m in (("Q", q), ("K/V", kvm)):
           used = int((m > 0).sum())
           cap = exchange_capacity(int(m.max(initial=0)), lay.buffer_len)

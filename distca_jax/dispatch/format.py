@@ -111,7 +111,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   kv = kv_requests(tasks, layout) if kv is None else kv
   # Rows per block of the whole plan (every process agrees on them, whatever it fills).
-  q_pairs, kv_pairs = pair_rows(tasks, layout, kv)
+  q_pairs, kv_pairs, _ = pair_rows(tasks, layout, kv)
   moved_q, moved_kv = int(q_pairs.max(initial=0)), int(kv_pairs.max(initial=0))
   c = exchange_capacity(moved_q, t) if c is None else c
   ckv = exchange_capacity(moved_kv, t) if ckv is None else ckv

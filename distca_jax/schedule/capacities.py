@@ -89,7 +89,7 @@ def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> 
   between two devices (overall and per shift), K/V rows on one server, tasks on one server."""
   n = layout.num_buffers
   kv = kv_requests(tasks, layout) if kv is None else kv
-  q_pairs, kv_pairs = pair_rows(tasks, layout, kv)
+  q_pairs, kv_pairs, _ = pair_rows(tasks, layout, kv)
   d = np.arange(n)
   skv = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n)
   return Capacities(

@@ -42,6 +42,7 @@ import numpy as np
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.items import GRANULE, Tasks, exchange_capacity, initial_tasks
+from distca_jax.schedule.relay import Relay, route
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +334,9 @@ class KVRequests:
   (server needs document rows [0, pair_need)). Pieces k (one per pair and layout shard that
   overlaps the needed prefix): piece_pair, piece_src (device holding the rows), piece_src_off
   (first K/V row of the device: its buffer row, or T + row for a ping-pong `prior` shard),
-  piece_doc_off (first document position), piece_rows.
+  piece_doc_off (first document position), piece_rows, piece_via (-1: sent by piece_src, or local
+  when piece_src is the server; else the device that forwards it in a second round, having
+  received the same rows, or more, of that shard directly: `relay.py`).
   """
 
   pair_server: np.ndarray
@@ -344,10 +347,12 @@ class KVRequests:
   piece_src_off: np.ndarray
   piece_doc_off: np.ndarray
   piece_rows: np.ndarray
+  piece_via: np.ndarray
 
 
-def kv_requests(tasks: Tasks, layout: Layout) -> KVRequests:
-  """Deduplicated KV rows per (server, document), split by the layout shard that holds them."""
+def kv_requests(tasks: Tasks, layout: Layout, relay: Relay | None = None) -> KVRequests:
+  """Deduplicated KV rows per (server, document), split by the layout shard that holds them;
+  with `relay`, a shard that more than `relay.fanout` servers need is relayed (`relay.route`)."""
   num_docs = int(np.asarray(layout.doc_lens).size)
   key = tasks.server * max(num_docs, 1) + tasks.doc
   order = np.argsort(key, kind="stable")
@@ -378,26 +383,40 @@ def kv_requests(tasks: Tasks, layout: Layout) -> KVRequests:
   need = pair_need[piece_pair]
   keep = d_off < need
   piece_pair, shard, d_off = piece_pair[keep], shard[keep], d_off[keep]
-  rows = np.minimum(d_off + sh_len[shard], pair_need[piece_pair]) - d_off
+  rows = np.asarray(np.minimum(d_off + sh_len[shard], pair_need[piece_pair]) - d_off, np.int64)
+  src = np.asarray(sh_buf[shard], np.int64)
+  via = (np.full(rows.shape, -1, np.int64) if relay is None else
+         route(relay, shard, src, pair_server[piece_pair], rows, layout.num_buffers))
   return KVRequests(pair_server=pair_server, pair_doc=pair_doc, pair_need=pair_need,
-                    piece_pair=piece_pair, piece_src=np.asarray(sh_buf[shard], np.int64),
+                    piece_pair=piece_pair, piece_src=src,
                     piece_src_off=np.asarray(sh_row[shard], np.int64),
-                    piece_doc_off=np.asarray(d_off, np.int64), piece_rows=np.asarray(rows, np.int64))
+                    piece_doc_off=np.asarray(d_off, np.int64), piece_rows=rows, piece_via=via)
 
 
-def pair_rows(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """Rows each (device, server) pair moves under `tasks`: query rows [N, N] (home -> server) and
-  deduplicated K/V rows [N, N] (holder -> server), int64, zero on the diagonal (rows that stay
-  on their device do not move). `kv`: the tasks' `kv_requests`, when already at hand."""
+def pair_rows(tasks: Tasks, layout: Layout, kv: KVRequests | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Rows each (device, server) pair moves under `tasks`, int64 [N, N], zero on the diagonal (rows
+  that stay on their device do not move): query rows (home -> server), deduplicated K/V rows sent
+  in the first round (holder -> server) and in the second (relay -> server; all zero unless `kv`
+  has relays). `kv`: the tasks' `kv_requests`, when already at hand (default: without relays)."""
   n = layout.num_buffers
   remote = tasks.server != tasks.home
   q = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=tasks.q_len[remote],
                   minlength=n * n)
   kv = kv_requests(tasks, layout) if kv is None else kv
+  sender, dst, rows, relayed = _kv_sends(kv)
+  k1, k2 = (np.bincount(sender[m] * n + dst[m], weights=rows[m], minlength=n * n).astype(np.int64)
+            for m in (~relayed, relayed))
+  return q.astype(np.int64).reshape(n, n), k1.reshape(n, n), k2.reshape(n, n)
+
+
+def _kv_sends(kv: KVRequests) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """(sender, server, rows, relayed) of the K/V pieces that move: the relay sends what it
+  forwards, the holder the rest."""
   dst = kv.pair_server[kv.piece_pair]
-  r = dst != kv.piece_src
-  k = np.bincount(kv.piece_src[r] * n + dst[r], weights=kv.piece_rows[r], minlength=n * n)
-  return q.astype(np.int64).reshape(n, n), k.astype(np.int64).reshape(n, n)
+  m = dst != kv.piece_src
+  via = kv.piece_via[m]
+  return np.where(via >= 0, via, kv.piece_src[m]), dst[m], kv.piece_rows[m], via >= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,31 +440,32 @@ class Traffic:
 
 
 def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = False,
-            tiled: bool = False) -> Traffic:
+            tiled: bool = False, relay: Relay | None = None) -> Traffic:
   """Network bytes of a task placement, KV deduplicated per (server, document).
 
   Query rows: Q out and O back (and the backward's terms, see CommModel) for tasks whose server
   is not their home. KV rows: each server receives doc[0:need) once per document, from whichever
   devices hold those rows; rows the server holds itself are free. `tiled`: the bytes of the
   dispatch's tiled all_to_all instead (`attention.exchange: tiled`), where every (device, server)
-  pair carries the capacity bucket of the largest pair's rows, moving or not.
+  pair carries the capacity bucket of the largest pair's rows, moving or not (with `relay`, a
+  second all_to_all carries the relayed rows). `relay`: K/V shards needed by many servers are
+  relayed (`kv_requests`); a relay sends the rows it forwards, the holder only the others.
   """
   n = layout.num_buffers
   q_len = tasks.q_len.astype(np.float64)
   remote = tasks.server != tasks.home
   q_out = np.bincount(tasks.home[remote], weights=q_len[remote], minlength=n)
   q_in = np.bincount(tasks.server[remote], weights=q_len[remote], minlength=n)
-  kv = kv_requests(tasks, layout)
-  dst = kv.pair_server[kv.piece_pair]
-  r = dst != kv.piece_src
-  rows = kv.piece_rows.astype(np.float64)
-  kv_out = np.bincount(kv.piece_src[r], weights=rows[r], minlength=n)
-  kv_in = np.bincount(dst[r], weights=rows[r], minlength=n)
+  kv = kv_requests(tasks, layout, relay)
+  sender, dst, rows, _ = _kv_sends(kv)
+  rows = rows.astype(np.float64)
+  kv_out = np.bincount(sender, weights=rows, minlength=n)
+  kv_in = np.bincount(dst, weights=rows, minlength=n)
   if tiled:
-    q_pair, kv_pair = pair_rows(tasks, layout, kv)
+    q_pair, kv1, kv2 = pair_rows(tasks, layout, kv)
     cap = lambda rows: exchange_capacity(int(rows.max(initial=0)), layout.buffer_len)
     off = ~np.eye(n, dtype=bool)
-    pair = off * (cap(q_pair) * comm.q_row_bytes + cap(kv_pair) * comm.kv_row_bytes)
+    pair = off * (cap(q_pair) * comm.q_row_bytes + (cap(kv1) + cap(kv2)) * comm.kv_row_bytes)
     return Traffic(send=pair.sum(1), recv=pair.sum(0), q_rows_out=q_out, kv_rows_out=kv_out,
                    remote_tasks=np.bincount(tasks.home[remote], minlength=n),
                    pair_bytes=pair if pairwise else None)
@@ -455,6 +475,6 @@ def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = Fals
   if pairwise:
     pair = np.zeros((n, n))
     np.add.at(pair, (tasks.home[remote], tasks.server[remote]), q_len[remote] * comm.q_row_bytes)
-    np.add.at(pair, (kv.piece_src[r], dst[r]), rows[r] * comm.kv_row_bytes)
+    np.add.at(pair, (sender, dst), rows * comm.kv_row_bytes)
   return Traffic(send=send, recv=recv, q_rows_out=q_out, kv_rows_out=kv_out,
                  remote_tasks=np.bincount(tasks.home[remote], minlength=n), pair_bytes=pair)

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     sums = np.array([0.0, gate.exchange_bytes(cfg.attention, shape, ctx.plans,
                                               ctx.capacities).sum() / 2, 0.0, 0.0])
     for plan, nano in zip(ctx.plans, ctx.batches):
-      q, kv = (np.asarray(x, np.float64) for x in pair_rows(plan.tasks, nano.layout))
+      q, kv, _ = (np.asarray(x, np.float64) for x in pair_rows(plan.tasks, nano.layout))
       n = q.shape[0]
       off = ~np.eye(n, dtype=bool)
       row = lambda rq, rkv: rq * comm.q_row_bytes + rkv * comm.kv_row_bytes
