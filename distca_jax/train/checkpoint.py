@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Mapping
@@ -306,18 +307,19 @@ class Checkpointer:
       if not candidates:
         self.read_extra()  # NoCheckpointError saying why
     skipped = []
-    for s in candidates:
-      try:
-        state, extra = restore(s)
-      except CheckpointCorruptError as e:
-        why = f"unreadable: {_brief(e.__cause__ or e, 160)}"
-      else:
-        why = problem(state)
-        if why is None:
-          return state, extra, skipped
-      if step is not None:
-        raise CheckpointCorruptError(f"checkpoint step {s} in {self.directory}: {why}")
-      skipped.append(f"step {s} ({why})")
+    with _ClosedLoopNoiseDropped():
+      for s in candidates:
+        try:
+          state, extra = restore(s)
+        except CheckpointCorruptError as e:
+          why = f"unreadable: {_brief(e.__cause__ or e, 160)}"
+        else:
+          why = problem(state)
+          if why is None:
+            return state, extra, skipped
+        if step is not None:
+          raise CheckpointCorruptError(f"checkpoint step {s} in {self.directory}: {why}")
+        skipped.append(f"step {s} ({why})")
     raise CheckpointCorruptError(f"no good checkpoint in {self.directory}: {'; '.join(skipped)}")
 
   def read_extra(self, step: int | None = None) -> tuple[int, dict]:
@@ -384,6 +386,35 @@ def _path_name(path) -> str:
   """`state/opt/0/mu/w` for a pytree key path. Orbax stores NamedTuples (optax states) as dicts,
   so attribute and dict keys must read the same."""
   return "/".join(["state", leaf_name(path)])
+
+
+class _ClosedLoopNoiseDropped:
+  """Context: drops from sys.stderr the tracebacks of `RuntimeError: Event loop is closed`.
+
+  When a read of a damaged checkpoint fails, orbax closes the event loop of that restore while
+  tensorstore still completes the step's other reads; each completion then tries to schedule its
+  callback on the closed loop and prints that error's traceback (dozens, interleaved across
+  threads, piece by piece). Nothing is lost with them: the failure itself is reported. Only the
+  pieces of those tracebacks are dropped, and only while the context is active.
+  """
+
+  NOISE = ("Traceback (most recent call last)", "asyncio/base_events.py", "_check_closed()",
+           "Event loop is closed", "RuntimeError")
+
+  def __enter__(self):
+    self._stderr, sys.stderr = sys.stderr, self
+    return self
+
+  def __exit__(self, *exc) -> None:
+    sys.stderr = self._stderr
+
+  def write(self, text: str) -> int:
+    if text.strip(" :\t\n") and not any(piece in text for piece in self.NOISE):
+      return self._stderr.write(text)
+    return len(text)
+
+  def __getattr__(self, name):  # flush, fileno, encoding, ...: the real stream's
+    return getattr(self._stderr, name)
 
 
 def _diff(expect: Any, stored: Any, path: str) -> list[str]:
