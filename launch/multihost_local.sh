@@ -19,7 +19,7 @@
 set -uo pipefail
 
 if [[ $# -lt 2 ]]; then
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 N_PROC=$1
