@@ -17,7 +17,12 @@ split, schedule, dense dispatch arrays, validation) and reports how much of the 
 is padding (every (device, server) block padded to the largest one's bucket). `--pairs` shows
 why: how few (device, server) pairs the moving rows use, and the rows a device sends in the tiled
 exchange ((N - 1) blocks of the common capacity) against the busiest device's real rows (what a
-transport sending only the moving rows would be bound by).
+transport sending only the moving rows would be bound by). `--hotspot` shows the busiest device's
+K/V bytes with the two-round relayed exchange (`schedule/relay.py`) off and on, on Pretrain,
+ProLong and two synthetic batches (`hotspot_batch`), and exits:
+
+  python launch/bench_scheduler.py --hotspot [pretrain prolong short long] [--devices 512]
+      [--fanouts 4 8 16 32]
 """
 
 from __future__ import annotations
@@ -73,7 +78,14 @@ def main(argv=None):
   ap.add_argument("--pairs", type=int, nargs="*", default=[],
                   help="device counts at which to show how the moving rows use the exchange's "
                        "(device, server) pairs (then exit)")
+  ap.add_argument("--hotspot", nargs="*", default=None, metavar="DIST",
+                  help="the busiest device's bytes with relayed K/V off and on, on these "
+                       "distributions (default: pretrain prolong short long; then exit)")
+  ap.add_argument("--fanouts", type=int, nargs="+", default=[4, 8, 16, 32],
+                  help="--hotspot: relay fanouts to compare (node-aware, 8 devices a node)")
   args = ap.parse_args(argv)
+  if args.hotspot is not None:
+    return hotspot(args)
   if args.step_devices:
     return step_host_path(args)
   if args.pairs:
@@ -236,6 +248,83 @@ def pair_usage(args):
           print(f"| {dist} | {n} | {('ping', 'pong')[k]} | {name} | {int(m.sum()):,} | {used} / {n * (n - 1)} "
                 f"| {int(m.max(initial=0)):,} | {m.sum() / max(used, 1):,.0f} | {cap:,} | {tiled:,} "
                 f"| {int(busiest):,} | {ratio} |", flush=True)
+
+
+
+HOTSPOT_DISTS = ("pretrain", "prolong", "short", "long")
+
+
+def hotspot_batch(dist: str, n: int, t: int, step: int) -> np.ndarray:
+  """Document lengths of one batch of n x t tokens: Pretrain and ProLong as the trainer samples
+  them (elongated x t / 64K), `short` (short-document-heavy: lognormal, median 500 tokens) or
+  `long` (six documents of 64K-512K tokens, then Pretrain)."""
+  total = n * t
+  if dist in ("pretrain", "prolong"):
+    sampler = LengthSampler(load_lengths(dist), full_context_replacement=(dist == "prolong"),
+                            elongate_factor=max(1, t // 65536))
+    return sampler.sample(total, step)
+  rng = np.random.default_rng([7, step])
+  if dist == "short":
+    lens = np.maximum(1, rng.lognormal(np.log(500), 1.0, size=total // 200)).astype(np.int64)
+  elif dist == "long":
+    lens = np.concatenate([rng.integers(65536, 524288, size=6),
+                           LengthSampler(load_lengths("pretrain")).sample(total, step)])
+  else:
+    raise ValueError(f"--hotspot: unknown distribution {dist!r} (one of {HOTSPOT_DISTS})")
+  ends = np.cumsum(lens)
+  k = int(np.searchsorted(ends, total)) + 1
+  lens = lens[:k].copy()
+  lens[-1] -= int(ends[k - 1] - total)
+  return lens[lens > 0]
+
+
+def hotspot(args):
+  """Per distribution and K/V relay: plan time (`balance`, CPU ms, median and worst batch), the
+  relay's routing time (`kv_requests`), imbalance after, the busiest device's bytes per layer
+  (max of sent and received) over the mean device's, in GB, and the busiest of round 1 (Q and
+  direct K/V) plus the busiest of round 2 (forwarded K/V; the rounds run one after the other, so
+  this sum, not the busiest total, bounds the exchange's time), the bytes that cross nodes (8
+  devices a node), and the share of K/V rows sent in round 2. Means over `--batches` batches."""
+  from distca_jax.schedule.planner import kv_requests, pair_rows
+  from distca_jax.schedule.relay import Relay
+
+  comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=args.tp)
+  n, t, per_node = args.devices, args.tokens, 8
+  node = np.arange(n) // per_node
+  across = node[:, None] != node[None, :]
+  relays = [None] + [Relay(f, per_node) for f in args.fanouts] + [Relay(args.fanouts[-1], 1)]
+  print(f"# {n} devices x {t} tokens, llama3_8b TP={args.tp}, eps 0.1, {args.batches} batches; "
+        f"CPU {platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}")
+  print("| dist | K/V relay | plan ms (median / worst) | relay ms | imbalance after "
+        "| busiest / mean | busiest GB | round 1 + round 2 busiest GB | across nodes GB "
+        "| K/V rows in round 2 |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for dist in args.hotspot or HOTSPOT_DISTS:
+    plans = []
+    for b in range(args.batches):
+      lay = pack(hotspot_batch(dist, n, t, b), n, t)
+      (tasks, stats), ms, _ = _cpu_ms(lambda: balance(lay, comm, 0.1), args.repeats)
+      plans.append((lay, tasks, stats, ms))
+    for relay in relays:
+      rows = []
+      for lay, tasks, stats, ms in plans:
+        kv, kv_ms, _ = _cpu_ms(lambda: kv_requests(tasks, lay, relay), 1)
+        tr = traffic(tasks, lay, comm, pairwise=True, relay=relay)
+        busy = np.maximum(tr.send, tr.recv)
+        moved = kv.pair_server[kv.piece_pair] != kv.piece_src
+        second = kv.piece_rows[kv.piece_via >= 0].sum() / max(kv.piece_rows[moved].sum(), 1)
+        q, kv1, kv2 = pair_rows(tasks, lay, kv)
+        rounds = sum(max(m.sum(0).max(), m.sum(1).max()) for m in (
+            q * comm.q_row_bytes + kv1 * comm.kv_row_bytes, kv2 * comm.kv_row_bytes))
+        rows.append((ms, kv_ms, stats.imbalance_after, busy.max() / busy.mean(), busy.max() / 1e9,
+                     rounds / 1e9, tr.pair_bytes[across].sum() / 1e9, second))
+      r = np.array(rows)
+      name = ("off" if relay is None else f"fanout {relay.fanout}"
+              + ("" if relay.devices_per_node > 1 else ", node-blind"))
+      print(f"| {dist} | {name} | {np.median(r[:, 0]):.1f} / {r[:, 0].max():.1f} | {r[:, 1].mean():.1f} "
+            f"| {r[:, 2].mean():.3f} | {r[:, 3].mean():.1f}x (worst {r[:, 3].max():.1f}x) "
+            f"| {r[:, 4].mean():.2f} | {r[:, 5].mean():.2f} | {r[:, 6].mean():.0f} "
+            f"| {100 * r[:, 7].mean():.0f}% |", flush=True)
 
 
 if __name__ == "__main__":

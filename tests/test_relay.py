@@ -188,15 +188,18 @@ def test_relays_prefer_the_childs_node():
 
   aware = Relay(8, devices_per_node=8)
   kv = kv_requests(tasks, layout, aware)
-  # Buffer 0's rows (every child needs all of them, so any relay can serve any child): every
-  # relayed child on a node with a direct receiver is served from that node.
-  shard0 = kv.piece_src == 0
-  relayed = shard0 & (kv.piece_via >= 0)
+  # Buffer 0's rows (every child needs all of them, so any relay can serve any child): a child
+  # is served from another node only when each relay on its node has its even share of children.
   assert check_relays(kv, aware) > 0
-  child_node = node[kv.pair_server[kv.piece_pair]]
-  direct_nodes = np.unique(child_node[shard0 & (kv.piece_via < 0)])
-  served_here = node[kv.piece_via[relayed]] == child_node[relayed]
-  assert served_here[np.isin(child_node[relayed], direct_nodes)].all()
+  server = kv.pair_server[kv.piece_pair]
+  shard0 = (kv.piece_src == 0) & (server != 0)
+  relays = server[shard0 & (kv.piece_via < 0)]
+  share = -(-(shard0.sum() - relays.size) // relays.size)
+  children = {int(r): int((kv.piece_via[shard0] == r).sum()) for r in relays}
+  for c, r in zip(server[shard0 & (kv.piece_via >= 0)], kv.piece_via[shard0 & (kv.piece_via >= 0)]):
+    if node[r] != node[c]:
+      assert all(k >= share for d, k in children.items() if node[d] == node[c])
+  assert sum(node[r] == node[c] for c, r in zip(server[shard0], kv.piece_via[shard0]) if r >= 0) > 0
   assert across(aware) < across(Relay(8, devices_per_node=1))
   assert across(aware) < across(None)
 
@@ -246,3 +249,17 @@ def test_pruning_changes_no_plan(seed, monkeypatch):
   assert stats.moves == full_stats.moves
   slack = 2 * 128 * float(lens.max())  # a move is cut at 128-token granularity
   assert stats.load_after.max() <= 1.05 * stats.load_after.mean() + slack
+
+
+def test_bench_hotspot_table(capsys):
+  """bench_scheduler.py --hotspot on a small mesh: one row per distribution and relay setting."""
+  from helpers import launch_script
+
+  bench = launch_script("bench_scheduler")
+  bench.main(["--hotspot", "pretrain", "long", "--devices", "16", "--tokens", "16384",
+              "--batches", "1", "--repeats", "1", "--fanouts", "2", "4"])
+  rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith("| pretrain")
+          or l.startswith("| long")]
+  assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+      (d, s) for d in ("pretrain", "long") for s in ("off", "fanout 2", "fanout 4", "fanout 4, node-blind")]
+  assert all(r[-2].strip().endswith("%") for r in rows)

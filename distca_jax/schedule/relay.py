@@ -90,8 +90,9 @@ def _route_shard(relay: Relay, holder: int, servers: list[int], rows: list[int],
   at most `fanout` otherwise. They are taken round-robin over nodes, the nodes with the most
   servers first, each node's server with the most rows (then the least loaded) first, so that
   as many servers as possible find a relay on their node. Each other server, most rows first,
-  takes the least-loaded relay with spare fanout that holds its rows, on its node if there is
-  one; with none, it gets the rows directly.
+  takes a relay that holds its rows: one below its even share of the children if any, on the
+  server's node if any, the least loaded; past the share up to `fanout`; with none, it gets the
+  rows directly.
   """
   f, dpn = relay.fanout, relay.devices_per_node
   m = len(servers)
@@ -103,6 +104,7 @@ def _route_shard(relay: Relay, holder: int, servers: list[int], rows: list[int],
   order = [grp[i] for i in range(len(by_size[0])) for grp in by_size if i < len(grp)]
   direct = order[:min(m, max(-(-m // (f + 1)), min(f, math.isqrt(m - 1) + 1)))]
   children = dict.fromkeys(direct, 0)
+  share = -(-(m - len(direct)) // len(direct))  # children per relay when evenly spread
   out = []
   for j in pref:
     if j in children:
@@ -110,7 +112,8 @@ def _route_shard(relay: Relay, holder: int, servers: list[int], rows: list[int],
     best = None
     for r in direct:
       if children[r] < f and rows[r] >= rows[j]:
-        key = (servers[r] // dpn != servers[j] // dpn, load[servers[r]])
+        # A relay past its even share only where none within it can serve; then on the node.
+        key = (children[r] >= share, servers[r] // dpn != servers[j] // dpn, load[servers[r]])
         if best is None or key < best[0]:
           best = (key, r)
     if best is None:
