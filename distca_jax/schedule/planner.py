@@ -126,33 +126,34 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   cands: list[list[tuple]] = [[] for _ in range(n)]
   whole = [(0.0, 0.0)] * n  # per source: (largest candidate area, best E among candidates)
 
-  def hand_out(s, k):
-    j = nxt[s]
-    idx = by_area[j:min(j + k, bounds[s + 1])]
-    handed[s].extend(zip(idx.tolist(), lo_f[idx].tolist(), hi_f[idx].tolist(), area0[idx].tolist(),
-                         e_whole[idx].tolist(), base.doc[idx].tolist(), base.home_off[idx].tolist(),
-                         e_sub[idx].tolist()))
-    nxt[s] = j + idx.size
+  chunk = 2 * top_k  # pieces handed out at a time
+
+  def base_cands(idx):
+    """Candidate tuples of layout pieces `idx`."""
+    return zip(idx.tolist(), lo_f[idx].tolist(), hi_f[idx].tolist(), area0[idx].tolist(),
+               e_whole[idx].tolist(), base.doc[idx].tolist(), base.home_off[idx].tolist(),
+               e_sub[idx].tolist())
 
   def refresh(s):
     """cands[s] = the top_k largest home pieces of s (ties: the lower piece id)."""
     pool = handed[s]
     pool.sort(key=lambda c: (-c[3], c[0]))
-    # Pieces not yet handed out are in order, so only the next one can outrank the top_k-th.
-    while nxt[s] < bounds[s + 1] and (len(pool) < top_k or (-float(area_sorted[nxt[s]]), int(
-        by_area[nxt[s]])) < (-pool[top_k - 1][3], pool[top_k - 1][0])):
-      hand_out(s, chunk)
+    while nxt[s] < bounds[s + 1]:
+      # Pieces not yet handed out come in order: only the next one can outrank the top_k-th.
+      j = nxt[s]
+      if len(pool) >= top_k and (-pool[top_k - 1][3], pool[top_k - 1][0]) < (
+          -float(area_sorted[j]), int(by_area[j])):
+        break
+      idx = by_area[j:min(j + chunk, bounds[s + 1])]
+      pool.extend(base_cands(idx))
+      nxt[s] = j + idx.size
       pool.sort(key=lambda c: (-c[3], c[0]))
     cands[s] = c = pool[:top_k]
     whole[s] = (max((x[3] for x in c), default=0.0), max((x[4] for x in c), default=0.0))
 
-  chunk = 2 * top_k  # pieces handed out at a time
   rank = np.arange(p0) - np.asarray(bounds)[base.home[by_area]]
   first = by_area[rank < chunk]
-  for h, c in zip(base.home[first].tolist(), zip(
-      first.tolist(), lo_f[first].tolist(), hi_f[first].tolist(), area0[first].tolist(),
-      e_whole[first].tolist(), base.doc[first].tolist(), base.home_off[first].tolist(),
-      e_sub[first].tolist())):
+  for h, c in zip(base.home[first].tolist(), base_cands(first)):
     handed[h].append(c)
   nxt = [min(bounds[s] + chunk, bounds[s + 1]) for s in range(n)]
   for s in range(n):
