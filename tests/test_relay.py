@@ -218,7 +218,8 @@ def test_relay_arguments():
 @given(a0=st.integers(0, 3000), rows=st.integers(1, 600), beta=st.floats(0.02, 4.0))
 def test_subrange_bound_bounds_every_subrange(a0, rows, beta):
   """The bound the planner skips split candidates by: at least E of every sub-range [x, y) of a
-  piece [a0, e0), and attained (so it prunes as much as a bound can)."""
+  piece [a0, e0), and nearly attained on pieces of a granule or more (so it prunes about as much
+  as a bound can)."""
   e0 = a0 + rows
   qb, kvb = 1000.0, 1000.0 * beta
   y = np.arange(a0 + 1, e0 + 1, dtype=np.float64)[:, None]
@@ -228,7 +229,9 @@ def test_subrange_bound_bounds_every_subrange(a0, rows, beta):
   bound = planner._subrange_bound(float(a0), float(e0), qb, kvb, planner._clip)
   vec = planner._subrange_bound(np.array([a0], float), np.array([e0], float), qb, kvb, np.clip)[0]
   assert np.isclose(bound, vec, rtol=1e-12)
-  assert e.max() <= bound and bound <= e.max() * (1 + 1e-3)
+  assert e.max() <= bound
+  if rows >= 128:  # tight: the peak in m, taken as continuous, lies between two integers
+    assert bound <= e.max() * (1 + 1e-3)
 
 
 @pytest.mark.parametrize("seed", range(6))
