@@ -2,9 +2,9 @@
 
 A server with a task of document g past one of its layout shards needs that shard's K/V rows
 (`planner.kv_requests`). Sent directly, a shard of a long document goes from its one holder to
-every such server: at 512 devices a ProLong document's 128K-row shard can go to 150 servers from
-one device, tens of times the mean device's bytes. With a `Relay`, a shard's rows go in two
-rounds (docs/METHOD.md, "The scheduler"):
+every such server, which on a large mesh can be a good part of the mesh: that device then sends
+many times the mean device's bytes. With a `Relay`, a shard's rows go in two rounds
+(docs/METHOD.md, "The scheduler"):
 
 1. the holder sends them to about sqrt(m) of the m servers that need them (at most `fanout`);
 2. each of those forwards them to at most `fanout` others: a relay forwards only rows it received
@@ -19,8 +19,8 @@ copies with three); docs/PERFORMANCE.md has the measured hot spot.
 Every server still receives exactly the rows it needs, once; only who sends them changes, so the
 bytes on the wire are those of the direct exchange.
 
-Numpy and scalar Python: only shards that go to more than `fanout` servers are routed, a few per
-batch.
+Numpy and scalar Python: the loop is over the shards that three or more other servers need and
+their servers, never over rows.
 """
 
 from __future__ import annotations
