@@ -27,6 +27,7 @@ from distca_jax.data.sources import Batch
 from distca_jax.models.llama import AUTO_ORDER, Llama
 from distca_jax.models.presets import ModelShape, resolve
 from distca_jax.train import metrics as metrics_lib
+from distca_jax.train.finite import tree_all_finite
 from distca_jax.train.loss import chunked_cross_entropy
 from distca_jax.train.optimizer import make_optimizer
 
@@ -202,6 +203,8 @@ class Trainer:
         "lr": self.schedule(state.step),
         "tokens": count,
         "grads_finite": jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])),
+        # Checked before the state can be saved (train/finite.py): one reduction XLA fuses.
+        "state_finite": tree_all_finite((params, opt_state)),
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
