@@ -123,7 +123,8 @@ def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
   if (~local).any():
     where = np.searchsorted(need_key, key[~local])
     kv_start[~local] = C + region[where]
-  arrays = {name: np.zeros((N, capacity), np.int32) for name in ("q_start", "q_len", "kv_start", "kv_len")}
+  arrays = {name: np.zeros((N, capacity), np.int32)
+            for name in ("q_start", "q_len", "kv_start", "kv_len")}
   arrays["q_start"][lay.buffer, slot] = lay.buffer_offset
   arrays["q_len"][lay.buffer, slot] = lay.length
   arrays["kv_start"][lay.buffer, slot] = kv_start
@@ -150,8 +151,8 @@ def repack_batch(batch: Batch, layout: Layout) -> Batch:
   flat = doc_start[doc] + pos
   has_next = pos + 1 < lens[doc]
   out = {"tokens": np.zeros(N * C, np.int32), "targets": np.zeros(N * C, np.int32),
-         "loss_mask": np.zeros(N * C, np.float32), "segment_ids": np.full(N * C, PAD_SEGMENT, np.int32),
-         "positions": np.zeros(N * C, np.int32)}
+         "loss_mask": np.zeros(N * C, np.float32), "positions": np.zeros(N * C, np.int32),
+         "segment_ids": np.full(N * C, PAD_SEGMENT, np.int32)}
   out["tokens"][rows] = doc_tokens[flat]
   out["targets"][rows] = np.where(has_next, doc_tokens[np.minimum(flat + 1, total - 1)], 0)
   out["loss_mask"][rows] = has_next
@@ -162,14 +163,15 @@ def repack_batch(batch: Batch, layout: Layout) -> Batch:
 
 def wlb_cost(model_shape, tensor_parallel: int) -> wlb.WlbCost:
   """The simulator's default price of a baseline step (`sim/config.py` HardwareConfig and
-  cp_overlap), which `data.wlb_cp=auto` minimises."""
+  cp_overlap), which `data.wlb_cp=auto` minimises, with the linear layers over whole buffers
+  (`static`): the compiled step computes its padding rows too."""
   from distca_jax.sim.config import HardwareConfig, SimConfig
 
   h, s = HardwareConfig(), SimConfig()
   return wlb.wlb_cost_for_model(model_shape, tensor_parallel, linear_tflops=h.linear_tflops,
                                 attention_tflops=h.attention_tflops, nvlink_gbps=h.nvlink_gbps,
                                 network_gbps=h.network_gbps, gpus_per_node=h.gpus_per_node,
-                                cp_overlap=s.cp_overlap)
+                                cp_overlap=s.cp_overlap, static=True)
 
 
 def pack_step(data_config, doc_lens, num_ranks: int, cost: wlb.WlbCost) -> wlb.WlbPacking:
@@ -177,6 +179,10 @@ def pack_step(data_config, doc_lens, num_ranks: int, cost: wlb.WlbCost) -> wlb.W
   `data.wlb_token_cap` say, which documents to split chosen by `cost` (`wlb.adaptive_pack`);
   deterministic in the documents."""
   T = data_config.tokens_per_device
+  if data_config.wlb_cp != "auto" and num_ranks % int(data_config.wlb_cp):
+    from distca_jax.schema import ConfigError
+
+    raise ConfigError(f"data.wlb_cp: {data_config.wlb_cp} must divide the {num_ranks} data ranks")
   if data_config.wlb_cp == "auto":
     return wlb.best_packing(doc_lens, num_ranks, T, cost, token_cap=data_config.wlb_token_cap)
   return wlb.adaptive_pack(doc_lens, num_ranks, T, cost, cp=int(data_config.wlb_cp),

@@ -460,6 +460,10 @@ def main(argv=None) -> int:
         if "per_device_ms" in r:  # traced: busy ms of the step per device and phase
           for dev, ph in r["per_device_ms"].items():
             print(f"          {dev}: " + "  ".join(f"{k} {v:.0f} ms" for k, v in ph.items()), flush=True)
+      times = {r["variant"]: r["median_s"] for r in rows if r["batch"] == kind}
+      if "wlb" in times and "distca" in times:  # CAD against the paper's baseline, same batch
+        print(f"{kind:9s} distca vs wlb  x{times['wlb'] / times['distca']:.3f} (wlb's step time "
+              f"over distca's)", flush=True)
   if args.suite != "mfu":  # (the mfu suite printed its own table)
     cols = [k for k, v in rows[0].items() if k != "peak_gib" and not isinstance(v, dict)]
     print("\n| " + " | ".join(cols) + " | peak GiB |")

@@ -5,9 +5,10 @@ token cap, a real limit: it is the compiled buffers' length), greedily by worklo
 `area + token_weight · tokens` (WLB-LLM's α·l² + β·l), so ranks hold unequal token counts but
 near-equal attention + linear work. The ranks form `N / cp` context-parallel groups of `cp`
 consecutive ranks; a document longer than a rank's share (by default: whose workload exceeds a
-rank's share of the step's, or that exceeds the cap) is split over one group with per-document context parallelism: cut into `2·cp`
-chunks, rank i of the group takes the head+tail pair (i, 2cp−1−i) (equal causal cost per pair),
-and every rank of the group all-gathers the group's K/V. `cp = 1`: whole documents only.
+rank's share of the step's, or that exceeds the cap; `adaptive_pack` also tries every document)
+is split over one group with per-document context parallelism: cut into `2·cp` chunks, rank i of
+the group takes the head+tail pair (i, 2cp−1−i) (equal causal cost per pair), and every rank of
+the group all-gathers the group's K/V. `cp = 1`: whole documents only.
 
 This is the one packing code of the baseline: the trainer runs it (`data.packing=wlb`,
 `distca_jax/wlb_attention.py`) and the simulator's `wlb` / `wlb_best` rows price it
@@ -119,7 +120,8 @@ def _greedy(lens, n: int, cap: int, cp: int, split_min: int | None, token_weight
   for d in order[is_cp[order]].tolist():
     chunks = cp_chunks(int(lens[d]), cp)
     c_tok = np.array([sum(hi - lo for lo, hi in c) for c in chunks])
-    c_work = np.array([sum(range_area(lo, hi) for lo, hi in c) for c in chunks]) + token_weight * c_tok
+    c_area = np.array([sum(range_area(lo, hi) for lo, hi in c) for c in chunks])
+    c_work = c_area + token_weight * c_tok
     tok_g, load_g = tok.reshape(-1, cp), load.reshape(-1, cp)
     fits = ((tok_g + c_tok) <= cap).all(1)
     if not fits.any():
@@ -199,7 +201,8 @@ def wlb_pack(doc_lens, num_ranks: int, tokens_per_rank: int, *, cp: int = 1,
     for worst_fit in (False, True):
       pieces = _greedy(lens, n, cap, size, split_min, token_weight, worst_fit)
       if pieces is not None:
-        why = ",".join(([f"cp={size}"] if size != cp else []) + (["worst-fit"] if worst_fit else []))
+        why = [f"cp={size}"] if size != cp else []
+        why = ",".join(why + (["worst-fit"] if worst_fit else []))
         return WlbPacking(_layout(pieces, lens, n, cap), size, cp, why)
   # Always fits: every rank its nominal T tokens in order, documents continuing across ranks.
   lay = pack(lens, n, t)
@@ -218,6 +221,10 @@ class WlbCost:
   network) of which `cp_overlap` hides under compute; the slowest rank sets the time.
 
   kernel: an object with `fwdbwd_ms(q, kv)` (`cost.AnalyticKernel` or `cost.TimeTable`).
+  static: every rank's linear work is its whole buffer (`cap` rows, padding included), as in a
+    compiled step of static shapes (the trainer's); else its real tokens, as in variable-length
+    training (WLB-LLM's, the simulator's rows). Under static shapes a rank's spare room costs
+    as much as tokens, so a tight cap is the strong baseline there.
   """
 
   lin_ms_per_token: float
@@ -228,6 +235,7 @@ class WlbCost:
   gpus_per_node: int
   tensor_parallel: int
   cp_overlap: float
+  static: bool = False
 
   @property
   def token_weight(self) -> float:
@@ -247,7 +255,9 @@ class WlbCost:
 
   def rank_ms(self, packing: WlbPacking) -> np.ndarray:
     """Per rank ms per layer: compute plus the K/V all-gather compute does not hide."""
-    compute = packing.tokens * self.lin_ms_per_token + self.attn_ms(packing)
+    rows = np.full(packing.layout.num_buffers, float(packing.layout.buffer_len))
+    tokens = rows if self.static else packing.tokens
+    compute = tokens * self.lin_ms_per_token + self.attn_ms(packing)
     comm = self.comm_ms(packing)
     overlap = 0.0 if packing.cp == 1 else self.cp_overlap
     return compute + comm - overlap * np.minimum(comm, compute)
@@ -261,14 +271,18 @@ def adaptive_pack(doc_lens, num_ranks: int, tokens_per_rank: int, cost: WlbCost,
   """At CP size `cp`, the packing `cost` prices faster of two: only the documents longer than a
   rank's share split over a group, or every document (WLB-LLM chooses per batch between
   per-sequence and per-document sharding the same way; splitting short documents balances
-  finer but gathers more K/V and cuts kernel tiles). The first of equals: fewer splits."""
+  finer but gathers more K/V and cuts kernel tiles). The first of equals: fewer splits. Under
+  a `static` cost, where every rank computes its whole buffer, balancing attention alone
+  (token weight 0) is tried too."""
   best, best_ms = None, math.inf
+  weights = (cost.token_weight, 0.0) if cost.static else (cost.token_weight,)
   for split_min in ((None, 0) if cp > 1 else (None,)):
-    p = wlb_pack(doc_lens, num_ranks, tokens_per_rank, cp=cp, token_cap=token_cap,
-                 token_weight=cost.token_weight, split_min=split_min)
-    ms = cost.step_ms(p)
-    if ms < best_ms:
-      best, best_ms = p, ms
+    for token_weight in weights:
+      p = wlb_pack(doc_lens, num_ranks, tokens_per_rank, cp=cp, token_cap=token_cap,
+                   token_weight=token_weight, split_min=split_min)
+      ms = cost.step_ms(p)
+      if ms < best_ms:
+        best, best_ms = p, ms
   return best
 
 
@@ -288,7 +302,8 @@ def best_packing(doc_lens, num_ranks: int, tokens_per_rank: int, cost: WlbCost, 
 
 def wlb_cost_for_model(shape, tensor_parallel: int, *, linear_tflops: float,
                        attention_tflops: float, nvlink_gbps: float, network_gbps: float,
-                       gpus_per_node: int, cp_overlap: float, kernel=None) -> WlbCost:
+                       gpus_per_node: int, cp_overlap: float, kernel=None,
+                       static: bool = False) -> WlbCost:
   """The simulator's baseline price for a model shape (`sim/engine.py`: linear layers at
   `linear_tflops` shared by `tensor_parallel` GPUs; attention by `kernel`, default the analytic
   kernel at `attention_tflops` for the rank's heads)."""
@@ -302,4 +317,4 @@ def wlb_cost_for_model(shape, tensor_parallel: int, *, linear_tflops: float,
   return WlbCost(lin_ms_per_token=lin / (tensor_parallel * linear_tflops * 1e12) * 1e3,
                  kernel=kernel, kv_row_bytes=comm.kv_row_bytes, nvlink_gbps=nvlink_gbps,
                  network_gbps=network_gbps, gpus_per_node=gpus_per_node,
-                 tensor_parallel=tensor_parallel, cp_overlap=cp_overlap)
+                 tensor_parallel=tensor_parallel, cp_overlap=cp_overlap, static=static)
