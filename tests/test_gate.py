@@ -15,7 +15,7 @@ from distca_jax import mesh as mesh_lib
 from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.dispatch import host
-from distca_jax.schedule.capacities import Capacities
+from distca_jax.schedule.capacities import Capacities, largest
 from distca_jax.train import metrics
 from helpers import launch_script, layout_batch, small_config
 
@@ -87,7 +87,7 @@ def test_gate_on_the_plan(monkeypatch):
     raise AssertionError("built the dispatch arrays of a step the gate stopped")
 
   with monkeypatch.context() as m:  # a gated step's plans are made, their arrays are not
-    m.setattr(host, "_checked_arrays", no_dispatch)
+    m.setattr(host, "_arrays", no_dispatch)
     a = dataclasses.replace(cfg.attention, gate=True, min_gain=saving + 0.01)
     assert isinstance(attn.host_context(a, batch, shape), attn.ColocatedContext)
 
@@ -360,7 +360,8 @@ def test_gate_charges_bytes_between_nodes_more():
   shape = resolve(cfg.model)
   batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
   ctx = attn.host_context(cfg.attention, batch, shape)
-  plans, caps, comm = ctx.plans, ctx.capacities, gate_lib.comm_model(shape, cfg.attention)
+  plans, comm = ctx.plans, gate_lib.comm_model(shape, cfg.attention)
+  caps = largest(*(p.capacities for p in plans))  # every exchange's sizes (the step keeps its own)
   P = len(plans)
   one_node = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 0, 0))
   two = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 1, 1), gate_network_byte_cost=4.0)

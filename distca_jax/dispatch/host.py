@@ -71,8 +71,9 @@ class StepContext:
 
 def capacities_of(plan: DispatchPlan) -> Capacities:
   """The capacities a `DispatchPlan`'s arrays have."""
-  return Capacities(c=plan.send_q_idx.shape[-1], ckv=plan.send_kv_idx.shape[-1],
-                    skv=plan.server_kv_idx.shape[-1], ctask=plan.q_start.shape[-1],
+  return Capacities(send_q=plan.send_q_idx.shape[-1], recv_q=plan.recv_q,
+                    send_kv=plan.send_kv_idx.shape[-1], recv_kv=plan.recv_kv, c=plan.c,
+                    ckv=plan.ckv, skv=plan.server_kv_idx.shape[-1], ctask=plan.q_start.shape[-1],
                     shift_q=plan.shift_q, shift_kv=plan.shift_kv)
 
 
@@ -110,13 +111,14 @@ def plan_step(attention_config, batch: Batch, shape, devices=None, shapes: StepS
   colocated = lambda: colocated_contexts([batch.layout], shapes=shapes)[0]
   if not gate.worth_planning(attention_config, shape, batch.layout):
     return colocated()
+  splits = stream_options(attention_config, batch)
   options = [_plan_option(attention_config, shape, batch.layout, streams, shapes)
-             for streams in stream_options(attention_config, batch)]
+             for streams in splits]
   best = max(options, key=lambda o: o.saving)  # the first of equals
   if gate.gate_refuses(attention_config, best.saving):
     return colocated()
-  dispatch = _checked_arrays(best.plans, best.layouts, best.kvs, best.capacities, devices, shapes,
-                             best.batches)
+  dispatch = _arrays(best.plans, best.layouts, best.kvs, best.capacities, devices, shapes)
+  _check(dispatch, best.layouts, devices, best.batches)
   return StepContext(batches=best.batches, plans=best.plans, dispatch=tuple(dispatch),
                      predicted_saving=best.saving,
                      load_before=gate.attention_load_per_device(batch.layout))
@@ -157,7 +159,9 @@ def plan_ticks(attention_config, layouts, shape, devices=None,
   plans = [_schedule(attention_config, l, shape, pipelined=True) for l in layouts]
   kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
   caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
-  return plans, _checked_arrays(plans, layouts, kvs, caps, devices, shapes)
+  dispatch = _arrays(plans, layouts, kvs, caps, devices, shapes)
+  _check(dispatch, layouts, devices)
+  return plans, dispatch
 
 
 def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
@@ -170,26 +174,28 @@ def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
 def step_capacities(attention_config, plans, buffer_len: int,
                     shapes: StepShapes | None = None) -> Capacities:
   """The capacities the plans of one step need together (each the largest any of them needs;
-  per-shift rows only for `attention.exchange: shifted`), grown to the run's (`shapes`, not
-  committed) when given."""
-  caps = largest(*(p.capacities for p in plans))
-  if attention_config.exchange != "shifted":
-    caps = caps.without_shifts()
+  only the sizes `attention.exchange` uses: `Capacities.for_exchange`), grown to the run's
+  (`shapes`, not committed) when given."""
+  caps = largest(*(p.capacities for p in plans)).for_exchange(attention_config.exchange)
   return caps if shapes is None else shapes.fit(f"cad@{buffer_len}", caps, commit=False)
 
 
-def _checked_arrays(plans, layouts, kvs, caps: Capacities, devices, shapes: StepShapes | None,
-                    batches=None) -> list[DispatchPlan]:
-  """The plans' dispatch arrays at `caps` (kept as the run's, `shapes`), each checked row by row
-  for `devices` against its layout (and its nano-batch, when at hand: Pong against Ping too)."""
+def _arrays(plans, layouts, kvs, caps: Capacities, devices,
+            shapes: StepShapes | None) -> list[DispatchPlan]:
+  """The plans' dispatch arrays at `caps`, kept as the run's capacities (`shapes`), filled for
+  `devices` (default: all)."""
   if shapes is not None:
     caps = shapes.fit(f"cad@{layouts[0].buffer_len}", caps)
-  dispatch = [build_dispatch(p.tasks, l, caps, devices=devices, kv=kv)
-              for p, l, kv in zip(plans, layouts, kvs)]
-  batches = batches or [None] * len(plans)
+  return [build_dispatch(p.tasks, l, caps, devices=devices, kv=kv)
+          for p, l, kv in zip(plans, layouts, kvs)]
+
+
+def _check(dispatch, layouts, devices, batches=None) -> None:
+  """Each plan's arrays checked row by row for `devices` against its layout (and its nano-batch,
+  when at hand: Pong against Ping too)."""
+  batches = batches or [None] * len(dispatch)
   for i, (d, l, b) in enumerate(zip(dispatch, layouts, batches)):
     validate_plan(d, l, devices, b, batches[i - 1] if l.prior is not None and i else None)
-  return dispatch
 
 
 def _cuts_long_document(pong: Layout) -> bool:
