@@ -180,6 +180,26 @@ def test_wlb_step_matches_single_device(n, cp, tensor, long_docs, cap):
   assert tree_rel_err(grads, ref_grads) < 1e-5
 
 
+def test_in_order_fallback_matches_single_device():
+  """The last re-packing, the in-order layout in cap-length buffers: a document spanning three
+  ranks reads its prefix from both earlier ones through the group's gather."""
+  import dataclasses
+
+  n, t = 4, 128
+  lens = np.array([2 * t + 60, 100, 40, 50, 6])  # 512 tokens; the first spans ranks 0-2
+  cap = wlb.wlb_buffer_len(t, 1.25)
+  p = wlb.WlbPacking(dataclasses.replace(pack(lens, n, t), buffer_len=cap), n, 1, "in-order")
+  assert p.exchanging_groups().all() and p.layout.buffer_len == 256
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={t}", "model.layers=1",
+                     "data.packing=wlb", "data.wlb_cp=4")
+  rng = np.random.default_rng(7)
+  batch = make_batch(lens, rng.integers(0, 512, int(lens.sum())).astype(np.int32), n, t)
+  loss, grads, params, shape = _trainer_loss_and_grads(cfg, batch, p)
+  ref_loss, ref_grads = reference_value_and_grad(params, shape, batch)
+  assert abs(loss - float(ref_loss)) < 1e-5 * abs(float(ref_loss))
+  assert tree_rel_err(grads, ref_grads) < 1e-5
+
+
 def test_wlb_run_resumes_exactly_and_reports_its_packing(tmp_path):
   """Packing is a function of the step's documents, so a resumed run trains on the same packed
   batches: its losses equal the uninterrupted run's. The summary names the packing."""
