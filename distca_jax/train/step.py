@@ -227,6 +227,11 @@ class Trainer:
     `REMAT_MEMORY_MARGIN`; the last (full) is taken without checking. The chosen compiled step
     is kept and runs these shapes (no second compile)."""
     free = _free_device_bytes(self.mesh)
+    if jax.process_count() > 1:
+      # Every process must compile the same program: the least free memory of any decides.
+      from jax.experimental import multihost_utils
+
+      free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
     for i, name in enumerate(AUTO_ORDER):
       fn = self._jit(state, name)
       t0 = time.perf_counter()
