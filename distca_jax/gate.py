@@ -218,7 +218,7 @@ def comm_model(shape: ModelShape, attention_config) -> CommModel:
 def exchange_bytes(attention_config, shape: ModelShape, plans, capacities: Capacities) -> np.ndarray:
   """Per device, the bytes one layer's exchange sends plus receives over the step's plans, in
   NVLink bytes. Tiled (`attention.exchange`): every off-diagonal (device, server) block travels
-  whole, padded to the capacities (`c` query rows, `ckv` K/V rows), whatever the plan moves;
+  whole, padded to the largest pair's (`c` query rows, `ckv` K/V rows), whatever the plan moves;
   shifted: each shift's blocks at that shift's capacity (`shift_q`, `shift_kv`); ragged: the rows
   that move (the plans' traffic, spread evenly over the device's peers). With data ranks on
   several nodes (`attention.gate_nodes`) a device's bytes within its node and across nodes move

@@ -137,35 +137,50 @@ def _attention_np(q_TxHxD, k_SxKxD, v_SxKxD):
   return np.einsum("hts,shd->thd", p, v)
 
 
+def simulate_exchange(send_NxS, count_NxN, recv_rows: int):
+  """numpy: the packed receive buffers [N, recv_rows, ...] an exchange makes of the packed send
+  buffers `send_NxS` when device d sends count[d, s] rows to s (the format's definition, a loop
+  over pairs: independent of the offsets the plan carries)."""
+  n = count_NxN.shape[0]
+  out = np.zeros((n, recv_rows) + send_NxS.shape[2:], send_NxS.dtype)
+  for s in range(n):
+    at = 0
+    for d in range(n):
+      c = int(count_NxN[d, s])
+      start = int(count_NxN[d, :s].sum())
+      out[s, at:at + c] = send_NxS[d, start:start + c]
+      at += c
+  return out
+
+
 def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim: int = 8,
                       seed: int = 0) -> float:
   """Runs a `DispatchPlan`'s data movement in numpy and returns the max |error| against direct
   attention: the executable specification of the arrays training runs.
 
   Random q [N, T, H, D] and k, v [N, T, K, D] per home buffer; per device: the local rows and the
-  send blocks gathered (padding zeroed); a tiled all_to_all (server s receives block [d, s] of
-  every d at rows T + d * C); the server's K/V gather over [local T | received N * Ckv]; reference
-  attention per task of its table; the reverse all_to_all; the `return_idx` gather. The
-  reference is per-document causal attention computed from the layout alone (each document's
-  rows concatenated in position order). A plan whose outputs for padding are not marked so
-  returns inf."""
+  packed send buffer gathered (padding zeroed); the exchange (server s receives d's rows for it,
+  in order of d, `simulate_exchange`); the server's K/V gather over [local T | received Rkv];
+  reference attention per task of its table; the reverse exchange back into the send slots; the
+  `return_idx` gather. The reference is per-document causal attention computed from the layout
+  alone (each document's rows concatenated in position order). A plan whose outputs for padding
+  are not marked so returns inf."""
   if layout.prior is not None:
     raise ValueError("simulate_dispatch: a layout with prior shards reads another stream's K/V")
   n, t = layout.num_buffers, layout.buffer_len
-  c, ckv = plan.send_q_idx.shape[-1], plan.send_kv_idx.shape[-1]
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((n, t, heads, head_dim))
   k = rng.standard_normal((n, t, kv_heads, head_dim))
   v = rng.standard_normal((n, t, kv_heads, head_dim))
   home = np.arange(n)[:, None]
   keep = lambda valid, x: np.where(valid.reshape(valid.shape + (1, 1)), x, 0.0)
-  exchange = lambda blocks: blocks.transpose(1, 0, 2, 3, 4).reshape(
-      (n, n * blocks.shape[2]) + blocks.shape[3:])  # [src, dst, C, ...] -> dst's rows src * C
   server_q = np.concatenate(
       [keep(plan.local_q_valid, q[home, plan.local_q_idx]),
-       exchange(keep(plan.send_q_valid, q[home[..., None], plan.send_q_idx]))], axis=1)
+       simulate_exchange(keep(plan.send_q_valid, q[home, plan.send_q_idx]), plan.send_q_count,
+                         plan.recv_q)], axis=1)
   server_kv = [keep(plan.server_kv_valid, np.concatenate(
-      [x, exchange(keep(plan.send_kv_valid, x[home[..., None], plan.send_kv_idx]))],
+      [x, simulate_exchange(keep(plan.send_kv_valid, x[home, plan.send_kv_idx]),
+                            plan.send_kv_count, plan.recv_kv)],
       axis=1)[home, plan.server_kv_idx]) for x in (k, v)]
   out = np.zeros_like(server_q)
   for s in range(n):
@@ -174,7 +189,7 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
       if ql:
         out[s, qs:qs + ql] = _attention_np(server_q[s, qs:qs + ql], server_kv[0][s, ks:ks + kl],
                                            server_kv[1][s, ks:ks + kl])
-  back = exchange(out[:, t:].reshape((n, n, c) + out.shape[2:]))
+  back = simulate_exchange(out[:, t:], plan.recv_q_count, plan.send_q_idx.shape[-1])
   got = np.concatenate([out[:, :t], back], axis=1)[home, plan.return_idx]
   seg, pos = layout.segment_ids(), layout.positions()
   want = np.zeros_like(got)

@@ -182,8 +182,9 @@ def test_validate_plan_checks_the_given_devices_rows():
 
 @pytest.mark.parametrize("dist", ["pretrain", "prolong"])
 def test_a_process_builds_only_its_devices_plan(dist):
-  """build_dispatch(devices=D): D's rows and the blocks D sends or receives equal the whole
-  plan's, every other row stays zero, the counts are the whole plan's, and it passes D's checks."""
+  """build_dispatch(devices=D): D's rows and the rows others send D equal the whole plan's,
+  every other row stays zero, the counts and offsets are the whole plan's, and it passes D's
+  checks."""
   n = 8
   batch, plan = global_plan(n, dist)
   assert (plan.tasks.server != plan.tasks.home).any()
@@ -192,7 +193,9 @@ def test_a_process_builds_only_its_devices_plan(dist):
   whole = dispatch.build_dispatch(*args)
   req = plan.requirements  # capacities one short of what the plan needs: refused
   moved_q = int(pair_rows(plan.tasks, batch.layout)[0].max())
-  for small in ({"skv": req.skv - 1}, {"ctask": req.ctask - 1}, {"c": moved_q - 1}):
+  for small in ({"skv": req.skv - 1}, {"ctask": req.ctask - 1}, {"c": moved_q - 1},
+                {"send_q": req.send_q - 1}, {"recv_q": req.recv_q - 1},
+                {"send_kv": req.send_kv - 1}, {"recv_kv": req.recv_kv - 1}):
     with pytest.raises(dispatch.PlanMismatchError, match="capacit"):
       dispatch.build_dispatch(*args[:2], dataclasses.replace(caps, **small))
   blocks = ("send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid")
@@ -202,12 +205,18 @@ def test_a_process_builds_only_its_devices_plan(dist):
     others = np.setdiff1d(np.arange(n), D)
     for f in dispatch.ARRAY_FIELDS:
       x, y = getattr(whole, f), getattr(part, f)
-      if f.endswith("_count"):
+      if f.endswith("_count") or f.endswith("_off"):
         np.testing.assert_array_equal(y, x, err_msg=f)
-      elif f in blocks:
+      elif f in blocks:  # packed send buffers: D's own, and the ranges others send D
         np.testing.assert_array_equal(y[D], x[D], err_msg=f)
-        np.testing.assert_array_equal(y[:, D], x[:, D], err_msg=f)
-        assert not y[others][:, others].any(), f
+        kind = f.split("_")[1]
+        count, off = getattr(whole, f"send_{kind}_count"), getattr(whole, f"send_{kind}_off")
+        for o in others:
+          to_d = np.zeros(y.shape[-1], bool)
+          for srv in D:
+            to_d[off[o, srv]: off[o, srv] + count[o, srv]] = True
+          np.testing.assert_array_equal(y[o][to_d], x[o][to_d], err_msg=f)
+          assert not y[o][~to_d].any(), f
       else:
         np.testing.assert_array_equal(y[D], x[D], err_msg=f)
         assert not y[others].any(), f

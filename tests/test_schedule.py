@@ -62,31 +62,40 @@ def layouts(draw, max_buffers=4, buffer_lens=(256, 384, 1024)):
   return pack(out, n, t)
 
 
+def _received_from(count, s, r):
+  """(sender, its send-buffer slot) of row r of server s's packed receive buffer, from the
+  counts alone (the format: senders in order, each sender's rows for s after its rows for
+  lower servers)."""
+  ends = np.cumsum(count[:, s])
+  d = np.searchsorted(ends, r, side="right")
+  d = np.minimum(d, count.shape[0] - 1)
+  j = r - (ends[d] - count[d, s])
+  return d, count[d, :s].sum() + j
+
+
 def _query_rows(a, s, rows, t):
   """(home device, home rows, valid) of server s's query rows `rows` of the DispatchPlan `a`:
-  rows < T are its local rows, row T + d * C + j is row j of the block device d sent it."""
-  c = a.send_q_idx.shape[-1]
+  rows < T are its local rows, row T + r is row r of its receive buffer."""
   local = rows < t
-  src = np.where(local, s, (rows - t) // max(c, 1))
-  slot = np.where(local, 0, (rows - t) % max(c, 1))
   lr = np.minimum(rows, t - 1)
-  if c == 0:
-    return src, a.local_q_idx[s, lr], a.local_q_valid[s, lr]
-  return (src, np.where(local, a.local_q_idx[s, lr], a.send_q_idx[src, s, slot]),
-          np.where(local, a.local_q_valid[s, lr], a.send_q_valid[src, s, slot]))
+  if a.recv_q == 0:
+    return np.full_like(rows, s), a.local_q_idx[s, lr], a.local_q_valid[s, lr]
+  src, slot = (np.asarray(x) for x in zip(*(_received_from(a.send_q_count, s, int(r) - t)
+                                            if r >= t else (s, 0) for r in rows)))
+  return (np.where(local, s, src), np.where(local, a.local_q_idx[s, lr], a.send_q_idx[src, slot]),
+          np.where(local, a.local_q_valid[s, lr], a.send_q_valid[src, slot]))
 
 
 def _kv_rows(a, s, slots, t):
   """(home device, home K/V rows, valid) of server s's gathered K/V slots."""
-  ckv = a.send_kv_idx.shape[-1]
   flat = a.server_kv_idx[s, slots]
   local = flat < t
-  src = np.where(local, s, (flat - t) // max(ckv, 1))
-  slot = np.where(local, 0, (flat - t) % max(ckv, 1))
-  if ckv == 0:
-    return src, flat, a.server_kv_valid[s, slots]
-  return (src, np.where(local, flat, a.send_kv_idx[src, s, slot]),
-          a.server_kv_valid[s, slots] & np.where(local, True, a.send_kv_valid[src, s, slot]))
+  if a.recv_kv == 0:
+    return np.full_like(flat, s), flat, a.server_kv_valid[s, slots]
+  src, slot = (np.asarray(x) for x in zip(*(_received_from(a.send_kv_count, s, int(r) - t)
+                                            if r >= t else (s, 0) for r in flat)))
+  return (np.where(local, s, src), np.where(local, flat, a.send_kv_idx[src, slot]),
+          a.server_kv_valid[s, slots] & np.where(local, True, a.send_kv_valid[src, slot]))
 
 
 def check_plan(plan, layout, epsilon=None):
@@ -111,10 +120,13 @@ def check_plan(plan, layout, epsilon=None):
   assert np.isclose(plan.stats.load_after.sum(), plan.stats.load_before.sum())
   # 3. Capacities respected and arrays of the stated shapes.
   c = plan.capacities
-  assert a.send_q_idx.shape == (n, n, c.c) and a.send_kv_idx.shape == (n, n, c.ckv)
+  assert a.send_q_idx.shape == (n, c.send_q) and a.send_kv_idx.shape == (n, c.send_kv)
+  assert (a.recv_q, a.recv_kv) == (c.recv_q, c.recv_kv)
   assert a.server_kv_idx.shape == (n, c.skv) and a.q_start.shape == (n, c.ctask)
   r = plan.requirements
   assert r.c <= c.c and r.ckv <= c.ckv and r.skv <= c.skv and r.ctask <= c.ctask
+  assert r.send_q <= c.send_q and r.recv_q <= c.recv_q
+  assert r.send_kv <= c.send_kv and r.recv_kv <= c.recv_kv
   for arr in (a.send_q_idx, a.send_kv_idx, a.server_kv_idx, a.q_start, a.return_idx):
     assert arr.dtype == np.int32
   # 4. Server task tables: query rows trace to one document's positions [q_hi - q_len, q_hi),
@@ -138,11 +150,12 @@ def check_plan(plan, layout, epsilon=None):
       assert (seg[ksrc, local] == g[0]).all()
       assert (pos[ksrc, local] == np.arange(kl)).all()
   # 5. Every valid query slot is used by exactly one task (no stray rows), return covers tokens.
-  used = np.zeros((n, t_rows + n * c.c), np.int64)
+  used = np.zeros((n, t_rows + c.recv_q), np.int64)
   for s in range(n):
     for j in range(c.ctask):
       used[s, a.q_start[s, j]:a.q_start[s, j] + a.q_len[s, j]] += 1
-  held = np.concatenate([a.local_q_valid, a.send_q_valid.transpose(1, 0, 2).reshape(n, n * c.c)], 1)
+  received = np.arange(c.recv_q)[None, :] < a.send_q_count.sum(0)[:, None]
+  held = np.concatenate([a.local_q_valid, received], 1)
   assert (used == held.astype(np.int64)).all()
   assert (a.return_valid == (seg >= 0)).all()
   # 6. Within ε where feasible: a move is cut at 128-token granularity, so allow two granules

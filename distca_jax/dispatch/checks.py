@@ -15,7 +15,8 @@ import numpy as np
 
 from distca_jax.data.packing import PAD_SEGMENT, Layout
 from distca_jax.data.sources import Batch
-from distca_jax.dispatch.format import DispatchPlan, PlanMismatchError, rows_selector
+from distca_jax.dispatch.format import (DispatchPlan, PlanMismatchError, exchange_offsets,
+                                        rows_selector)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +46,12 @@ class Scope:
     return self.layout.kv_rows
 
   @property
-  def C(self) -> int:
-    return self.plan.send_q_idx.shape[-1]
+  def Rq(self) -> int:
+    return self.plan.recv_q
 
   @property
-  def Ckv(self) -> int:
-    return self.plan.send_kv_idx.shape[-1]
+  def Rkv(self) -> int:
+    return self.plan.recv_kv
 
   @property
   def real(self) -> np.ndarray:
@@ -60,9 +61,6 @@ class Scope:
     """The checked devices' rows of a per-device array."""
     return a[self.rows]
 
-  def blocks(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The [N, N, ...] blocks the checked devices send, and those they receive."""
-    return a[self.rows], a[:, self.rows]
 
 
 def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch | None = None,
@@ -97,7 +95,7 @@ def check_shapes(plan: DispatchPlan, layout: Layout) -> None:
   N, T = layout.num_buffers, layout.buffer_len
   if plan.return_idx.shape != (N, T) or plan.local_q_idx.shape != (N, T):
     raise PlanMismatchError(f"plan is for buffers {plan.return_idx.shape}, the batch has ({N}, {T})")
-  if plan.send_q_idx.shape[:2] != (N, N) or plan.q_start.shape[0] != N:
+  if plan.send_q_idx.shape[0] != N or plan.send_q_count.shape != (N, N) or plan.q_start.shape[0] != N:
     raise PlanMismatchError(f"plan is for {plan.send_q_idx.shape[0]} devices, the batch has {N}")
 
 
@@ -143,22 +141,25 @@ def check_padding_is_the_batch_s(s: Scope) -> None:
 def check_indices_in_range(s: Scope) -> None:
   """Every index points inside the array it indexes."""
   p, T = s.plan, s.T
-  server_rows = T + s.N * s.C  # a server's query rows: local, then received
+  server_rows = T + s.Rq  # a server's query rows: local, then received
+  home_rows = T + p.send_q_idx.shape[-1]  # a home's outputs: local, then returned to send slots
   return_idx = s.mine(p.return_idx)
-  if (return_idx < 0).any() or (return_idx >= server_rows).any():
-    raise PlanMismatchError(f"plan return_idx outside the {server_rows} rows of a server's output")
+  if (return_idx < 0).any() or (return_idx >= home_rows).any():
+    raise PlanMismatchError(f"plan return_idx outside the {home_rows} rows a home gets back")
   q_start, q_len, kv_start, kv_len = map(s.mine, (p.q_start, p.q_len, p.kv_start, p.kv_len))
   if (q_start + q_len > server_rows).any() or (kv_start + kv_len > p.server_kv_idx.shape[-1]).any():
     raise PlanMismatchError("plan task table indexes rows past its capacities")
   if (q_len > kv_len).any():
     raise PlanMismatchError("plan has a task with more queries than keys")
   server_kv_idx = s.mine(p.server_kv_idx)
-  if (server_kv_idx < 0).any() or (server_kv_idx >= s.Tkv + s.N * s.Ckv).any():
+  if (server_kv_idx < 0).any() or (server_kv_idx >= s.Tkv + s.Rkv).any():
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
-  for name, parts, limit in (("local_q_idx", (s.mine(p.local_q_idx),), T),
-                             ("send_q_idx", s.blocks(p.send_q_idx), T),
-                             ("send_kv_idx", s.blocks(p.send_kv_idx), s.Tkv)):
-    if any(a.size and (a.min() < 0 or a.max() >= limit) for a in parts):
+  # The checked devices' own buffers; the rows others send them are followed (and checked) by
+  # `check_tasks_cover_one_document`.
+  for name, a, limit in (("local_q_idx", s.mine(p.local_q_idx), T),
+                         ("send_q_idx", s.mine(p.send_q_idx), T),
+                         ("send_kv_idx", s.mine(p.send_kv_idx), s.Tkv)):
+    if a.size and (a.min() < 0 or a.max() >= limit):
       raise PlanMismatchError(f"plan {name} outside the {limit} rows of a buffer")
 
 
@@ -168,7 +169,7 @@ def check_kv_inverse(s: Scope) -> None:
   to that slot and no other row is marked: then no row fills two slots (O(slots), no inverse
   rebuilt)."""
   p = s.plan
-  rows = s.Tkv + s.N * s.Ckv
+  rows = s.Tkv + s.Rkv
   if p.server_kv_inv.shape != (s.N, rows) or p.server_kv_inv_valid.shape != (s.N, rows):
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
   i, slot = np.nonzero(s.mine(p.server_kv_valid))
@@ -181,28 +182,43 @@ def check_kv_inverse(s: Scope) -> None:
 
 
 def check_exchange_counts(s: Scope) -> None:
-  """The exchange's counts describe its send blocks: valid rows packed from each block's start
-  (a ragged exchange sends rows [0, count) of a block), none on the diagonal, what s receives
-  from d is what d sends; and a shifted exchange's capacity per shift holds each block of it."""
+  """The exchange's counts and offsets describe its packed buffers: no row to itself, what s
+  receives from d is what d sends, offsets are the exclusive prefix sums of the counts (so the
+  valid rows of a send buffer are its first ones), every buffer holds its rows, and the tiled
+  and shifted exchanges' blocks hold theirs."""
   p = s.plan
-  for name, valid, send, recv, shift in (
-      ("q", p.send_q_valid, p.send_q_count, p.recv_q_count, p.shift_q),
-      ("kv", p.send_kv_valid, p.send_kv_count, p.recv_kv_count, p.shift_kv)):
-    ramp = np.arange(valid.shape[-1])
-    if (send.shape != (s.N, s.N) or not np.array_equal(recv, send.T) or np.diagonal(send).any()
-        or not all(np.array_equal(v, ramp < n[..., None])
-                   for v, n in zip(s.blocks(valid), s.blocks(send)))):
-      raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count do not describe its "
-                              f"send blocks (rows packed from the start, recv the transpose)")
+  for name, valid, recv_rows, block, shift in (
+      ("q", p.send_q_valid, s.Rq, p.c, p.shift_q), ("kv", p.send_kv_valid, s.Rkv, p.ckv, p.shift_kv)):
+    count = np.asarray(getattr(p, f"send_{name}_count"), np.int64)
+    send_off, recv_off = exchange_offsets(count)
+    want = {f"recv_{name}_count": count.T, f"send_{name}_off": send_off,
+            f"recv_{name}_off": recv_off, f"peer_{name}_off": recv_off.T,
+            f"back_{name}_off": send_off.T}
+    if (count.shape != (s.N, s.N) or np.diagonal(count).any() or (count < 0).any()
+        or any(not np.array_equal(getattr(p, k), v) for k, v in want.items())):
+      raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count and their offsets do "
+                              f"not describe one packed exchange (recv the transpose, offsets "
+                              f"their prefix sums)")
+    sent, got = count.sum(1), count.sum(0)
+    if sent.max(initial=0) > valid.shape[-1] or got.max(initial=0) > recv_rows:
+      raise PlanMismatchError(f"plan's {name} rows do not fit its buffers: a device sends "
+                              f"{int(sent.max())} of {valid.shape[-1]} / receives "
+                              f"{int(got.max())} of {recv_rows}")
+    if not np.array_equal(s.mine(valid), np.arange(valid.shape[-1])[None, :] < s.mine(sent)[:, None]):
+      raise PlanMismatchError(f"plan send_{name}_valid is not the first send_{name}_count rows "
+                              f"of each send buffer")
+    if block and count.max(initial=0) > block:
+      raise PlanMismatchError(f"plan sends {int(count.max())} {name} rows between two devices, "
+                              f"more than the tiled exchange's blocks of {block}")
     if shift:
-      _check_shift_capacities(name, shift, send, valid.shape[-1], s.N)
+      _check_shift_capacities(name, shift, count, s.N)
 
 
-def _check_shift_capacities(name: str, shift: tuple, send: np.ndarray, capacity: int, N: int):
-  """A shifted exchange sends rows [0, shift[k - 1]) of each block d -> d + k: none may lie past."""
-  if len(shift) != N - 1 or max(shift) > capacity:
-    raise PlanMismatchError(f"plan shift_{name} {shift} is not one capacity <= {capacity} per "
-                            f"shift of {N} devices")
+def _check_shift_capacities(name: str, shift: tuple, send: np.ndarray, N: int):
+  """A shifted exchange moves at most shift[k - 1] rows d -> d + k: none may lie past."""
+  if len(shift) != N - 1:
+    raise PlanMismatchError(f"plan shift_{name} {shift} is not one capacity per shift of {N} "
+                            f"devices")
   k = (np.arange(N)[None, :] - np.arange(N)[:, None]) % N  # [d, s]: the shift of block d -> s
   cap = np.asarray((0,) + tuple(shift))[k]
   if (send > cap).any():
@@ -215,26 +231,43 @@ def check_each_token_has_one_slot(s: Scope) -> None:
   """As many query slots as real tokens: a local row or a row it sends, per checked home (with
   the next check, every real token sits in exactly one slot, so the O return is the exact
   transpose of the Q dispatch)."""
-  off_diagonal = s.devices[:, None] != np.arange(s.N)[None, :]
-  slots = (int(s.mine(s.plan.local_q_valid).sum())
-           + int((s.mine(s.plan.send_q_valid) & off_diagonal[..., None]).sum()))
+  slots = int(s.mine(s.plan.local_q_valid).sum()) + int(s.mine(s.plan.send_q_valid).sum())
   tokens = int(s.real[s.devices].sum())
   if slots != tokens:
     raise PlanMismatchError(f"plan places {slots} query rows on servers for {tokens} real tokens")
 
 
+def _sender(count: np.ndarray, recv_off: np.ndarray, server, row):
+  """(sender, its send-buffer slot, valid) of row `row` of server `server`'s receive buffer
+  (arrays): the last sender whose rows start at or before it (senders of no rows share the next
+  one's offset, and sort before it), `row` past its rows invalid."""
+  N = count.shape[0]
+  row = np.asarray(row, np.int64)
+  span = int(max(recv_off.max(initial=0) + count.max(initial=0), row.max(initial=0))) + 1
+  keys = (np.arange(N)[:, None] * span + recv_off).reshape(-1)  # sorted: offsets grow with d
+  sender = np.searchsorted(keys, server * span + row, side="right") - 1 - server * N
+  sender = np.clip(sender, 0, N - 1)
+  j = row - recv_off[server, sender]
+  ok = (j >= 0) & (j < count[sender, server])
+  return sender, j, ok
+
+
 def _query_row_source(s: Scope, server, row):
   """(home device, home row, valid) of server `server`'s query row `row` (arrays): rows < T are
-  its local rows, row T + h * C + j is row j of the block home h sent it."""
+  its local rows, row T + r is row r of its receive buffer, which home h sent from its send
+  buffer at send_q_off[h, server] + (r - recv_q_off[server, h])."""
   p, T = s.plan, s.T
   local_row = np.minimum(row, T - 1)
-  if not s.C:  # nothing is exchanged: every row is local
+  if not s.Rq:  # nothing is exchanged: every row is local
     return server, p.local_q_idx[server, local_row], p.local_q_valid[server, local_row]
-  home, j = np.maximum(row - T, 0) // s.C, np.maximum(row - T, 0) % s.C
+  home, j, ok = _sender(p.send_q_count, p.recv_q_off, server, np.maximum(row - T, 0))
+  slot = np.clip(p.send_q_off[home, server] + j, 0, p.send_q_idx.shape[-1] - 1)
+  sent = p.send_q_idx[home, slot]
+  ok &= p.send_q_valid[home, slot] & (sent >= 0) & (sent < T)  # a sender's rows, not checked yet
   local = row < T
   return (np.where(local, server, home),
-          np.where(local, p.local_q_idx[server, local_row], p.send_q_idx[home, server, j]),
-          np.where(local, p.local_q_valid[server, local_row], p.send_q_valid[home, server, j]))
+          np.where(local, p.local_q_idx[server, local_row], np.clip(sent, 0, T - 1)),
+          np.where(local, p.local_q_valid[server, local_row], ok))
 
 
 def _kv_row_source(s: Scope, server, slot):
@@ -242,26 +275,29 @@ def _kv_row_source(s: Scope, server, slot):
   p = s.plan
   v = p.server_kv_idx[server, slot].astype(np.int64)
   ok = p.server_kv_valid[server, slot]
-  if not s.Ckv:
+  if not s.Rkv:
     return server, v, ok
-  home, j = np.maximum(v - s.Tkv, 0) // s.Ckv, np.maximum(v - s.Tkv, 0) % s.Ckv
+  home, j, sent = _sender(p.send_kv_count, p.recv_kv_off, server, np.maximum(v - s.Tkv, 0))
+  src = np.clip(p.send_kv_off[home, server] + j, 0, p.send_kv_idx.shape[-1] - 1)
+  row = p.send_kv_idx[home, src]
+  sent &= p.send_kv_valid[home, src] & (row >= 0) & (row < s.Tkv)
   local = v < s.Tkv
-  return (np.where(local, server, home), np.where(local, v, p.send_kv_idx[home, server, j]),
-          ok & np.where(local, True, p.send_kv_valid[home, server, j]))
+  return (np.where(local, server, home), np.where(local, v, np.clip(row, 0, s.Tkv - 1)),
+          ok & np.where(local, True, sent))
 
 
 def check_outputs_come_from_their_tokens(s: Scope) -> None:
   """Each real token's output row is the server row that received that same token. Home d's row
-  r < T is its local row r; row T + srv * C + j came back from server srv, which received it as
-  row j of d's block."""
+  r < T is its local row r; row T + j came back to slot j of its send buffer, from the server
+  the query row in that slot went to (the reverse exchange mirrors the forward one)."""
   p, T = s.plan, s.T
   r = s.mine(p.return_idx).astype(np.int64)
   home = np.broadcast_to(s.devices[:, None], r.shape)
   local_row = np.minimum(r, T - 1)
-  if s.C:
-    server, j = np.maximum(r - T, 0) // s.C, np.maximum(r - T, 0) % s.C
-    got = np.where(r < T, p.local_q_idx[home, local_row], p.send_q_idx[home, server, j])
-    ok = np.where(r < T, p.local_q_valid[home, local_row], p.send_q_valid[home, server, j])
+  if p.send_q_idx.shape[-1]:
+    slot = np.clip(r - T, 0, p.send_q_idx.shape[-1] - 1)
+    got = np.where(r < T, p.local_q_idx[home, local_row], p.send_q_idx[home, slot])
+    ok = np.where(r < T, p.local_q_valid[home, local_row], p.send_q_valid[home, slot])
   else:
     got, ok = p.local_q_idx[home, local_row], p.local_q_valid[home, local_row]
   wrong = s.real[s.devices] & ((got != np.arange(T)[None]) | ~ok)

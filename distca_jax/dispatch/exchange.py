@@ -3,21 +3,26 @@
 Per layer, inside one `shard_map` over (pipe, data, tensor), a device (plan arrays without their
 leading N, `format.DispatchPlan`):
 
-  1. gathers the Q rows and the deduplicated K/V rows each server needs into per-server send
-     blocks of fixed capacity (`_rows_to_servers`, `_kv_to_servers`),
-  2. exchanges them over the pool (`transport`: the one place that moves blocks between
-     devices),
+  1. gathers the Q rows and the deduplicated K/V rows it sends into ONE packed send buffer each,
+     grouped by server (`_rows_to_servers`, `_kv_to_servers`),
+  2. exchanges them over the pool (`transport`: the one place that moves rows between devices)
+     into ONE packed receive buffer each, grouped by home,
   3. as a server, gathers its K/V rows so every document prefix is contiguous and runs the
      kernel over its fused task batch (`kernels.attention`),
-  4. returns O by the reverse exchange, and each home row picks its output (`_rows_to_home`).
+  4. returns O by the reverse exchange into the send buffer's slots, and each home row picks
+     its output (`_rows_to_home`).
 
-The transport seam. `transport(blocks_NxCx..., send_count_N, recv_count_N, mode, shifts)` takes
-a device's N send blocks (block s for server s, rows past a block's count zero) and returns the
-N blocks it receives (block s from device s). Every mode gives the same result; they differ in
-what travels. A new transport is one more function of that signature in `TRANSPORTS` (and a
-value of `attention.exchange`); the movers, their transposes and the gradients need nothing
-else, because each transport is its own transpose with the counts swapped (`send_count_N` <->
-`recv_count_N`) and the shifts reversed.
+The transport seam. `transport(x, out_rows, ex, mode)` takes a device's packed send buffer and
+an `Exchange` (its counts and offsets, per peer) and returns its packed receive buffer of
+`out_rows` rows. Every mode gives the same result; they differ in what travels:
+  ragged   one `jax.lax.ragged_all_to_all` (GPU): only the rows that move, buffers sized by the
+           busiest device's rows; the transport for clusters.
+  shifted  one `ppermute` per shift k that carries rows (d -> d + k), each at that shift's
+           largest block (CPU and GPU).
+  tiled    every (device, server) block padded to the largest pair's, one `all_to_all` (CPU and
+           GPU; `ragged`'s CPU stand-in: the same result with padded traffic).
+A transport is its own transpose with the exchange reversed (`Exchange.reversed`: counts and
+offsets of the two sides swapped, shifts reversed), which the movers use for their VJPs.
 
 Gradients: the row movements are linear maps with explicit transposes (custom VJPs): the Q
 dispatch and the O return are each other's transpose (gathers and the reverse exchange); the
@@ -28,14 +33,17 @@ server received for the backward; `resend` wraps the exchange and the kernel in 
 so the server keeps nothing and the backward sends Q, K, V again (and recomputes the server's
 forward: one more attention forward per layer, traded for the memory).
 
-Shapes: T home rows, H query heads, K K/V heads, D head dim, N devices of the pool, C rows per
-block, R = T + N * C server-side query rows, S = Skv gathered K/V rows per server.
+Shapes: T home rows, H query heads, K K/V heads, D head dim, N devices of the pool, Sq / Rq the
+packed query send / receive rows, R = T + Rq server-side query rows, S = Skv gathered K/V rows
+per server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,54 +60,100 @@ log = logging.getLogger("distca_jax.dispatch")
 # ----------------------------------------------------------------------------- transports
 
 
-def _tiled(blocks_NxCx, send_count_N, recv_count_N, shifts):
-  """One all_to_all of the whole padded blocks (CPU and GPU)."""
-  return jax.lax.all_to_all(blocks_NxCx, ROW_AXES, 0, 0, tiled=True)
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+  """One packed exchange as a device sees it (inside shard_map), [N] int32 per peer j:
+  send_count / send_off: its rows for j and where they start in its send buffer; recv_count /
+  recv_off: j's rows for it and where they land in its receive buffer; peer_off: where its rows
+  land in j's receive buffer. `block`: the tiled exchange's rows per padded block; `shifts`: the
+  shifted exchange's rows per shift k = 1 .. N-1."""
+
+  send_count: Any
+  send_off: Any
+  recv_count: Any
+  recv_off: Any
+  peer_off: Any
+  back_off: Any
+  block: int = 0
+  shifts: tuple = ()
+
+  def reversed(self) -> "Exchange":
+    """The exchange back: what was received is sent back to the slots it was sent from."""
+    return Exchange(send_count=self.recv_count, send_off=self.recv_off, recv_count=self.send_count,
+                    recv_off=self.send_off, peer_off=self.back_off, back_off=self.peer_off,
+                    block=self.block, shifts=self.shifts[::-1])
+
+  @classmethod
+  def of(cls, p: DispatchPlan, name: str) -> "Exchange":
+    """The query (`name` "q") or K/V ("kv") exchange of a device's plan."""
+    get = lambda field: getattr(p, f"{field.split('_')[0]}_{name}_{field.split('_')[1]}")
+    return cls(send_count=get("send_count"), send_off=get("send_off"),
+               recv_count=get("recv_count"), recv_off=get("recv_off"),
+               peer_off=get("peer_off"), back_off=get("back_off"),
+               block=p.c if name == "q" else p.ckv,
+               shifts=p.shift_q if name == "q" else p.shift_kv)
 
 
-def _shifted(blocks_NxCx, send_count_N, recv_count_N, shifts):
-  """One `ppermute` per shift k = 1 .. N-1: block d + k mod N goes to that device with its first
-  `shifts[k - 1]` rows (CPU and GPU). Over `data` alone (config refuses shifted with
-  mesh.pipe > 1): over two axes, ppermute numbers devices in the mesh's axis order while
-  all_to_all and axis_index follow the axis tuple's, and the mesh is (data, pipe, tensor) where
-  rows are (pipe, data)."""
-  N, C = blocks_NxCx.shape[:2]
+def _take_rows(x_SxE, idx, valid):
+  """Rows `idx` of `x`, zero where not `valid` (indices there may lie past the end)."""
+  return _masked(valid, jnp.take(x_SxE, idx, axis=0, mode="clip"))
+
+
+def _place_rows(out_RxE, rows_CxE, dst, valid):
+  """`out` with `rows` written at `dst` where `valid`; the others go past the end, where the
+  scatter drops them (no two writes to one row, so no atomics on a GPU)."""
+  dst = jnp.where(valid, dst, out_RxE.shape[0])
+  return out_RxE.at[dst.reshape(-1)].set(rows_CxE.reshape((-1,) + rows_CxE.shape[valid.ndim:]),
+                                         mode="drop")
+
+
+def _ragged(x_SxE, out_rows: int, ex: Exchange):
+  """Only the rows that move travel (`jax.lax.ragged_all_to_all`, GPU only)."""
+  return jax.lax.ragged_all_to_all(
+      x_SxE, jnp.zeros((out_rows,) + x_SxE.shape[1:], x_SxE.dtype), ex.send_off.astype(jnp.int32),
+      ex.send_count.astype(jnp.int32), ex.peer_off.astype(jnp.int32),
+      ex.recv_count.astype(jnp.int32), axis_name=ROW_AXES)
+
+
+def _tiled(x_SxE, out_rows: int, ex: Exchange):
+  """Blocks of `ex.block` rows per peer, one all_to_all of them all (CPU and GPU)."""
+  j = jnp.arange(ex.block, dtype=jnp.int32)[None, :]
+  blocks = _take_rows(x_SxE, ex.send_off[:, None] + j, j < ex.send_count[:, None])
+  got = jax.lax.all_to_all(blocks, ROW_AXES, 0, 0, tiled=True)
+  out = jnp.zeros((out_rows,) + x_SxE.shape[1:], x_SxE.dtype)
+  return _place_rows(out, got, ex.recv_off[:, None] + j, j < ex.recv_count[:, None])
+
+
+def _shifted(x_SxE, out_rows: int, ex: Exchange):
+  """One `ppermute` per shift k = 1 .. N-1 that carries rows: this device's rows for device
+  d + k mod N, `ex.shifts[k - 1]` of them (CPU and GPU). Over `data` alone (config refuses
+  shifted with mesh.pipe > 1): over two axes, ppermute numbers devices in the mesh's axis order
+  while all_to_all and axis_index follow the axis tuple's, and the mesh is (data, pipe, tensor)
+  where rows are (pipe, data)."""
+  N = ex.send_count.shape[0]
   me = jax.lax.axis_index("data")
-  out = jnp.zeros_like(blocks_NxCx)
-  for k, rows in enumerate(shifts, 1):
+  out = jnp.zeros((out_rows,) + x_SxE.shape[1:], x_SxE.dtype)
+  for k, rows in enumerate(ex.shifts, 1):
     if rows == 0:
       continue
-    block = jax.lax.dynamic_index_in_dim(blocks_NxCx, (me + k) % N, 0, keepdims=False)[:rows]
+    j = jnp.arange(rows, dtype=jnp.int32)
+    peer, source = (me + k) % N, (me - k) % N
+    block = _take_rows(x_SxE, ex.send_off[peer] + j, j < ex.send_count[peer])
     got = jax.lax.ppermute(block, "data", perm=[(i, (i + k) % N) for i in range(N)])
-    got = jnp.pad(got, [(0, C - rows)] + [(0, 0)] * (got.ndim - 1))
-    out = jax.lax.dynamic_update_index_in_dim(out, got, (me - k) % N, 0)
+    out = _place_rows(out, got, ex.recv_off[source] + j, j < ex.recv_count[source])
   return out
 
 
-def _ragged(blocks_NxCx, send_count_N, recv_count_N, shifts):
-  """Only the first `send_count_N[s]` rows of block s travel and `recv_count_N[s]` rows land in
-  block s (`jax.lax.ragged_all_to_all`, GPU only)."""
-  N, C = blocks_NxCx.shape[:2]
-  flat = blocks_NxCx.reshape((N * C,) + blocks_NxCx.shape[2:])
-  block_start = jnp.arange(N, dtype=jnp.int32) * C
-  here = jnp.full((N,), jax.lax.axis_index(ROW_AXES) * C, jnp.int32)  # my block on every peer
-  out = jax.lax.ragged_all_to_all(flat, jnp.zeros_like(flat), block_start,
-                                  send_count_N.astype(jnp.int32), here,
-                                  recv_count_N.astype(jnp.int32), axis_name=ROW_AXES)
-  return out.reshape(blocks_NxCx.shape)
-
-
-# `attention.exchange` -> transport(blocks_NxCx, send_count_N, recv_count_N, shifts).
+# `attention.exchange` -> transport(x_SxE, out_rows, ex).
 TRANSPORTS = {"tiled": _tiled, "shifted": _shifted, "ragged": _ragged}
 
 
-def transport(blocks_NxCx, send_count_N, recv_count_N, mode: str, shifts: tuple = ()):
-  """One exchange over the server pool: block s goes to device s, the block from device s lands
-  at s (`TRANSPORTS[mode]`). All modes give the same result when the rows past a block's count
-  are zero, as the movers make them (and `validate_plan` checks every count fits its shift).
-  Each is its own transpose with the counts swapped, or the shifts reversed (what went out on
-  shift k comes back on shift N - k)."""
-  return TRANSPORTS[mode](blocks_NxCx, send_count_N, recv_count_N, shifts)
+def transport(x_SxE, out_rows: int, ex: Exchange, mode: str):
+  """One packed exchange over the server pool (`TRANSPORTS[mode]`): the rows of this device's
+  send buffer `x_SxE` for each peer land in that peer's receive buffer of `out_rows` rows.
+  Rows past a buffer's counts are zero. Its transpose is `transport(g, S, ex.reversed(), mode)`."""
+  with jax.named_scope("exchange"):
+    return TRANSPORTS[mode](x_SxE, out_rows, ex)
 
 
 # ----------------------------------------------------------------------------- row movers
@@ -123,43 +177,36 @@ def _with_transpose(linear, transpose):
   return f
 
 
-def _send(x_TxKxD, idx_NxC, valid_NxC, send_count, recv_count, mode, shifts):
-  """The rows `idx_NxC[s]` of `x` to server s, one exchange: the [N * C] rows received."""
-  blocks = jnp.take(x_TxKxD, idx_NxC.reshape(-1), axis=0).reshape(idx_NxC.shape + x_TxKxD.shape[1:])
-  with jax.named_scope("dispatch"):
-    recv = transport(_masked(valid_NxC, blocks), send_count, recv_count, mode, shifts)
-  return recv.reshape((-1,) + x_TxKxD.shape[1:])
-
-
 def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode="tiled"):
-  """Home rows -> server-side rows [local T | received N*C] (Q forward, dO backward)."""
+  """Home rows -> server-side rows [local T | received Rq] (Q forward, dO backward)."""
   local = _masked(p.local_q_valid, jnp.take(x_TxHxD, p.local_q_idx, axis=0))
-  if p.send_q_idx.shape[-1] == 0:
+  if p.recv_q == 0:
     return local
-  return jnp.concatenate([local, _send(x_TxHxD, p.send_q_idx, p.send_q_valid, p.send_q_count,
-                                       p.recv_q_count, mode, p.shift_q)])
+  send = _masked(p.send_q_valid, jnp.take(x_TxHxD, p.send_q_idx, axis=0))
+  with jax.named_scope("dispatch"):
+    recv = transport(send, p.recv_q, Exchange.of(p, "q"), mode)
+  return jnp.concatenate([local, recv])
 
 
 def _rows_to_home(y_RxHxD, p: DispatchPlan, mode="tiled"):
   """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`
-  (every real token sits in exactly one server slot; `validate_plan` checks it). Rows past a
-  block's count are never read at home, so the reverse exchange may leave them out."""
-  N, C = p.send_q_idx.shape
+  (every real token sits in exactly one server slot; `validate_plan` checks it). The reverse
+  exchange brings each output back to the send slot its query row left from."""
   T = p.return_idx.shape[0]
-  if C:
+  if p.recv_q:
     with jax.named_scope("return"):
-      back = transport(y_RxHxD[T:].reshape((N, C) + y_RxHxD.shape[1:]), p.recv_q_count,
-                       p.send_q_count, mode, p.shift_q[::-1])
-    y_RxHxD = jnp.concatenate([y_RxHxD[:T], back.reshape((-1,) + y_RxHxD.shape[1:])])
+      back = transport(y_RxHxD[T:], p.send_q_idx.shape[0], Exchange.of(p, "q").reversed(), mode)
+    y_RxHxD = jnp.concatenate([y_RxHxD[:T], back])
   return _masked(p.return_valid, jnp.take(y_RxHxD, p.return_idx, axis=0))
 
 
 def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode="tiled"):
   """Home K/V rows -> the server's gathered K/V buffer [S] (each document prefix contiguous)."""
   rows = x_TxKxD
-  if p.send_kv_idx.shape[-1]:
-    rows = jnp.concatenate([x_TxKxD, _send(x_TxKxD, p.send_kv_idx, p.send_kv_valid,
-                                           p.send_kv_count, p.recv_kv_count, mode, p.shift_kv)])
+  if p.recv_kv:
+    send = _masked(p.send_kv_valid, jnp.take(x_TxKxD, p.send_kv_idx, axis=0))
+    with jax.named_scope("dispatch"):
+      rows = jnp.concatenate([x_TxKxD, transport(send, p.recv_kv, Exchange.of(p, "kv"), mode)])
   return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
 
 
@@ -167,24 +214,20 @@ def _kv_grads_to_home(g_SxKxD, p: DispatchPlan, mode="tiled"):
   """The transpose of `_kv_to_servers`: a gather by the inverse slot map, the reverse exchange,
   and a scatter-add of the returned rows onto the local ones (a row sent to several servers
   sums their gradients), in place."""
-  N, C = p.send_kv_idx.shape
-  T = p.server_kv_inv.shape[0] - N * C
+  T = p.server_kv_inv.shape[0] - p.recv_kv
   rows = _masked(p.server_kv_inv_valid, jnp.take(g_SxKxD, p.server_kv_inv, axis=0))
-  if C == 0:
+  if p.recv_kv == 0:
     return rows
   with jax.named_scope("return"):
-    back = transport(rows[T:].reshape((N, C) + rows.shape[1:]), p.recv_kv_count, p.send_kv_count,
-                     mode, p.shift_kv[::-1])
-  back = back.reshape((-1,) + rows.shape[1:])
+    back = transport(rows[T:], p.send_kv_idx.shape[0], Exchange.of(p, "kv").reversed(), mode)
   return rows[:T].at[kv_return_index(p.send_kv_idx, p.send_kv_valid, T)].add(back, mode="drop")
 
 
 def kv_return_index(send_kv_idx, send_kv_valid, T: int):
   """The local row each returned K/V gradient row adds onto, and T (past the end: the scatter
-  drops it) for every slot that carried no row: the diagonal block and the padding past each
-  block's count, whose index is 0. Added as zeros there, every one of them was an update of row
-  0: on the GPU a scatter-add of duplicate indices is atomic, so all of them contended for one
-  row, and their number grows with the blocks' capacity."""
+  drops it) for every slot of the send buffer past its rows, whose index is 0: added as zeros
+  onto row 0, they would all contend for one row (a GPU scatter-add of duplicate indices is
+  atomic)."""
   return jnp.where(send_kv_valid.reshape(-1), send_kv_idx.reshape(-1), T)
 
 
@@ -264,8 +307,8 @@ def make_distca_attention(attention_config, mesh: Mesh):
       return colocated(q, k, v, ctx)
     # Ping-pong's Pong reads K/V rows of Ping too (the prefix of the document the split cut):
     # its plan's local K/V rows are [its own T | Ping's T] (`Layout.prior`), static per plan.
-    N, T = ctx.return_idx.shape
-    kv_rows = ctx.server_kv_inv.shape[-1] - N * ctx.send_kv_idx.shape[-1]
+    T = ctx.return_idx.shape[-1]
+    kv_rows = ctx.server_kv_inv.shape[-1] - ctx.recv_kv
     if kv_rows != T:
       if prior_kv is None or kv_rows != 2 * T:
         have = T if prior_kv is None else 2 * T

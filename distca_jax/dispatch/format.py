@@ -16,15 +16,18 @@ import jax
 import numpy as np
 
 from distca_jax.data.packing import Layout
-from distca_jax.schedule.capacities import Capacities
-from distca_jax.schedule.items import Tasks, exchange_capacity
+from distca_jax.schedule.capacities import Capacities, bucketed, requirements
+from distca_jax.schedule.items import Tasks
 from distca_jax.schedule.plan import cumsum_in_groups, fill_ranges
 from distca_jax.schedule.planner import kv_requests, pair_rows
 
 ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "send_kv_idx",
                 "send_kv_valid", "server_kv_idx", "server_kv_valid", "server_kv_inv",
                 "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len", "return_idx",
-                "return_valid", "send_q_count", "recv_q_count", "send_kv_count", "recv_kv_count")
+                "return_valid", "send_q_count", "recv_q_count", "send_q_off", "recv_q_off",
+                "peer_q_off", "back_q_off", "send_kv_count", "recv_kv_count", "send_kv_off",
+                "recv_kv_off", "peer_kv_off", "back_kv_off")
+META_FIELDS = ("recv_q", "recv_kv", "c", "ckv", "shift_q", "shift_kv")
 
 
 class PlanMismatchError(ValueError):
@@ -32,37 +35,48 @@ class PlanMismatchError(ValueError):
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=list(ARRAY_FIELDS),
-                   meta_fields=["shift_q", "shift_kv"])
+                   meta_fields=list(META_FIELDS))
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
   """One step's dispatch arrays, leading dim N (one row per device, sharded over `ROW_AXES`).
 
-  Server-side rows are laid out as [local rows | rows received from each device (N * C)]; the
-  local K/V rows are the device's T rows, or for ping-pong's Pong 2T: its own, then Ping's
-  (`Layout.prior`: the prefix of the document the split cut is in Ping's buffers):
+  The exchange is packed: a device keeps every row it sends in ONE send buffer, grouped by
+  server, and receives into ONE buffer, grouped by home; both are sized by the busiest device's
+  moving rows (`Capacities.send_q` ...), never by N times a per-pair capacity. A server's query
+  rows are [local T | received Rq]; its K/V rows [local Tkv | received Rkv], where Tkv is the
+  device's T rows, or for ping-pong's Pong 2T: its own, then Ping's (`Layout.prior`: the prefix
+  of the document the split cut is in Ping's buffers):
 
   local_q_idx   [N, T]       home rows kept for local tasks, in the order the tasks expect
   local_q_valid [N, T]       bool (unused local rows: 0 and False; no task reads them)
-  send_q_idx    [N, N, C]    home rows sent to each server (the diagonal block is unused)
-  send_q_valid  [N, N, C]    bool
-  send_kv_idx   [N, N, Ckv]  local K/V rows sent to each server (diagonal unused)
-  send_kv_valid [N, N, Ckv]
-  server_kv_idx [N, Skv]     server-side K/V gather over [local Tkv | received N*Ckv] rows
+  send_q_idx    [N, Sq]      home rows sent, rows for server s at [send_q_off[s], + count)
+  send_q_valid  [N, Sq]      bool: the first sum(send_q_count) rows
+  send_kv_idx   [N, Skvs]    local K/V rows sent, grouped by server the same way
+  send_kv_valid [N, Skvs]
+  server_kv_idx [N, Skv]     server-side K/V gather over [local Tkv | received Rkv] rows
   server_kv_valid [N, Skv]
-  server_kv_inv [N, Tkv + N*Ckv]  its inverse (each K/V row a server holds sits in at most one
+  server_kv_inv [N, Tkv + Rkv]  its inverse (each K/V row a server holds sits in at most one
   server_kv_inv_valid           slot): the backward gathers K/V gradients instead of scattering
   q_start, q_len, kv_start, kv_len [N, Ctask]  the server's task table (kernels/tasks.py) over
-                             its [local T | received N*C] query rows and gathered K/V rows
-  return_idx    [N, T]       where home row r's output is in [local T | returned N*C] rows
+                             its [local T | received Rq] query rows and gathered K/V rows
+  return_idx    [N, T]       where home row r's output is in [local T | returned Sq] rows (an
+                             output comes back to the send slot its query row left from)
   return_valid  [N, T]       False for padding tokens (output zero)
-  send_q_count  [N, N]       rows of each send block that are real (valid rows are packed from
-  recv_q_count  [N, N]       the block's start); rows received from each device (the transpose)
-  send_kv_count, recv_kv_count [N, N]  the same for K/V. With `attention.exchange: ragged` only
-                             these rows travel (`jax.lax.ragged_all_to_all`, GPU)
-  shift_q, shift_kv          static: with `attention.exchange: shifted`, the rows that travel
-                             per shift k = 1 .. N-1 (device d's block for server d + k mod N,
-                             one `ppermute` each; every block of a shift at that shift's
-                             largest); () for the other exchanges
+  send_q_count  [N, N]       query rows device d sends server s (zero diagonal)
+  recv_q_count  [N, N]       rows server s receives from each home d (the transpose)
+  send_q_off    [N, N]       where d's rows for s start in d's send buffer (exclusive prefix sum)
+  recv_q_off    [N, N]       where s's rows from d start in s's receive buffer (the same over d)
+  peer_q_off    [N, N]       where d's rows land in s's receive buffer (recv_q_off transposed:
+                             what `ragged_all_to_all` asks of the sender)
+  back_q_off    [N, N]       where s's returned outputs land in d's send layout (send_q_off
+                             transposed: the reverse exchange's peer offsets)
+  send_kv_count ... back_kv_off  the same six for the K/V rows
+  recv_q, recv_kv            static: Rq and Rkv, the receive buffers' rows
+  c, ckv                     static: the tiled exchange's rows per padded (device, server) block
+                             (0 for the other exchanges)
+  shift_q, shift_kv          static: the shifted exchange's rows per shift k = 1 .. N-1 (device
+                             d's rows for server d + k mod N, one `ppermute` each, every block
+                             of a shift at that shift's largest); () for the other exchanges
   """
 
   local_q_idx: Any
@@ -83,44 +97,79 @@ class DispatchPlan:
   return_valid: Any
   send_q_count: Any
   recv_q_count: Any
+  send_q_off: Any
+  recv_q_off: Any
+  peer_q_off: Any
+  back_q_off: Any
   send_kv_count: Any
   recv_kv_count: Any
+  send_kv_off: Any
+  recv_kv_off: Any
+  peer_kv_off: Any
+  back_kv_off: Any
+  recv_q: int = 0
+  recv_kv: int = 0
+  c: int = 0
+  ckv: int = 0
   shift_q: tuple = ()
   shift_kv: tuple = ()
 
   KIND = "distca"  # what `core_attention` runs for this context (attention.py's protocol)
 
+  @property
+  def kv_rows(self) -> int:
+    """Tkv, a device's local K/V rows (T, or 2T for ping-pong's Pong)."""
+    return self.server_kv_inv.shape[-1] - self.recv_kv
+
+
+def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(send_off, recv_off), [N, N] int64, of an exchange moving count[d, s] rows d -> s: where
+  d's rows for s start in d's send buffer (send_off[d, s]) and where they land in s's receive
+  buffer (recv_off[s, d]); both exclusive prefix sums, so the buffers are packed."""
+  count = np.asarray(count_NxN, np.int64)
+  return np.cumsum(count, axis=1) - count, (np.cumsum(count, axis=0) - count).T
+
+
+def _exchange_arrays(name: str, count_NxN: np.ndarray) -> dict[str, np.ndarray]:
+  """The six per-device arrays of one packed exchange (`DispatchPlan`'s `*_{name}_*`)."""
+  send_off, recv_off = exchange_offsets(count_NxN)
+  i32 = lambda a: np.ascontiguousarray(a, np.int32)
+  return {f"send_{name}_count": i32(count_NxN), f"recv_{name}_count": i32(count_NxN.T),
+          f"send_{name}_off": i32(send_off), f"recv_{name}_off": i32(recv_off),
+          f"peer_{name}_off": i32(recv_off.T), f"back_{name}_off": i32(send_off.T)}
+
 
 def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices=None,
                    kv=None) -> DispatchPlan:
   """The dispatch arrays of a task placement (`DispatchPlan`), straight from the scheduler's
-  tasks: stay-home rows local, every off-diagonal (device, server) block padded to
-  `capacities.c` / `.ckv` rows (None: the smallest bucket that holds the rows that really move),
-  the server's K/V buffer and task table to `.skv` / `.ctask` (e.g. the scheduler's
-  `Plan.capacities`, or the larger ones of several plans of one shape), and the shifted
-  exchange's per-shift rows as given (`.shift_q`, `.shift_kv`; () for the other exchanges).
-  `devices` (default: all): fill only what those devices hold, send and
-  receive (their rows, and the blocks they send or receive); the other rows stay zero, never
-  touched (numpy's zeros are not committed until written), so a process of a large job pays
-  for its own devices; shapes and counts are those of the whole plan on every process. Work is a
-  loop over tasks and K/V pieces, never over tokens. `kv`: the tasks' `kv_requests`, when
-  already at hand. Raises PlanMismatchError when a capacity is too small."""
+  tasks: stay-home rows local, the moving rows packed in each device's send and receive
+  buffers of `capacities.send_q` / `.recv_q` / `.send_kv` / `.recv_kv` rows (None: the bucket
+  the plan needs), the server's K/V buffer and task table of `.skv` / `.ctask`, and the tiled
+  or shifted exchange's static block sizes as given (`.c`, `.ckv`, `.shift_q`, `.shift_kv`).
+  `devices` (default: all): fill only what those devices hold, send and receive (their rows,
+  and the rows they send or receive); the other rows stay zero, never touched (numpy's zeros
+  are not committed until written), so a process of a large job pays for its own devices;
+  shapes and counts are those of the whole plan on every process. Work is a loop over tasks and
+  K/V pieces, never over tokens. `kv`: the tasks' `kv_requests`, when already at hand. Raises
+  PlanMismatchError when a capacity is too small."""
   n, t = layout.num_buffers, layout.buffer_len
-  c, ckv, skv, ctask = capacities.c, capacities.ckv, capacities.skv, capacities.ctask
   tkv = layout.kv_rows  # K/V rows per device: its buffer, then a ping-pong prior buffer's
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   kv = kv_requests(tasks, layout) if kv is None else kv
-  # Rows per block of the whole plan (every process agrees on them, whatever it fills).
+  # Rows per (device, server) pair of the whole plan (every process agrees on them).
   q_pairs, kv_pairs, _ = pair_rows(tasks, layout, kv)
-  moved_q, moved_kv = int(q_pairs.max(initial=0)), int(kv_pairs.max(initial=0))
-  c = exchange_capacity(moved_q, t) if c is None else c
-  ckv = exchange_capacity(moved_kv, t) if ckv is None else ckv
-  if moved_q > c or moved_kv > ckv:
-    raise PlanMismatchError(f"plan moves {moved_q} query / {moved_kv} K/V rows between two "
-                            f"devices, more than the capacities {c} / {ckv}")
+  need = bucketed(requirements(tasks, layout, kv), t)
+  caps = dataclasses.replace(capacities, **{  # what `capacities` leaves open, as the plan needs
+      f.name: getattr(need, f.name) for f in dataclasses.fields(Capacities)
+      if getattr(capacities, f.name) is None})
+  sq, rq, skvs, rkv = caps.send_q, caps.recv_q, caps.send_kv, caps.recv_kv
+  skv, ctask = caps.skv, caps.ctask
+  _check_fits(q_pairs, kv_pairs, caps)
+  q_send_off, q_recv_off = exchange_offsets(q_pairs)
+  kv_send_off, kv_recv_off = exchange_offsets(kv_pairs)
 
-  # Queries, grouped by (home, server) block in home-row order: a block's rows are packed from
-  # its start; the diagonal block is the server's local rows [0, T), the others are sent.
+  # Queries, grouped by (home, server) in home-row order: local rows first at the server, the
+  # others at their pair's place in the home's send buffer and the server's receive buffer.
   block = tasks.home * n + tasks.server
   order = np.lexsort((tasks.home_off, block))
   home, server = tasks.home[order], tasks.server[order]
@@ -134,21 +183,20 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   local_q_valid = np.zeros(n * t, bool)
   w = local & mine[home]
   fill_ranges(local_q_idx, local_q_valid, home[w] * t + pos[w], hoff[w], ql[w])
-  send_q_idx = np.zeros(n * n * c, np.int32)
-  send_q_valid = np.zeros(n * n * c, bool)
+  send_slot = q_send_off[home, server] + pos  # the row's place in its home's send buffer
+  send_q_idx = np.zeros(n * sq, np.int32)
+  send_q_valid = np.zeros(n * sq, bool)
   w = ~local & (mine[home] | mine[server])
-  fill_ranges(send_q_idx, send_q_valid, block[order][w] * c + pos[w], hoff[w], ql[w])
-  # Server-side query row of a task's first row: local rows first, then T + home * c + j.
-  q_start = np.where(local, pos, t + home * c + pos)
-  # Home-side row of each output: local rows, then T + server * c + j of the returned blocks.
+  fill_ranges(send_q_idx, send_q_valid, (home * sq + send_slot)[w], hoff[w], ql[w])
+  q_start = np.where(local, pos, t + q_recv_off[server, home] + pos)
   return_idx = np.zeros(n * t, np.int32)
   return_valid = np.zeros(n * t, bool)
   w = mine[home]
   fill_ranges(return_idx, return_valid, home[w] * t + hoff[w],
-              np.where(local, pos, t + server * c + pos)[w], ql[w])
+              np.where(local, pos, t + send_slot)[w], ql[w])
 
   # Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
-  # server reads its own pieces from its buffer; the others arrive in (source, server) blocks.
+  # server reads its own pieces from its buffer; the others arrive packed by source.
   dst = kv.pair_server[kv.piece_pair]
   kblk = kv.piece_src * n + dst
   korder = np.lexsort((kv.piece_doc_off, kv.piece_pair, kblk))
@@ -156,10 +204,11 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   src_off = kv.piece_src_off[korder]
   kpos = cumsum_in_groups(rows, kblk[korder])
   own = src == kdst
-  send_kv_idx = np.zeros(n * n * ckv, np.int32)
-  send_kv_valid = np.zeros(n * n * ckv, bool)
+  send_kv_idx = np.zeros(n * skvs, np.int32)
+  send_kv_valid = np.zeros(n * skvs, bool)
   w = ~own & (mine[src] | mine[kdst])
-  fill_ranges(send_kv_idx, send_kv_valid, kblk[korder][w] * ckv + kpos[w], src_off[w], rows[w])
+  fill_ranges(send_kv_idx, send_kv_valid, (src * skvs + kv_send_off[src, kdst] + kpos)[w],
+              src_off[w], rows[w])
   # The server's K/V buffer: each (server, document) pair a contiguous prefix region.
   need = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n).max(initial=0)
   if need > skv:
@@ -172,7 +221,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   w = mine[kdst]
   fill_ranges(server_kv_idx, server_kv_valid,
               (kdst * skv + pair_base[pair] + kv.piece_doc_off[korder])[w],
-              np.where(own, src_off, tkv + src * ckv + kpos)[w], rows[w])
+              np.where(own, src_off, tkv + kv_recv_off[kdst, src] + kpos)[w], rows[w])
 
   # Task tables: per server, in order of their query rows.
   num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
@@ -193,21 +242,32 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
 
   server_kv_idx = server_kv_idx.reshape(n, skv)
   server_kv_valid = server_kv_valid.reshape(n, skv)
-  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, tkv + n * ckv, devices)
-  send_q_valid = send_q_valid.reshape(n, n, c)
-  send_kv_valid = send_kv_valid.reshape(n, n, ckv)
-  send_q_count, send_kv_count = q_pairs.astype(np.int32), kv_pairs.astype(np.int32)
+  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, tkv + rkv, devices)
   return DispatchPlan(
       local_q_idx=local_q_idx.reshape(n, t), local_q_valid=local_q_valid.reshape(n, t),
-      send_q_idx=send_q_idx.reshape(n, n, c), send_q_valid=send_q_valid,
-      send_kv_idx=send_kv_idx.reshape(n, n, ckv), send_kv_valid=send_kv_valid,
+      send_q_idx=send_q_idx.reshape(n, sq), send_q_valid=send_q_valid.reshape(n, sq),
+      send_kv_idx=send_kv_idx.reshape(n, skvs), send_kv_valid=send_kv_valid.reshape(n, skvs),
       server_kv_idx=server_kv_idx, server_kv_valid=server_kv_valid,
       server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid,
       **{k: v.reshape(n, ctask) for k, v in tab.items()},
       return_idx=return_idx.reshape(n, t), return_valid=return_valid.reshape(n, t),
-      send_q_count=send_q_count, recv_q_count=np.ascontiguousarray(send_q_count.T),
-      send_kv_count=send_kv_count, recv_kv_count=np.ascontiguousarray(send_kv_count.T),
-      shift_q=capacities.shift_q, shift_kv=capacities.shift_kv)
+      **_exchange_arrays("q", q_pairs), **_exchange_arrays("kv", kv_pairs),
+      recv_q=rq, recv_kv=rkv, c=caps.c or 0, ckv=caps.ckv or 0, shift_q=caps.shift_q, shift_kv=caps.shift_kv)
+
+
+def _check_fits(q_pairs: np.ndarray, kv_pairs: np.ndarray, caps: Capacities) -> None:
+  """Raises PlanMismatchError when the plan's moving rows do not fit the buffers (or, for the
+  tiled and shifted exchanges, their blocks)."""
+  for name, pairs, send, recv, block, shifts in (
+      ("query", q_pairs, caps.send_q, caps.recv_q, caps.c, caps.shift_q),
+      ("K/V", kv_pairs, caps.send_kv, caps.recv_kv, caps.ckv, caps.shift_kv)):
+    sent, got = int(pairs.sum(1).max(initial=0)), int(pairs.sum(0).max(initial=0))
+    if sent > send or got > recv:
+      raise PlanMismatchError(f"plan sends {sent} / receives {got} {name} rows on one device, "
+                              f"more than the buffers' capacities {send} / {recv}")
+    if block and int(pairs.max(initial=0)) > block:
+      raise PlanMismatchError(f"plan moves {int(pairs.max())} {name} rows between two devices, "
+                              f"more than the tiled exchange's block capacity {block}")
 
 
 def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray, rows: int,

@@ -16,28 +16,37 @@ from typing import Any
 import numpy as np
 
 from distca_jax.data.packing import Layout
-from distca_jax.schedule.items import Tasks, exchange_capacity, row_bucket, task_bucket
+from distca_jax.schedule.items import Tasks, buffer_bucket, exchange_capacity, row_bucket, task_bucket
 from distca_jax.schedule.planner import KVRequests, kv_requests, pair_rows
 
 log = logging.getLogger(__name__)
 
-_SIZES = ("c", "ckv", "skv", "ctask")
+_SIZES = ("send_q", "recv_q", "send_kv", "recv_kv", "c", "ckv", "skv", "ctask")
 
 
 @dataclasses.dataclass(frozen=True)
 class Capacities:
   """The capacities of one step's dispatch arrays, in rows (or tasks):
 
-  c        query rows per exchanged (device, server) block (0: no query row moves)
-  ckv      K/V rows per exchanged block (0: no K/V row moves)
+  send_q, recv_q    query rows of a device's packed send buffer (every row it sends, grouped by
+                    server) and of its packed receive buffer (every row it serves for others,
+                    grouped by home): the busiest sender's and receiver's rows, bucketed (0:
+                    no query row moves, the exchange is skipped)
+  send_kv, recv_kv  the same for the deduplicated K/V rows
   skv      K/V rows a server gathers (every document prefix it serves, contiguous)
   ctask    tasks per server
+  c, ckv   the tiled exchange's rows per padded (device, server) block (the largest pair's); 0
+           for the other exchanges
   shift_q, shift_kv  the shifted exchange's rows per shift k = 1 .. N-1 (the largest block
            d -> d + k mod N); () for the other exchanges
 
   As `make_plan`'s limits, a size that is None is not fixed (the plan takes the bucket it needs)
   and empty shifts are not fixed."""
 
+  send_q: int | None = None
+  recv_q: int | None = None
+  send_kv: int | None = None
+  recv_kv: int | None = None
   c: int | None = None
   ckv: int | None = None
   skv: int | None = None
@@ -65,6 +74,13 @@ class Capacities:
     """The same sizes for an exchange that is not shifted."""
     return dataclasses.replace(self, shift_q=(), shift_kv=())
 
+  def for_exchange(self, exchange: str) -> "Capacities":
+    """Only the sizes `attention.exchange` uses: the packed buffers always; the padded blocks
+    (`c`, `ckv`) for `tiled`; the per-shift rows for `shifted`. The others are zeroed so they
+    never grow the run's shapes (each distinct value compiles the step)."""
+    out = self if exchange == "shifted" else self.without_shifts()
+    return out if exchange == "tiled" else dataclasses.replace(out, c=0, ckv=0)
+
 
 def largest(*records):
   """The elementwise maximum of records of one dataclass type (int fields, and tuples of ints
@@ -85,14 +101,17 @@ def largest(*records):
 
 
 def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> Capacities:
-  """The smallest capacities a task placement needs (before bucketing): its most query / K/V rows
-  between two devices (overall and per shift), K/V rows on one server, tasks on one server."""
+  """The smallest capacities a task placement needs (before bucketing): the most query / K/V rows
+  one device sends and one receives, the most between two devices (overall and per shift), K/V
+  rows on one server, tasks on one server."""
   n = layout.num_buffers
   kv = kv_requests(tasks, layout) if kv is None else kv
   q_pairs, kv_pairs, _ = pair_rows(tasks, layout, kv)
   d = np.arange(n)
   skv = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n)
   return Capacities(
+      send_q=int(q_pairs.sum(1).max(initial=0)), recv_q=int(q_pairs.sum(0).max(initial=0)),
+      send_kv=int(kv_pairs.sum(1).max(initial=0)), recv_kv=int(kv_pairs.sum(0).max(initial=0)),
       c=int(q_pairs.max(initial=0)), ckv=int(kv_pairs.max(initial=0)),
       skv=int(skv.max(initial=0)), ctask=int(np.bincount(tasks.server, minlength=n).max(initial=0)),
       shift_q=tuple(int(q_pairs[d, (d + k) % n].max()) for k in range(1, n)),
@@ -104,8 +123,10 @@ def bucketed(need: Capacities, buffer_len: int, fixed: Capacities = Capacities()
   K/V rows: `row_bucket`; tasks: `task_bucket`), except what `fixed` fixes."""
   pick = lambda name, bucket: getattr(fixed, name) if getattr(fixed, name) is not None else bucket
   rows = lambda r: exchange_capacity(r, buffer_len)
+  buffer = lambda name: pick(name, buffer_bucket(getattr(need, name)))
   return Capacities(
-      c=pick("c", rows(need.c)), ckv=pick("ckv", rows(need.ckv)),
+      send_q=buffer("send_q"), recv_q=buffer("recv_q"), send_kv=buffer("send_kv"),
+      recv_kv=buffer("recv_kv"), c=pick("c", rows(need.c)), ckv=pick("ckv", rows(need.ckv)),
       skv=pick("skv", row_bucket(need.skv, buffer_len)), ctask=pick("ctask", task_bucket(need.ctask)),
       shift_q=fixed.shift_q or tuple(rows(r) for r in need.shift_q),
       shift_kv=fixed.shift_kv or tuple(rows(r) for r in need.shift_kv))

@@ -44,6 +44,26 @@ def task_bucket(n: int, minimum: int = 8) -> int:
   return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
+# Steps per octave of the exchange buffers' buckets: at most 2^(1/4) - 1 = 19% padding, and few
+# enough sizes that a run's buffers (which only grow) compile a handful of times.
+BUFFER_BUCKET_STEPS = 4
+
+
+def buffer_bucket(rows: int) -> int:
+  """Rows of an exchange send or receive buffer holding `rows`: 0 for 0 (nothing moves, the
+  exchange is skipped), else the smallest 128 * 2^(i/4), rounded up to a multiple of 128, that
+  holds them. A buffer's size follows the rows that move, never the buffer length or N."""
+  rows = int(rows)
+  if rows <= 0:
+    return 0
+  i = max(0, math.ceil(BUFFER_BUCKET_STEPS * math.log2(rows / GRANULE) - 1e-9))
+  while True:
+    bucket = -(-math.ceil(GRANULE * 2.0 ** (i / BUFFER_BUCKET_STEPS)) // GRANULE) * GRANULE
+    if bucket >= rows:
+      return bucket
+    i += 1
+
+
 def exchange_capacity(moved: int, buffer_len: int) -> int:
   """Rows per (device, server) block of the all_to_all: 0 when no row moves (the exchange is
   skipped: a balanced batch costs what colocated attention costs), else a bucket."""
