@@ -102,12 +102,11 @@ def main(argv=None) -> int:
   if bar:
     bar.close()
 
-  print(f"CAD's exchange modelled as {cfg.exchange!r}: " + (
-      "only the rows that move travel, as with attention.exchange=ragged (which XLA 0.11 runs "
-      "with a host wait per call: slower than tiled on 2 GPUs); the dispatch's default tiled "
-      "transport pads every pair to the largest: rerun with exchange=tiled for its prediction"
-      if cfg.exchange == "ragged" else
-      "every (rank, server) pair padded to the largest pair's bucket (attention.exchange=tiled)"))
+  print(f"CAD's exchange modelled as {cfg.exchange!r} ({_EXCHANGE_NOTE[cfg.exchange]})"
+        + (f", K/V relayed with fanout {cfg.kv_relay_fanout} in a second round"
+           if cfg.kv_relay_fanout else ", no K/V relay")
+        + (f"; CAD overheads {cfg.cad_fixed_overhead} of linear time + {cfg.cad_ms_per_gb} ms/GB"
+           if cfg.cad_fixed_overhead or cfg.cad_ms_per_gb else "; no CAD overhead terms (ideal)"))
   _print_table(rows)
   if by_imbalance:
     print("\nCAD (ungated) over colocated by colocated attention imbalance, all batches:")
@@ -115,6 +114,7 @@ def main(argv=None) -> int:
       print(line)
   for r in rows:
     r["exchange"] = cfg.exchange
+    r["kv_relay_fanout"] = cfg.kv_relay_fanout
   with open(out_dir / "sim.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
@@ -124,6 +124,12 @@ def main(argv=None) -> int:
         + (f", plans in {dump}" if dump else ""))
   return 0
 
+
+_EXCHANGE_NOTE = {
+    "ragged": "only the rows that move travel",
+    "shifted": "one ppermute per shift, each device sending the shift's bucketed capacity",
+    "tiled": "every (rank, server) pair padded to the largest pair's bucket",
+}
 
 GATE_BINS = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0, 2.5, 3.0, float("inf"))
 

@@ -448,3 +448,85 @@ def test_simulator_tiled_exchange_costs_more_than_ragged():
   assert tiled.comm_ms > ragged.comm_ms and tiled.iter_s >= ragged.iter_s
   with pytest.raises(ConfigError, match="exchange"):
     load_sim_config(None, ["exchange=padded"])
+
+
+@pytest.mark.parametrize("fanout", [0, 16])
+def test_exchanges_bytes_ordered_ragged_shifted_tiled(lens, fanout):
+  """On a sampled batch, per (device, server) pair and round: ragged carries the rows that move
+  (the planner's `traffic`), shifted pads each pair to its shift's capacity, tiled to the
+  largest pair's, so ragged <= shifted <= tiled pair by pair, and strictly in total."""
+  from distca_jax.schedule.planner import traffic
+  from distca_jax.schedule.relay import Relay
+  from distca_jax.sim.transport import exchange_rounds
+
+  layout = pack(lens, N, T)
+  tasks, _ = balance(layout, COMM, 0.05)
+  relay = Relay(fanout, 1) if fanout else None
+  by = {ex: exchange_rounds(tasks, layout, COMM, ex, relay) for ex in ("ragged", "shifted", "tiled")}
+  assert {len(r) for r, _ in by.values()} == {len(by["ragged"][0])}
+  ragged, moved = by["ragged"]
+  assert np.allclose(sum(ragged), traffic(tasks, layout, COMM, pairwise=True, relay=relay).pair_bytes)
+  assert np.allclose(moved, sum(ragged))
+  tiled = traffic(tasks, layout, COMM, pairwise=True, tiled=True, relay=relay).pair_bytes
+  assert np.allclose(sum(by["tiled"][0]), tiled)
+  for k in range(len(ragged)):
+    r, s, t = (by[ex][0][k] for ex in ("ragged", "shifted", "tiled"))
+    assert (r <= s + 1e-6).all() and (s <= t + 1e-6).all()
+    d = np.arange(N)
+    for shift in range(1, N):  # every block of a shift is that shift's capacity
+      assert np.unique(s[d, (d + shift) % N]).size == 1
+  total = {ex: sum(r).sum() for ex, (r, _) in by.items()}
+  assert total["ragged"] < total["shifted"] < total["tiled"]
+  for ex in ("shifted", "tiled"):  # the padded transports move the same rows
+    assert np.allclose(by[ex][1], moved)
+
+
+def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
+  """A document over 12 of 32 ranks, balanced over many servers: without relays its holders send
+  its K/V prefix to each; relayed, the busiest device's bytes drop, the bytes on the wire do not
+  change, and the simulator charges the second round after the first."""
+  from distca_jax.schedule.relay import Relay
+  from distca_jax.sim.transport import exchange_rounds
+
+  n = 32
+  lens = np.r_[[12 * T], np.full((n - 12) * T // 2048, 2048)]
+  layout = pack(lens, n, T)
+  tasks, _ = balance(layout, COMM, 0.05)
+  busiest = lambda rounds: max(sum(rounds).sum(1).max(), sum(rounds).sum(0).max())
+  for ex in ("ragged", "shifted", "tiled"):
+    direct, _ = exchange_rounds(tasks, layout, COMM, ex)
+    relayed, moved = exchange_rounds(tasks, layout, COMM, ex, Relay(16, 1))
+    assert len(direct) == 1 and len(relayed) == 2
+    if ex == "ragged":
+      assert busiest(relayed) < 0.6 * busiest(direct)
+      assert np.isclose(sum(relayed).sum(), direct[0].sum())
+      assert np.allclose(moved, sum(relayed))
+  cfg = load_sim_config(None, [f"gpus=[{8 * n}]", "kv_relay_fanout=16"])
+  sim = Simulator(cfg, Point("llama3_8b", 8 * n, T, "pretrain"))
+  rounds, _ = exchange_rounds(tasks, layout, COMM, "ragged", sim.relay)
+  comm_ms, bytes_, _ = sim._cad_exchange(tasks, layout, COMM)
+  assert np.allclose(comm_ms, sum(sim._comm_ms_pairwise(r) for r in rounds))
+  assert (comm_ms >= sim._comm_ms_pairwise(sum(rounds)) - 1e-9).all()
+  assert (comm_ms > sim._comm_ms_pairwise(sum(rounds)) + 1e-6).any()  # sequential, not merged
+  assert np.isclose(bytes_.max(), busiest(rounds))
+
+
+def test_simulator_exchange_and_relay_config():
+  """The simulator's transports order its CAD bytes and times as the exchanges do; bad values of
+  `exchange` and `kv_relay_fanout` are config errors naming the field."""
+  base = ["gpus=[128]", "batches=1"]
+  point = Point("llama3_8b", 128, 131072, "pretrain")
+  cad = {ex: Simulator(load_sim_config(None, base + [f"exchange={ex}"]), point).batch(0)[0]["cad"]
+         for ex in ("ragged", "shifted", "tiled")}
+  assert cad["ragged"].bytes_per_layer < cad["shifted"].bytes_per_layer < cad["tiled"].bytes_per_layer
+  assert cad["ragged"].comm_ms <= cad["shifted"].comm_ms <= cad["tiled"].comm_ms
+  assert load_sim_config(None, base).kv_relay_fanout == 0
+  assert Simulator(load_sim_config(None, base), point).relay is None
+  relay = Simulator(load_sim_config(None, base + ["kv_relay_fanout=4"]), point).relay
+  assert relay.fanout == 4 and relay.devices_per_node == 1  # TP 8 on 8-GPU nodes: a rank a node
+  tp2 = load_sim_config(None, ["gpus=[16]", "tensor_parallel=2", "kv_relay_fanout=4"])
+  assert Simulator(tp2, Point("llama3_8b", 16, 131072, "pretrain")).relay.devices_per_node == 4
+  for bad in ("exchange=padded", "kv_relay_fanout=-1", "kv_relay_fanout=1.5",
+              "kv_relay_fanout=many"):
+    with pytest.raises(ConfigError, match=bad.split("=")[0]):
+      load_sim_config(None, [bad])

@@ -102,10 +102,14 @@ class SimConfig:
   # Fraction of CAD's dispatch traffic that ping-pong can hide at most (1: all of it when the
   # other nano-batch's compute is long enough).
   pingpong_overlap: Fraction = 1.0
-  # CAD's transport: `ragged`, only the rows that move (attention.exchange=ragged), or `tiled`,
-  # every (device, server) pair padded to the largest pair's capacity bucket (the default
-  # attention.exchange=tiled of the dispatch).
-  exchange: Literal["ragged", "tiled"] = "ragged"
+  # CAD's transport (attention.exchange; distca_jax/sim/transport.py): `ragged`, only the rows
+  # that move travel; `shifted`, one ppermute per shift, every device sending that shift's
+  # bucketed capacity; `tiled`, every (device, server) pair padded to the largest pair's bucket.
+  exchange: Literal["ragged", "shifted", "tiled"] = "ragged"
+  # Relayed K/V (schedule/relay.py): a shard many servers need goes to about sqrt(m) of them,
+  # which forward it to at most this many others each, in a second exchange round after the
+  # first. 0: off (every server receives its K/V rows from their holder).
+  kv_relay_fanout: NonNegInt = 0
   # CAD's costs the model otherwise leaves out: a fixed part, as a fraction of each rank's linear
   # time (the ping-pong split's smaller matmuls, the exchange's calls), and ms per GB a rank sends
   # and receives (the rows that move, per layer: laying them out on the servers and the exchange

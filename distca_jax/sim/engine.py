@@ -57,7 +57,9 @@ from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
 from distca_jax.schedule.wlb import WlbCost
 from distca_jax.schedule.planner import traffic
+from distca_jax.schedule.relay import Relay
 from distca_jax.sim.config import SimConfig
+from distca_jax.sim.transport import exchange_rounds
 
 SYSTEMS = ("cad", "colocated", "wlb", "wlb_best", "per_doc_cp")
 
@@ -138,6 +140,9 @@ class Simulator:
         elongate_factor=elong, full_context_replacement=(point.distribution == "prolong"),
         seed=cfg.seed)
     self.node = np.arange(self.ranks) * tp // h.gpus_per_node
+    # Relayed K/V: a node holds gpus_per_node / TP ranks (TP 8 on 8 GPUs: every rank its own node).
+    self.relay = (Relay(cfg.kv_relay_fanout, max(1, h.gpus_per_node // tp))
+                  if cfg.kv_relay_fanout else None)
     # Appendix A: shards in flight with communication hidden, s <= 2 (t B - h_q) / h_kv - 1,
     # t = forward time per token of the non-attention layers (one layer, one GPU's share),
     # B = network bandwidth per GPU, h_q / h_kv = bytes per token of Q / of K and V on one GPU.
@@ -162,6 +167,17 @@ class Simulator:
     inter_in = np.where(same, 0.0, pair_bytes).sum(0)
     nv, net = h.nvlink_gbps * 1e6, h.network_gbps * 1e6  # bytes per ms
     return np.maximum.reduce([intra_out / nv, inter_out / net, intra_in / nv, inter_in / net])
+
+  def _cad_exchange(self, tasks, layout, comm):
+    """(comm ms, bytes, moved bytes) per rank and layer of CAD's exchange on the configured
+    transport (`transport.exchange_rounds`): a relay's second round runs after the first, so
+    their times add; bytes = max(sent, received) over all rounds; moved = sent + received of the
+    rows that move (what `cad_ms_per_gb` charges)."""
+    rounds, moved_NxN = exchange_rounds(tasks, layout, comm, self.cfg.exchange, self.relay)
+    comm_ms = sum(self._comm_ms_pairwise(r) for r in rounds)
+    total_NxN = sum(rounds)
+    return (comm_ms, np.maximum(total_NxN.sum(1), total_NxN.sum(0)),
+            moved_NxN.sum(1) + moved_NxN.sum(0))
 
   def _cad_result(self, cfg, per, area_after, attn_ms, shards) -> SystemResult:
     """CAD's result from its per-nano-batch (area, attention ms, tokens, comm ms, bytes) parts:
@@ -275,11 +291,8 @@ class Simulator:
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)
-      tr = traffic(tasks, lay, self.comm, pairwise=True, tiled=cfg.exchange == "tiled")
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
-      moved = plan.traffic.send + plan.traffic.recv  # the rows that move, padded or not
-      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes),
-                  np.maximum(tr.send, tr.recv), moved))
+      per.append((plan, attn, tok, *self._cad_exchange(tasks, lay, self.comm)))
       remote = tasks.server != tasks.home
       shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))
       if dump_dir is not None:

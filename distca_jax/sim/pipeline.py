@@ -227,11 +227,8 @@ class PipelineSimulator(Simulator):
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)
-      tr = traffic(tasks, lay, comm, pairwise=True, tiled=cfg.exchange == "tiled")
       tok = np.bincount(lay.buffer, weights=lay.length, minlength=n).astype(np.float64)
-      per.append((plan, attn, tok, self._comm_ms_pairwise(tr.pair_bytes),
-                  np.maximum(tr.send, tr.recv),
-                  plan.traffic.send + plan.traffic.recv))
+      per.append((plan, attn, tok, *self._cad_exchange(tasks, lay, comm)))
       remote = tasks.server != tasks.home
       shards = max(shards, int(np.bincount(tasks.server[remote], minlength=n).max(initial=0)))
       if dump_dir is not None:
