@@ -218,9 +218,10 @@ def comm_model(shape: ModelShape, attention_config) -> CommModel:
 def exchange_bytes(attention_config, shape: ModelShape, plans, capacities: Capacities) -> np.ndarray:
   """Per device, the bytes one layer's exchange sends plus receives over the step's plans, in
   NVLink bytes. Tiled (`attention.exchange`): every off-diagonal (device, server) block travels
-  whole, padded to the largest pair's (`c` query rows, `ckv` K/V rows), whatever the plan moves;
-  shifted: each shift's blocks at that shift's capacity (`shift_q`, `shift_kv`); ragged: the rows
-  that move (the plans' traffic, spread evenly over the device's peers). With data ranks on
+  whole, padded to the largest pair's (`c` query rows, `ckv` K/V rows, `ckv2` relayed K/V rows),
+  whatever the plan moves; shifted: each shift's blocks at that shift's capacity (`shift_q`,
+  `shift_kv`, `shift_kv2`); ragged: the rows that move (the plans' traffic, relays included,
+  spread evenly over the device's peers). With data ranks on
   several nodes (`attention.gate_nodes`) a device's bytes within its node and across nodes move
   at once over different links: the busier link counts, bytes across nodes at
   `attention.gate_network_byte_cost` NVLink bytes each (as the simulator's exchange model)."""
@@ -236,10 +237,12 @@ def exchange_bytes(attention_config, shape: ModelShape, plans, capacities: Capac
   pair = np.zeros((n, n))  # one layer's bytes per plan, [sender, receiver]
   if attention_config.exchange == "shifted":  # shift k: block d -> d + k
     d = np.arange(n)
-    for k, (q, kv) in enumerate(zip(capacities.shift_q, capacities.shift_kv), start=1):
-      pair[d, (d + k) % n] = q * comm.q_row_bytes + kv * comm.kv_row_bytes
+    kv2 = capacities.shift_kv2 or (0,) * len(capacities.shift_q)  # no relayed round
+    for k, (q, kv, r) in enumerate(zip(capacities.shift_q, capacities.shift_kv, kv2), start=1):
+      pair[d, (d + k) % n] = q * comm.q_row_bytes + (kv + r) * comm.kv_row_bytes
   else:
-    pair[:] = capacities.c * comm.q_row_bytes + capacities.ckv * comm.kv_row_bytes
+    pair[:] = (capacities.c * comm.q_row_bytes
+               + (capacities.ckv + (capacities.ckv2 or 0)) * comm.kv_row_bytes)
     np.fill_diagonal(pair, 0.0)
   pair *= len(plans)
   within = np.where(same, pair, 0.0)

@@ -160,7 +160,8 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
 
   Random q [N, T, H, D] and k, v [N, T, K, D] per home buffer; per device: the local rows and the
   packed send buffer gathered (padding zeroed); the exchange (server s receives d's rows for it,
-  in order of d, `simulate_exchange`); the server's K/V gather over [local T | received Rkv];
+  in order of d, `simulate_exchange`); with relays a second K/V round, each relay's rows gathered
+  from its [local T | round-1 Rkv] rows; the server's K/V gather over [local T | Rkv | Rkv2];
   reference attention per task of its table; the reverse exchange back into the send slots; the
   `return_idx` gather. The reference is per-document causal attention computed from the layout
   alone (each document's rows concatenated in position order). A plan whose outputs for padding
@@ -178,10 +179,15 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
       [keep(plan.local_q_valid, q[home, plan.local_q_idx]),
        simulate_exchange(keep(plan.send_q_valid, q[home, plan.send_q_idx]), plan.send_q_count,
                          plan.recv_q)], axis=1)
-  server_kv = [keep(plan.server_kv_valid, np.concatenate(
-      [x, simulate_exchange(keep(plan.send_kv_valid, x[home, plan.send_kv_idx]),
-                            plan.send_kv_count, plan.recv_kv)],
-      axis=1)[home, plan.server_kv_idx]) for x in (k, v)]
+
+  def kv_rows(x):  # [local T | round 1 | round 2]: a relay forwards from its [local | round 1]
+    for name in ("kv", "kv2"):
+      sent = keep(getattr(plan, f"send_{name}_valid"), x[home, getattr(plan, f"send_{name}_idx")])
+      x = np.concatenate([x, simulate_exchange(sent, getattr(plan, f"send_{name}_count"),
+                                               getattr(plan, f"recv_{name}"))], axis=1)
+    return x
+
+  server_kv = [keep(plan.server_kv_valid, kv_rows(x)[home, plan.server_kv_idx]) for x in (k, v)]
   out = np.zeros_like(server_q)
   for s in range(n):
     for j in range(plan.q_start.shape[-1]):

@@ -54,6 +54,10 @@ class Scope:
     return self.plan.recv_kv
 
   @property
+  def Rkv2(self) -> int:
+    return self.plan.recv_kv2
+
+  @property
   def real(self) -> np.ndarray:
     return self.segment != PAD_SEGMENT
 
@@ -152,13 +156,14 @@ def check_indices_in_range(s: Scope) -> None:
   if (q_len > kv_len).any():
     raise PlanMismatchError("plan has a task with more queries than keys")
   server_kv_idx = s.mine(p.server_kv_idx)
-  if (server_kv_idx < 0).any() or (server_kv_idx >= s.Tkv + s.Rkv).any():
+  if (server_kv_idx < 0).any() or (server_kv_idx >= s.Tkv + s.Rkv + s.Rkv2).any():
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
   # The checked devices' own buffers; the rows others send them are followed (and checked) by
   # `check_tasks_cover_one_document`.
   for name, a, limit in (("local_q_idx", s.mine(p.local_q_idx), T),
                          ("send_q_idx", s.mine(p.send_q_idx), T),
-                         ("send_kv_idx", s.mine(p.send_kv_idx), s.Tkv)):
+                         ("send_kv_idx", s.mine(p.send_kv_idx), s.Tkv),
+                         ("send_kv2_idx", s.mine(p.send_kv2_idx), s.Tkv + s.Rkv)):
     if a.size and (a.min() < 0 or a.max() >= limit):
       raise PlanMismatchError(f"plan {name} outside the {limit} rows of a buffer")
 
@@ -169,7 +174,7 @@ def check_kv_inverse(s: Scope) -> None:
   to that slot and no other row is marked: then no row fills two slots (O(slots), no inverse
   rebuilt)."""
   p = s.plan
-  rows = s.Tkv + s.Rkv
+  rows = s.Tkv + s.Rkv + s.Rkv2
   if p.server_kv_inv.shape != (s.N, rows) or p.server_kv_inv_valid.shape != (s.N, rows):
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
   i, slot = np.nonzero(s.mine(p.server_kv_valid))
@@ -188,7 +193,8 @@ def check_exchange_counts(s: Scope) -> None:
   and shifted exchanges' blocks hold theirs."""
   p = s.plan
   for name, valid, recv_rows, block, shift in (
-      ("q", p.send_q_valid, s.Rq, p.c, p.shift_q), ("kv", p.send_kv_valid, s.Rkv, p.ckv, p.shift_kv)):
+      ("q", p.send_q_valid, s.Rq, p.c, p.shift_q), ("kv", p.send_kv_valid, s.Rkv, p.ckv, p.shift_kv),
+      ("kv2", p.send_kv2_valid, s.Rkv2, p.ckv2, p.shift_kv2)):
     count = np.asarray(getattr(p, f"send_{name}_count"), np.int64)
     send_off, recv_off = exchange_offsets(count)
     want = {f"recv_{name}_count": count.T, f"send_{name}_off": send_off,
@@ -271,19 +277,40 @@ def _query_row_source(s: Scope, server, row):
 
 
 def _kv_row_source(s: Scope, server, slot):
-  """(home device, home K/V row, valid) of slot `slot` of server `server`'s gathered K/V rows."""
+  """(home device, home K/V row, valid) of slot `slot` of server `server`'s gathered K/V rows:
+  a round-2 row is followed to the relay's row it was forwarded from, then as a round-1 row."""
   p = s.plan
   v = p.server_kv_idx[server, slot].astype(np.int64)
   ok = p.server_kv_valid[server, slot]
+  server = np.broadcast_to(server, v.shape)
+  if s.Rkv2:
+    first = s.Tkv + s.Rkv  # a relay's rows it forwards from: [local Tkv | round-1 Rkv]
+    relay, row, sent = _received_row(s, "kv2", server, v - first, first)
+    second = v >= first
+    server, v = np.where(second, relay, server), np.where(second, row, v)
+    ok = ok & np.where(second, sent, True)
   if not s.Rkv:
-    return server, v, ok
-  home, j, sent = _sender(p.send_kv_count, p.recv_kv_off, server, np.maximum(v - s.Tkv, 0))
-  src = np.clip(p.send_kv_off[home, server] + j, 0, p.send_kv_idx.shape[-1] - 1)
-  row = p.send_kv_idx[home, src]
-  sent &= p.send_kv_valid[home, src] & (row >= 0) & (row < s.Tkv)
+    return server, np.clip(v, 0, s.Tkv - 1), ok & (v < s.Tkv)
+  home, row, sent = _received_row(s, "kv", server, v - s.Tkv, s.Tkv)
   local = v < s.Tkv
-  return (np.where(local, server, home), np.where(local, v, np.clip(row, 0, s.Tkv - 1)),
+  return (np.where(local, server, home), np.where(local, v, row),
           ok & np.where(local, True, sent))
+
+
+def _received_row(s: Scope, name: str, server, r, rows: int):
+  """(sender, its row, valid) of row `r` of server `server`'s receive buffer of the K/V round
+  `name` ("kv" or "kv2"): the sender's send slot and the row of its `rows` it was gathered from
+  (`r` < 0 or past the sender's rows invalid)."""
+  p = s.plan
+  idx, valid = getattr(p, f"send_{name}_idx"), getattr(p, f"send_{name}_valid")
+  sender, j, sent = _sender(getattr(p, f"send_{name}_count"), getattr(p, f"recv_{name}_off"),
+                            server, np.maximum(r, 0))
+  slot = np.clip(getattr(p, f"send_{name}_off")[sender, server] + j, 0, max(idx.shape[-1] - 1, 0))
+  if not idx.shape[-1]:
+    return sender, np.zeros_like(slot), np.zeros(slot.shape, bool)
+  row = idx[sender, slot]
+  sent &= (r >= 0) & valid[sender, slot] & (row >= 0) & (row < rows)
+  return sender, np.clip(row, 0, rows - 1), sent
 
 
 def check_outputs_come_from_their_tokens(s: Scope) -> None:

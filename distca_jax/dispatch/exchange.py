@@ -85,13 +85,13 @@ class Exchange:
 
   @classmethod
   def of(cls, p: DispatchPlan, name: str) -> "Exchange":
-    """The query (`name` "q") or K/V ("kv") exchange of a device's plan."""
+    """The query (`name` "q"), K/V ("kv") or relayed K/V ("kv2") exchange of a device's plan."""
     get = lambda field: getattr(p, f"{field.split('_')[0]}_{name}_{field.split('_')[1]}")
     return cls(send_count=get("send_count"), send_off=get("send_off"),
                recv_count=get("recv_count"), recv_off=get("recv_off"),
                peer_off=get("peer_off"), back_off=get("back_off"),
-               block=p.c if name == "q" else p.ckv,
-               shifts=p.shift_q if name == "q" else p.shift_kv)
+               block=p.c if name == "q" else getattr(p, f"c{name}"),
+               shifts=getattr(p, f"shift_{name}"))
 
 
 def _take_rows(x_SxE, idx, valid):
@@ -201,26 +201,33 @@ def _rows_to_home(y_RxHxD, p: DispatchPlan, mode="tiled"):
 
 
 def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode="tiled"):
-  """Home K/V rows -> the server's gathered K/V buffer [S] (each document prefix contiguous)."""
+  """Home K/V rows -> the server's gathered K/V buffer [S] (each document prefix contiguous).
+  Round 1 brings the holders' pieces; round 2 (relays on) each relay's forwarded pieces, which
+  it gathers from its [local | round-1] rows."""
   rows = x_TxKxD
-  if p.recv_kv:
-    send = _masked(p.send_kv_valid, jnp.take(x_TxKxD, p.send_kv_idx, axis=0))
-    with jax.named_scope("dispatch"):
-      rows = jnp.concatenate([x_TxKxD, transport(send, p.recv_kv, Exchange.of(p, "kv"), mode)])
+  for name, send_idx, send_valid, recv in (("kv", p.send_kv_idx, p.send_kv_valid, p.recv_kv),
+                                           ("kv2", p.send_kv2_idx, p.send_kv2_valid, p.recv_kv2)):
+    if recv:
+      send = _masked(send_valid, jnp.take(rows, send_idx, axis=0))
+      with jax.named_scope("dispatch"):
+        rows = jnp.concatenate([rows, transport(send, recv, Exchange.of(p, name), mode)])
   return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
 
 
 def _kv_grads_to_home(g_SxKxD, p: DispatchPlan, mode="tiled"):
-  """The transpose of `_kv_to_servers`: a gather by the inverse slot map, the reverse exchange,
-  and a scatter-add of the returned rows onto the local ones (a row sent to several servers
-  sums their gradients), in place."""
-  T = p.server_kv_inv.shape[0] - p.recv_kv
+  """The transpose of `_kv_to_servers`: a gather by the inverse slot map, then each round
+  reversed, last first: the reverse exchange and a scatter-add of the returned rows onto the
+  rows they were sent from (a row sent to several servers, or forwarded by a relay, sums their
+  gradients), in place."""
   rows = _masked(p.server_kv_inv_valid, jnp.take(g_SxKxD, p.server_kv_inv, axis=0))
-  if p.recv_kv == 0:
-    return rows
-  with jax.named_scope("return"):
-    back = transport(rows[T:], p.send_kv_idx.shape[0], Exchange.of(p, "kv").reversed(), mode)
-  return rows[:T].at[kv_return_index(p.send_kv_idx, p.send_kv_valid, T)].add(back, mode="drop")
+  for name, send_idx, send_valid, recv in (("kv2", p.send_kv2_idx, p.send_kv2_valid, p.recv_kv2),
+                                           ("kv", p.send_kv_idx, p.send_kv_valid, p.recv_kv)):
+    if recv:
+      kept = rows.shape[0] - recv  # the rows this round's send buffer was gathered from
+      with jax.named_scope("return"):
+        back = transport(rows[kept:], send_idx.shape[0], Exchange.of(p, name).reversed(), mode)
+      rows = rows[:kept].at[kv_return_index(send_idx, send_valid, kept)].add(back, mode="drop")
+  return rows
 
 
 def kv_return_index(send_kv_idx, send_kv_valid, T: int):
@@ -308,7 +315,7 @@ def make_distca_attention(attention_config, mesh: Mesh):
     # Ping-pong's Pong reads K/V rows of Ping too (the prefix of the document the split cut):
     # its plan's local K/V rows are [its own T | Ping's T] (`Layout.prior`), static per plan.
     T = ctx.return_idx.shape[-1]
-    kv_rows = ctx.server_kv_inv.shape[-1] - ctx.recv_kv
+    kv_rows = ctx.server_kv_inv.shape[-1] - ctx.recv_kv - ctx.recv_kv2
     if kv_rows != T:
       if prior_kv is None or kv_rows != 2 * T:
         have = T if prior_kv is None else 2 * T

@@ -26,8 +26,11 @@ ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "s
                 "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len", "return_idx",
                 "return_valid", "send_q_count", "recv_q_count", "send_q_off", "recv_q_off",
                 "peer_q_off", "back_q_off", "send_kv_count", "recv_kv_count", "send_kv_off",
-                "recv_kv_off", "peer_kv_off", "back_kv_off")
-META_FIELDS = ("recv_q", "recv_kv", "c", "ckv", "shift_q", "shift_kv")
+                "recv_kv_off", "peer_kv_off", "back_kv_off", "send_kv2_idx", "send_kv2_valid",
+                "send_kv2_count", "recv_kv2_count", "send_kv2_off", "recv_kv2_off",
+                "peer_kv2_off", "back_kv2_off")
+META_FIELDS = ("recv_q", "recv_kv", "recv_kv2", "c", "ckv", "ckv2", "shift_q", "shift_kv",
+               "shift_kv2")
 
 
 class PlanMismatchError(ValueError):
@@ -45,7 +48,10 @@ class DispatchPlan:
   moving rows (`Capacities.send_q` ...), never by N times a per-pair capacity. A server's query
   rows are [local T | received Rq]; its K/V rows [local Tkv | received Rkv], where Tkv is the
   device's T rows, or for ping-pong's Pong 2T: its own, then Ping's (`Layout.prior`: the prefix
-  of the document the split cut is in Ping's buffers):
+  of the document the split cut is in Ping's buffers), then with relays (`schedule/relay.py`)
+  the second K/V round's Rkv2: [local Tkv | round-1 Rkv | round-2 Rkv2]. Round 1 carries the
+  pieces their holders send; in round 2 each relay forwards, from its [local Tkv | round-1
+  Rkv] rows, pieces it received in round 1 to the servers that need them too:
 
   local_q_idx   [N, T]       home rows kept for local tasks, in the order the tasks expect
   local_q_valid [N, T]       bool (unused local rows: 0 and False; no task reads them)
@@ -53,9 +59,9 @@ class DispatchPlan:
   send_q_valid  [N, Sq]      bool: the first sum(send_q_count) rows
   send_kv_idx   [N, Skvs]    local K/V rows sent, grouped by server the same way
   send_kv_valid [N, Skvs]
-  server_kv_idx [N, Skv]     server-side K/V gather over [local Tkv | received Rkv] rows
+  server_kv_idx [N, Skv]     server-side K/V gather over [local Tkv | received Rkv | Rkv2] rows
   server_kv_valid [N, Skv]
-  server_kv_inv [N, Tkv + Rkv]  its inverse (each K/V row a server holds sits in at most one
+  server_kv_inv [N, Tkv + Rkv + Rkv2]  its inverse (each K/V row a server holds sits in at most one
   server_kv_inv_valid           slot): the backward gathers K/V gradients instead of scattering
   q_start, q_len, kv_start, kv_len [N, Ctask]  the server's task table (kernels/tasks.py) over
                              its [local T | received Rq] query rows and gathered K/V rows
@@ -70,11 +76,15 @@ class DispatchPlan:
                              what `ragged_all_to_all` asks of the sender)
   back_q_off    [N, N]       where s's returned outputs land in d's send layout (send_q_off
                              transposed: the reverse exchange's peer offsets)
-  send_kv_count ... back_kv_off  the same six for the K/V rows
-  recv_q, recv_kv            static: Rq and Rkv, the receive buffers' rows
-  c, ckv                     static: the tiled exchange's rows per padded (device, server) block
+  send_kv_count ... back_kv_off  the same six for the K/V rows (round 1)
+  send_kv2_idx  [N, Skvs2]   round 2: a relay's rows forwarded, over its [local Tkv | round-1
+  send_kv2_valid             Rkv] rows, grouped by server ([N, 0] without relays)
+  send_kv2_count ... back_kv2_off  round 2's six (all zero without relays)
+  recv_q, recv_kv, recv_kv2  static: Rq, Rkv and Rkv2, the receive buffers' rows (Rkv2 = 0: no
+                             second round, skipped)
+  c, ckv, ckv2               static: the tiled exchange's rows per padded (device, server) block
                              (0 for the other exchanges)
-  shift_q, shift_kv          static: the shifted exchange's rows per shift k = 1 .. N-1 (device
+  shift_q, shift_kv, shift_kv2  static: the shifted exchange's rows per shift k = 1 .. N-1 (device
                              d's rows for server d + k mod N, one `ppermute` each, every block
                              of a shift at that shift's largest); () for the other exchanges
   """
@@ -107,19 +117,30 @@ class DispatchPlan:
   recv_kv_off: Any
   peer_kv_off: Any
   back_kv_off: Any
+  send_kv2_idx: Any
+  send_kv2_valid: Any
+  send_kv2_count: Any
+  recv_kv2_count: Any
+  send_kv2_off: Any
+  recv_kv2_off: Any
+  peer_kv2_off: Any
+  back_kv2_off: Any
   recv_q: int = 0
   recv_kv: int = 0
+  recv_kv2: int = 0
   c: int = 0
   ckv: int = 0
+  ckv2: int = 0
   shift_q: tuple = ()
   shift_kv: tuple = ()
+  shift_kv2: tuple = ()
 
   KIND = "distca"  # what `core_attention` runs for this context (attention.py's protocol)
 
   @property
   def kv_rows(self) -> int:
     """Tkv, a device's local K/V rows (T, or 2T for ping-pong's Pong)."""
-    return self.server_kv_inv.shape[-1] - self.recv_kv
+    return self.server_kv_inv.shape[-1] - self.recv_kv - self.recv_kv2
 
 
 def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,16 +178,18 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   kv = kv_requests(tasks, layout) if kv is None else kv
   # Rows per (device, server) pair of the whole plan (every process agrees on them).
-  q_pairs, kv_pairs, _ = pair_rows(tasks, layout, kv)
+  q_pairs, kv_pairs, kv2_pairs = pair_rows(tasks, layout, kv)
   need = bucketed(requirements(tasks, layout, kv), t)
   caps = dataclasses.replace(capacities, **{  # what `capacities` leaves open, as the plan needs
       f.name: getattr(need, f.name) for f in dataclasses.fields(Capacities)
       if getattr(capacities, f.name) is None})
   sq, rq, skvs, rkv = caps.send_q, caps.recv_q, caps.send_kv, caps.recv_kv
-  skv, ctask = caps.skv, caps.ctask
-  _check_fits(q_pairs, kv_pairs, caps)
+  skvs2, rkv2, skv, ctask = caps.send_kv2, caps.recv_kv2, caps.skv, caps.ctask
+  _check_fits(q_pairs, kv_pairs, kv2_pairs, caps)
   q_send_off, q_recv_off = exchange_offsets(q_pairs)
   kv_send_off, kv_recv_off = exchange_offsets(kv_pairs)
+  kv2_send_off, kv2_recv_off = exchange_offsets(kv2_pairs)
+  num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
 
   # Queries, grouped by (home, server) in home-row order: local rows first at the server, the
   # others at their pair's place in the home's send buffer and the server's receive buffer.
@@ -196,19 +219,31 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
               np.where(local, pos, t + send_slot)[w], ql[w])
 
   # Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
-  # server reads its own pieces from its buffer; the others arrive packed by source.
+  # server reads its own pieces from its buffer; the others arrive packed by sender: in round 1
+  # from their holder, relayed ones in round 2 from their relay (its blocks after round 1's).
   dst = kv.pair_server[kv.piece_pair]
-  kblk = kv.piece_src * n + dst
+  relayed = kv.piece_via >= 0
+  kblk = relayed * (n * n) + np.where(relayed, kv.piece_via, kv.piece_src) * n + dst
   korder = np.lexsort((kv.piece_doc_off, kv.piece_pair, kblk))
   src, kdst, rows = kv.piece_src[korder], dst[korder], kv.piece_rows[korder]
-  src_off = kv.piece_src_off[korder]
+  src_off, via, rel = kv.piece_src_off[korder], kv.piece_via[korder], relayed[korder]
   kpos = cumsum_in_groups(rows, kblk[korder])
   own = src == kdst
   send_kv_idx = np.zeros(n * skvs, np.int32)
   send_kv_valid = np.zeros(n * skvs, bool)
-  w = ~own & (mine[src] | mine[kdst])
+  w = ~own & ~rel & (mine[src] | mine[kdst])
   fill_ranges(send_kv_idx, send_kv_valid, (src * skvs + kv_send_off[src, kdst] + kpos)[w],
               src_off[w], rows[w])
+  # Where a server's piece sits in its [local Tkv | round-1 Rkv | round-2 Rkv2] rows.
+  kv_row = np.where(own, src_off, tkv + kv_recv_off[kdst, src] + kpos)
+  send_kv2_idx = np.zeros(n * skvs2, np.int32)
+  send_kv2_valid = np.zeros(n * skvs2, bool)
+  if rel.any():
+    r = np.maximum(via, 0)
+    kv_row = np.where(rel, tkv + rkv + kv2_recv_off[kdst, r] + kpos, kv_row)
+    w = rel & (mine[r] | mine[kdst])
+    fill_ranges(send_kv2_idx, send_kv2_valid, (r * skvs2 + kv2_send_off[r, kdst] + kpos)[w],
+                _relay_rows(kv, korder, kv_row, rel, num_docs)[w], rows[w])
   # The server's K/V buffer: each (server, document) pair a contiguous prefix region.
   need = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n).max(initial=0)
   if need > skv:
@@ -221,10 +256,9 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   w = mine[kdst]
   fill_ranges(server_kv_idx, server_kv_valid,
               (kdst * skv + pair_base[pair] + kv.piece_doc_off[korder])[w],
-              np.where(own, src_off, tkv + kv_recv_off[kdst, src] + kpos)[w], rows[w])
+              kv_row[w], rows[w])
 
   # Task tables: per server, in order of their query rows.
-  num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
   tpair = np.searchsorted(kv.pair_server * num_docs + kv.pair_doc, server * num_docs + doc)
   torder = np.lexsort((q_start, server))
   srv = server[torder]
@@ -242,7 +276,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
 
   server_kv_idx = server_kv_idx.reshape(n, skv)
   server_kv_valid = server_kv_valid.reshape(n, skv)
-  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, tkv + rkv, devices)
+  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, tkv + rkv + rkv2, devices)
   return DispatchPlan(
       local_q_idx=local_q_idx.reshape(n, t), local_q_valid=local_q_valid.reshape(n, t),
       send_q_idx=send_q_idx.reshape(n, sq), send_q_valid=send_q_valid.reshape(n, sq),
@@ -251,16 +285,44 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
       server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid,
       **{k: v.reshape(n, ctask) for k, v in tab.items()},
       return_idx=return_idx.reshape(n, t), return_valid=return_valid.reshape(n, t),
+      send_kv2_idx=send_kv2_idx.reshape(n, skvs2), send_kv2_valid=send_kv2_valid.reshape(n, skvs2),
       **_exchange_arrays("q", q_pairs), **_exchange_arrays("kv", kv_pairs),
-      recv_q=rq, recv_kv=rkv, c=caps.c or 0, ckv=caps.ckv or 0, shift_q=caps.shift_q, shift_kv=caps.shift_kv)
+      **_exchange_arrays("kv2", kv2_pairs), recv_q=rq, recv_kv=rkv, recv_kv2=rkv2, c=caps.c or 0,
+      ckv=caps.ckv or 0, ckv2=caps.ckv2 or 0, shift_q=caps.shift_q, shift_kv=caps.shift_kv,
+      shift_kv2=caps.shift_kv2)
 
 
-def _check_fits(q_pairs: np.ndarray, kv_pairs: np.ndarray, caps: Capacities) -> None:
+def _relay_rows(kv, korder: np.ndarray, kv_row: np.ndarray, rel: np.ndarray,
+                num_docs: int) -> np.ndarray:
+  """For each relayed piece (pieces in `korder`'s order, `rel`), the relay's K/V row its rows
+  start at: where the relay's own round-1 piece of that shard landed (`kv_row`: each piece's
+  place in its server's K/V rows), found by (relay, document, first document position). Raises
+  PlanMismatchError where the relay holds no such piece, or fewer rows of it."""
+  pair, doc_off, src, rows, via = (a[korder] for a in (
+      kv.piece_pair, kv.piece_doc_off, kv.piece_src, kv.piece_rows, kv.piece_via))
+  span = int(doc_off.max(initial=0)) + 1
+  # Each direct piece keyed by (its server, document, first position), sorted.
+  direct = np.flatnonzero(~rel)
+  key = (kv.pair_server[pair[direct]] * num_docs + kv.pair_doc[pair[direct]]) * span + doc_off[direct]
+  by_key = direct[np.argsort(key, kind="stable")]
+  key = np.sort(key)
+  want = (np.maximum(via, 0) * num_docs + kv.pair_doc[pair]) * span + doc_off
+  at = np.minimum(np.searchsorted(key, want), max(key.size - 1, 0))
+  hit = by_key[at] if key.size else np.zeros_like(at)
+  ok = (key[at] == want) & (src[hit] == src) & (rows[hit] >= rows) if key.size else ~rel
+  if not ok[rel].all():
+    raise PlanMismatchError("plan relays K/V rows through a device that did not receive them")
+  return np.where(rel, kv_row[hit], 0)
+
+
+def _check_fits(q_pairs: np.ndarray, kv_pairs: np.ndarray, kv2_pairs: np.ndarray,
+                caps: Capacities) -> None:
   """Raises PlanMismatchError when the plan's moving rows do not fit the buffers (or, for the
-  tiled and shifted exchanges, their blocks)."""
-  for name, pairs, send, recv, block, shifts in (
-      ("query", q_pairs, caps.send_q, caps.recv_q, caps.c, caps.shift_q),
-      ("K/V", kv_pairs, caps.send_kv, caps.recv_kv, caps.ckv, caps.shift_kv)):
+  tiled exchange, its blocks)."""
+  for name, pairs, send, recv, block in (
+      ("query", q_pairs, caps.send_q, caps.recv_q, caps.c),
+      ("K/V", kv_pairs, caps.send_kv, caps.recv_kv, caps.ckv),
+      ("relayed K/V", kv2_pairs, caps.send_kv2, caps.recv_kv2, caps.ckv2)):
     sent, got = int(pairs.sum(1).max(initial=0)), int(pairs.sum(0).max(initial=0))
     if sent > send or got > recv:
       raise PlanMismatchError(f"plan sends {sent} / receives {got} {name} rows on one device, "

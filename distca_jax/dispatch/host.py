@@ -21,10 +21,11 @@ from distca_jax.data.packing import Layout
 from distca_jax.data.sources import Batch
 from distca_jax.dispatch.checks import validate_plan
 from distca_jax.dispatch.format import DispatchPlan, build_dispatch
-from distca_jax.schedule.capacities import Capacities, StepShapes, largest
+from distca_jax.schedule.capacities import Capacities, StepShapes, bucketed, largest, requirements
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
-from distca_jax.schedule.planner import kv_requests
+from distca_jax.schedule.planner import kv_requests, traffic
+from distca_jax.schedule.relay import Relay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +73,11 @@ class StepContext:
 def capacities_of(plan: DispatchPlan) -> Capacities:
   """The capacities a `DispatchPlan`'s arrays have."""
   return Capacities(send_q=plan.send_q_idx.shape[-1], recv_q=plan.recv_q,
-                    send_kv=plan.send_kv_idx.shape[-1], recv_kv=plan.recv_kv, c=plan.c,
-                    ckv=plan.ckv, skv=plan.server_kv_idx.shape[-1], ctask=plan.q_start.shape[-1],
-                    shift_q=plan.shift_q, shift_kv=plan.shift_kv)
+                    send_kv=plan.send_kv_idx.shape[-1], recv_kv=plan.recv_kv,
+                    send_kv2=plan.send_kv2_idx.shape[-1], recv_kv2=plan.recv_kv2, c=plan.c,
+                    ckv=plan.ckv, ckv2=plan.ckv2, skv=plan.server_kv_idx.shape[-1],
+                    ctask=plan.q_start.shape[-1], shift_q=plan.shift_q, shift_kv=plan.shift_kv,
+                    shift_kv2=plan.shift_kv2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +146,7 @@ def _plan_option(attention_config, shape, layout: Layout, batches,
   run's, if larger, uncommitted: the gate may still turn the step away) and what the gate
   predicts they save at those capacities."""
   layouts = [b.layout for b in batches]
-  plans = tuple(_schedule(attention_config, l, shape, pipelined=False) for l in layouts)
-  kvs = tuple(kv_requests(p.tasks, l) for p, l in zip(plans, layouts))
+  plans, kvs = _plans_and_kv(attention_config, layouts, shape, pipelined=False)
   caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
   saving = gate.predicted_cad_saving(shape, layout, plans, attention_config,
                                      gate.exchange_bytes(attention_config, shape, plans, caps))
@@ -156,12 +158,11 @@ def plan_ticks(attention_config, layouts, shape, devices=None,
   """A pipelined step's ticks planned into checked dispatch arrays of one shape (they stack):
   each tick's layout over all stages' rows, its plan (`attention.min_imbalance` for pipelined
   ticks; no gate, no ping-pong)."""
-  plans = [_schedule(attention_config, l, shape, pipelined=True) for l in layouts]
-  kvs = [kv_requests(p.tasks, l) for p, l in zip(plans, layouts)]
+  plans, kvs = _plans_and_kv(attention_config, layouts, shape, pipelined=True)
   caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
   dispatch = _arrays(plans, layouts, kvs, caps, devices, shapes)
   _check(dispatch, layouts, devices)
-  return plans, dispatch
+  return list(plans), dispatch
 
 
 def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
@@ -169,6 +170,32 @@ def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
   return make_plan(layout, gate.comm_model(shape, attention_config),
                    epsilon=attention_config.epsilon,
                    min_imbalance=attention_config.min_imbalance_for(pipelined=pipelined))
+
+
+def relay_of(attention_config) -> Relay | None:
+  """The K/V relay `attention.kv_relay_fanout` asks for (None: off)."""
+  fanout = attention_config.kv_relay_fanout
+  return Relay(fanout, attention_config.devices_per_node) if fanout else None
+
+
+def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):
+  """(plans, their `kv_requests`) of each nano-batch or tick. With relays on
+  (`attention.kv_relay_fanout`), each plan's capacities and traffic are those of its relayed
+  K/V (a second K/V round), which the gate and the reports then see."""
+  relay = relay_of(attention_config)
+  plans = [_schedule(attention_config, l, shape, pipelined) for l in layouts]
+  kvs = [kv_requests(p.tasks, l, relay) for p, l in zip(plans, layouts)]
+  if relay is not None:
+    comm = gate.comm_model(shape, attention_config)
+    plans = [_relayed(p, l, kv, comm, relay) for p, l, kv in zip(plans, layouts, kvs)]
+  return tuple(plans), tuple(kvs)
+
+
+def _relayed(plan: Plan, layout: Layout, kv, comm, relay: Relay) -> Plan:
+  """`plan` with the requirements, capacities and traffic of its K/V relayed as `kv` says."""
+  req = requirements(plan.tasks, layout, kv)
+  return dataclasses.replace(plan, requirements=req, capacities=bucketed(req, layout.buffer_len),
+                             traffic=traffic(plan.tasks, layout, comm, relay=relay))
 
 
 def step_capacities(attention_config, plans, buffer_len: int,

@@ -21,7 +21,9 @@ from distca_jax.schedule.planner import KVRequests, kv_requests, pair_rows
 
 log = logging.getLogger(__name__)
 
-_SIZES = ("send_q", "recv_q", "send_kv", "recv_kv", "c", "ckv", "skv", "ctask")
+_SHIFTS = ("shift_q", "shift_kv", "shift_kv2")
+_SIZES = ("send_q", "recv_q", "send_kv", "recv_kv", "send_kv2", "recv_kv2", "c", "ckv", "ckv2",
+          "skv", "ctask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +34,17 @@ class Capacities:
                     server) and of its packed receive buffer (every row it serves for others,
                     grouped by home): the busiest sender's and receiver's rows, bucketed (0:
                     no query row moves, the exchange is skipped)
-  send_kv, recv_kv  the same for the deduplicated K/V rows
+  send_kv, recv_kv  the same for the deduplicated K/V rows of the first round (every row a
+                    holder sends, and without relays every K/V row that moves)
+  send_kv2, recv_kv2  the same for the second round: the relayed K/V rows a relay forwards and
+                    a server receives from relays (`schedule/relay.py`; 0 without relays, and
+                    the round is skipped)
   skv      K/V rows a server gathers (every document prefix it serves, contiguous)
   ctask    tasks per server
-  c, ckv   the tiled exchange's rows per padded (device, server) block (the largest pair's); 0
-           for the other exchanges
-  shift_q, shift_kv  the shifted exchange's rows per shift k = 1 .. N-1 (the largest block
-           d -> d + k mod N); () for the other exchanges
+  c, ckv, ckv2  the tiled exchange's rows per padded (device, server) block (the largest
+           pair's), ckv2 for the second K/V round; 0 for the other exchanges
+  shift_q, shift_kv, shift_kv2  the shifted exchange's rows per shift k = 1 .. N-1 (the largest
+           block d -> d + k mod N); () for the other exchanges
 
   As `make_plan`'s limits, a size that is None is not fixed (the plan takes the bucket it needs)
   and empty shifts are not fixed."""
@@ -47,39 +53,43 @@ class Capacities:
   recv_q: int | None = None
   send_kv: int | None = None
   recv_kv: int | None = None
+  send_kv2: int | None = None
+  recv_kv2: int | None = None
   c: int | None = None
   ckv: int | None = None
+  ckv2: int | None = None
   skv: int | None = None
   ctask: int | None = None
   shift_q: tuple = ()
   shift_kv: tuple = ()
+  shift_kv2: tuple = ()
 
   def __post_init__(self):
     for name in _SIZES:
       v = getattr(self, name)
       if v is not None and v < 0:
         raise ValueError(f"Capacities.{name}: must be >= 0 or None, got {v}")
-    object.__setattr__(self, "shift_q", tuple(int(x) for x in self.shift_q))
-    object.__setattr__(self, "shift_kv", tuple(int(x) for x in self.shift_kv))
+    for name in _SHIFTS:
+      object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
 
   def fits(self, limits: "Capacities") -> bool:
     """Whether every size is within `limits` (None and empty shifts there: any)."""
     sizes = all(getattr(limits, k) is None or getattr(self, k) <= getattr(limits, k)
                 for k in _SIZES)
     shifts = all(not lim or (len(own) == len(lim) and all(a <= b for a, b in zip(own, lim)))
-                 for own, lim in ((self.shift_q, limits.shift_q), (self.shift_kv, limits.shift_kv)))
+                 for own, lim in ((getattr(self, k), getattr(limits, k)) for k in _SHIFTS))
     return sizes and shifts
 
   def without_shifts(self) -> "Capacities":
     """The same sizes for an exchange that is not shifted."""
-    return dataclasses.replace(self, shift_q=(), shift_kv=())
+    return dataclasses.replace(self, shift_q=(), shift_kv=(), shift_kv2=())
 
   def for_exchange(self, exchange: str) -> "Capacities":
     """Only the sizes `attention.exchange` uses: the packed buffers always; the padded blocks
-    (`c`, `ckv`) for `tiled`; the per-shift rows for `shifted`. The others are zeroed so they
-    never grow the run's shapes (each distinct value compiles the step)."""
+    (`c`, `ckv`, `ckv2`) for `tiled`; the per-shift rows for `shifted`. The others are zeroed so
+    they never grow the run's shapes (each distinct value compiles the step)."""
     out = self if exchange == "shifted" else self.without_shifts()
-    return out if exchange == "tiled" else dataclasses.replace(out, c=0, ckv=0)
+    return out if exchange == "tiled" else dataclasses.replace(out, c=0, ckv=0, ckv2=0)
 
 
 def largest(*records):
@@ -103,33 +113,36 @@ def largest(*records):
 def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> Capacities:
   """The smallest capacities a task placement needs (before bucketing): the most query / K/V rows
   one device sends and one receives, the most between two devices (overall and per shift), K/V
-  rows on one server, tasks on one server."""
+  rows on one server, tasks on one server. `kv`: the tasks' `kv_requests` (with relays, the
+  second K/V round's sizes are those of its relayed pieces; default: no relays, all zero)."""
   n = layout.num_buffers
   kv = kv_requests(tasks, layout) if kv is None else kv
-  q_pairs, kv_pairs, _ = pair_rows(tasks, layout, kv)
+  q_pairs, kv_pairs, kv2_pairs = pair_rows(tasks, layout, kv)
   d = np.arange(n)
   skv = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n)
+  shifts = lambda pairs: tuple(int(pairs[d, (d + k) % n].max()) for k in range(1, n))
   return Capacities(
       send_q=int(q_pairs.sum(1).max(initial=0)), recv_q=int(q_pairs.sum(0).max(initial=0)),
       send_kv=int(kv_pairs.sum(1).max(initial=0)), recv_kv=int(kv_pairs.sum(0).max(initial=0)),
+      send_kv2=int(kv2_pairs.sum(1).max(initial=0)), recv_kv2=int(kv2_pairs.sum(0).max(initial=0)),
       c=int(q_pairs.max(initial=0)), ckv=int(kv_pairs.max(initial=0)),
+      ckv2=int(kv2_pairs.max(initial=0)),
       skv=int(skv.max(initial=0)), ctask=int(np.bincount(tasks.server, minlength=n).max(initial=0)),
-      shift_q=tuple(int(q_pairs[d, (d + k) % n].max()) for k in range(1, n)),
-      shift_kv=tuple(int(kv_pairs[d, (d + k) % n].max()) for k in range(1, n)))
+      shift_q=shifts(q_pairs), shift_kv=shifts(kv_pairs), shift_kv2=shifts(kv2_pairs))
 
 
 def bucketed(need: Capacities, buffer_len: int, fixed: Capacities = Capacities()) -> Capacities:
-  """`need` in buckets (exchanged blocks: `exchange_capacity`, 0 when nothing moves; the server's
-  K/V rows: `row_bucket`; tasks: `task_bucket`), except what `fixed` fixes."""
+  """`need` in buckets (exchange buffers and blocks: `buffer_bucket`, 0 when nothing moves; the
+  server's K/V rows: `row_bucket`; tasks: `task_bucket`), except what `fixed` fixes."""
   pick = lambda name, bucket: getattr(fixed, name) if getattr(fixed, name) is not None else bucket
-  rows = lambda r: exchange_capacity(r, buffer_len)
+  rows = buffer_bucket
   buffer = lambda name: pick(name, buffer_bucket(getattr(need, name)))
   return Capacities(
       send_q=buffer("send_q"), recv_q=buffer("recv_q"), send_kv=buffer("send_kv"),
-      recv_kv=buffer("recv_kv"), c=pick("c", rows(need.c)), ckv=pick("ckv", rows(need.ckv)),
+      recv_kv=buffer("recv_kv"), send_kv2=buffer("send_kv2"), recv_kv2=buffer("recv_kv2"),
+      c=pick("c", rows(need.c)), ckv=pick("ckv", rows(need.ckv)), ckv2=pick("ckv2", rows(need.ckv2)),
       skv=pick("skv", row_bucket(need.skv, buffer_len)), ctask=pick("ctask", task_bucket(need.ctask)),
-      shift_q=fixed.shift_q or tuple(rows(r) for r in need.shift_q),
-      shift_kv=fixed.shift_kv or tuple(rows(r) for r in need.shift_kv))
+      **{k: getattr(fixed, k) or tuple(rows(r) for r in getattr(need, k)) for k in _SHIFTS})
 
 
 class StepShapes:
