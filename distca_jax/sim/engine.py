@@ -7,9 +7,11 @@ tensor-parallel group of `tensor_parallel` GPUs holding `tokens_per_rank` tokens
 * attention    = Σ over the rank's tasks of the kernel's fwd+bwd time (`cost.AnalyticKernel`:
                  FLOPs at `attention_tflops` with 128-row tiles, or a profiled `cost.TimeTable`),
                  for the rank's share of heads (heads / TP)
-* communication = per-GPU bytes (CommModel for heads / TP; backward included) over NVLink for
-                 partners in the same node, over the network (50 GB/s per GPU) otherwise; the two
-                 links run in parallel.
+* communication = per-GPU bytes (CommModel for heads / TP; backward included) on CAD's transport
+                 (`exchange`: what each (rank, server) pair carries, `sim/transport.py`) over
+                 NVLink for partners in the same node, over the network (50 GB/s per GPU)
+                 otherwise; the two links run in parallel. Relayed K/V (`kv_relay_fanout`) is a
+                 second round after the first: the two rounds' times add.
 * exposed communication: CAD splits the micro-batch into Ping and Pong (`schedule/pingpong.py`),
   plans each, and overlaps each nano-batch's dispatch with the other's compute:
   `exposed = Σ_i max(comm_i − pingpong_overlap · compute_other(i), (1 − pingpong_overlap) · comm_i)`
