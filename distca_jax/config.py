@@ -221,6 +221,9 @@ class TrainConfig:
   stop_at_step: PositiveInt | None = None
   # Seconds to wait for the jax.distributed coordinator and the other processes at start-up.
   init_timeout_s: PositiveInt = 300
+  # Seconds without a heartbeat after which jax.distributed declares a process dead and ends the
+  # others (JAX's default is 100: survivors of a crashed peer would idle that long).
+  heartbeat_timeout_s: PositiveInt = 20
   # Profiling (distca_jax/train/profile.py): an xprof trace of `profile_steps` steps starting
   # at step `profile_start` (1-based, after warm-up) into <out_dir>/trace, a per-phase breakdown
   # and per-device attention load in <out_dir>/profile.json and attention_load.png.

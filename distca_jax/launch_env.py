@@ -110,7 +110,8 @@ def run_training(config, args, **run_kwargs):
 
   try:
     mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                    timeout_s=config.train.init_timeout_s)
+                                    timeout_s=config.train.init_timeout_s,
+                                    heartbeat_s=config.train.heartbeat_timeout_s)
   except mesh_lib.DistributedInitError as e:
     print(f"distributed start-up failed: {e}", file=sys.stderr)
     return 3, None

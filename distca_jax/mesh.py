@@ -157,7 +157,8 @@ class DistributedInitError(RuntimeError):
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, timeout_s: int = 300) -> None:
+                           process_id: int | None = None, timeout_s: int = 300,
+                           heartbeat_s: int = 20) -> None:
   """Starts `jax.distributed` when running on several hosts or processes.
 
   Explicit: `coordinator` ("host:port", served by process 0), `num_processes` and `process_id`.
@@ -171,6 +172,8 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
   does; then every process waits up to `timeout_s` for all `num_processes` to register. (XLA
   ends a process that misses that second deadline with a fatal DEADLINE_EXCEEDED error rather
   than an exception; the line printed before the call says what it was waiting for.)
+  `heartbeat_s`: a process silent that long is declared dead and the others end with an error,
+  rather than waiting on it.
   """
   import sys
 
@@ -190,7 +193,8 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
   try:
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id, local_device_ids=_slurm_local_device_ids(),
-                               initialization_timeout=int(timeout_s))
+                               initialization_timeout=int(timeout_s),
+                               heartbeat_timeout_seconds=int(heartbeat_s))
   except Exception as e:  # jaxlib raises XlaRuntimeError / ValueError / RuntimeError
     raise DistributedInitError(
         f"jax.distributed.initialize failed (coordinator {coordinator or 'auto'}, process "

@@ -220,3 +220,15 @@ def test_launcher_environment_respects_user_settings(monkeypatch):
   monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
   launch_env.configure_xla()
   assert os.environ["NCCL_NVLS_ENABLE"] == "1"
+
+
+def test_distributed_start_passes_the_heartbeat_timeout(monkeypatch):
+  """`train.heartbeat_timeout_s` reaches jax.distributed: a peer silent that long is declared dead
+  and the survivors end (JAX's own default would leave them waiting 100 s)."""
+  from distca_jax import mesh as mesh_lib
+
+  seen = {}
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+  monkeypatch.setattr(mesh_lib, "_wait_for_port", lambda *a: None)
+  mesh_lib.initialize_distributed("localhost:1", 2, 0, timeout_s=7, heartbeat_s=11)
+  assert seen["heartbeat_timeout_seconds"] == 11 and seen["initialization_timeout"] == 7
