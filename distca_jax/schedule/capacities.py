@@ -132,15 +132,20 @@ def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> 
 
 
 def bucketed(need: Capacities, buffer_len: int, fixed: Capacities = Capacities()) -> Capacities:
-  """`need` in buckets (exchange buffers and blocks: `buffer_bucket`, 0 when nothing moves; the
-  server's K/V rows: `row_bucket`; tasks: `task_bucket`), except what `fixed` fixes."""
+  """`need` in buckets (exchange buffers and shifted blocks: `buffer_bucket`, tiled blocks:
+  `exchange_capacity`, 0 when nothing moves; the server's K/V rows: `row_bucket`; tasks:
+  `task_bucket`), except what `fixed` fixes."""
   pick = lambda name, bucket: getattr(fixed, name) if getattr(fixed, name) is not None else bucket
+  # The tiled exchange's blocks keep the coarse buckets it was measured with (the gate's fit
+  # prices them); the packed buffers and the shifted blocks follow the rows more closely.
+  block = lambda r: exchange_capacity(r, buffer_len)
   rows = buffer_bucket
   buffer = lambda name: pick(name, buffer_bucket(getattr(need, name)))
   return Capacities(
       send_q=buffer("send_q"), recv_q=buffer("recv_q"), send_kv=buffer("send_kv"),
       recv_kv=buffer("recv_kv"), send_kv2=buffer("send_kv2"), recv_kv2=buffer("recv_kv2"),
-      c=pick("c", rows(need.c)), ckv=pick("ckv", rows(need.ckv)), ckv2=pick("ckv2", rows(need.ckv2)),
+      c=pick("c", block(need.c)), ckv=pick("ckv", block(need.ckv)),
+      ckv2=pick("ckv2", block(need.ckv2)),
       skv=pick("skv", row_bucket(need.skv, buffer_len)), ctask=pick("ctask", task_bucket(need.ctask)),
       **{k: getattr(fixed, k) or tuple(rows(r) for r in getattr(need, k)) for k in _SHIFTS})
 

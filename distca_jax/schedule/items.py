@@ -50,15 +50,15 @@ BUFFER_BUCKET_STEPS = 4
 
 
 def buffer_bucket(rows: int) -> int:
-  """Rows of an exchange send or receive buffer holding `rows`: 0 for 0 (nothing moves, the
-  exchange is skipped), else the smallest 128 * 2^(i/4), rounded up to a multiple of 128, that
-  holds them. A buffer's size follows the rows that move, never the buffer length or N."""
+  """Rows of an exchange buffer or block holding `rows`: 0 for 0 (nothing moves, the exchange is
+  skipped), else the smallest 128 * 2^(i/4), rounded up to a multiple of 8, that holds them. Its
+  size follows the rows that move, never the buffer length or N."""
   rows = int(rows)
   if rows <= 0:
     return 0
   i = max(0, math.ceil(BUFFER_BUCKET_STEPS * math.log2(rows / GRANULE) - 1e-9))
   while True:
-    bucket = -(-math.ceil(GRANULE * 2.0 ** (i / BUFFER_BUCKET_STEPS)) // GRANULE) * GRANULE
+    bucket = -(-math.ceil(GRANULE * 2.0 ** (i / BUFFER_BUCKET_STEPS)) // 8) * 8
     if bucket >= rows:
       return bucket
     i += 1
