@@ -264,3 +264,104 @@ def test_step_shapes_restore_a_checkpoint_s_sizes():
   legacy.sizes.update(old)
   assert legacy.stored("cad@128", Capacities) == grown
   assert legacy.fit("cad@128", small) == grown
+
+
+# ----------------------------------------------------------------------------- relayed K/V
+
+
+def _relay_case(n=8, fanout=1, seed=8):
+  """(layout, tasks, K/V requests with relays, without) of one document over all `n` devices."""
+  from distca_jax import gate as gate_lib
+  from distca_jax.models.presets import resolve
+  from distca_jax.schedule.plan import make_plan
+  from distca_jax.schedule.planner import kv_requests
+  from distca_jax.schedule.relay import Relay
+
+  cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=128", "attention.impl=distca")
+  layout = layout_batch("span_all", n, seed=seed, T=128).layout
+  plan = make_plan(layout, gate_lib.comm_model(resolve(cfg.model), cfg.attention), epsilon=0.05)
+  return (layout, plan.tasks, kv_requests(plan.tasks, layout, Relay(fanout, 2)),
+          kv_requests(plan.tasks, layout))
+
+
+@pytest.mark.parametrize("n,fanout", [(4, 1), (8, 1), (8, 2)])
+def test_relayed_plan_moves_the_same_rows_from_fewer_per_sender(n, fanout):
+  """With relays every server receives the rows it did without (in two rounds), the busiest K/V
+  sender sends fewer, the query side and the task tables are unchanged, the numpy specification
+  computes exact attention, and relays off leave round 2 empty."""
+  from helpers import simulate_dispatch
+
+  layout, tasks, kv, direct = _relay_case(n, fanout)
+  assert (kv.piece_via >= 0).any()
+  off = dispatch.build_dispatch(tasks, layout, Capacities(), kv=direct)
+  on = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
+  assert off.send_kv2_idx.shape == (n, 0) and off.recv_kv2 == 0 and off.ckv2 == 0
+  assert not any(getattr(off, f).any() for f in dispatch.ARRAY_FIELDS if "kv2" in f)
+  assert on.recv_kv2 > 0 and on.send_kv2_valid.sum() == on.send_kv2_count.sum() > 0
+  for d in (off, on):
+    dispatch.validate_plan(d, layout)
+    assert simulate_dispatch(d, layout) < 1e-9
+  for f in dispatch.ARRAY_FIELDS:
+    if "kv" not in f:
+      np.testing.assert_array_equal(getattr(on, f), getattr(off, f), err_msg=f)
+  np.testing.assert_array_equal(on.kv_start, off.kv_start)
+  got = on.send_kv_count.sum(0) + on.send_kv2_count.sum(0)  # rows each server receives
+  np.testing.assert_array_equal(got, off.send_kv_count.sum(0))
+  sent = lambda d: (d.send_kv_count.sum(1) + d.send_kv2_count.sum(1)).max()
+  assert sent(on) < sent(off)
+  part = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv, devices=np.array([1, 2]))
+  dispatch.validate_plan(part, layout, np.array([1, 2]))
+
+
+def test_relayed_plan_with_a_wrong_round_two_is_refused():
+  """A round-2 send index that names another row of the relay, round-2 counts that do not
+  describe its buffers, or a relay that never received the rows: refused."""
+  layout, tasks, kv, _ = _relay_case()
+  plan = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
+  idx = plan.send_kv2_idx.copy()
+  r, j = np.argwhere(plan.send_kv2_valid)[3]
+  idx[r, j] = (idx[r, j] + 1) % (plan.kv_rows + plan.recv_kv)
+  with pytest.raises(dispatch.PlanMismatchError, match="one document"):
+    dispatch.validate_plan(dataclasses.replace(plan, send_kv2_idx=idx), layout)
+  count = plan.send_kv2_count.copy()
+  count[r, (r + 1) % layout.num_buffers] += 1
+  with pytest.raises(dispatch.PlanMismatchError, match="send_kv2_count"):
+    dispatch.validate_plan(dataclasses.replace(plan, send_kv2_count=count), layout)
+  via = kv.piece_via.copy()
+  relayed = np.flatnonzero(via >= 0)
+  same = relayed[(kv.piece_src[relayed] == kv.piece_src[relayed[0]])
+                 & (kv.piece_src_off[relayed] == kv.piece_src_off[relayed[0]])]
+  assert same.size >= 2
+  via[same[0]] = kv.pair_server[kv.piece_pair[same[1]]]  # a child: it gets the rows in round 2
+  with pytest.raises(dispatch.PlanMismatchError, match="did not receive"):
+    dispatch.build_dispatch(tasks, layout, Capacities(), kv=dataclasses.replace(kv, piece_via=via))
+
+
+@pytest.mark.parametrize("exchange", ["tiled", "shifted"])
+def test_relays_on_the_host_path(exchange):
+  """attention.kv_relay_fanout: the step's plans carry the relayed capacities and traffic (the
+  busiest device sends fewer K/V rows), its arrays a second round, and the gate's exchange
+  bytes count round 2's blocks."""
+  from distca_jax import gate as gate_lib
+  from distca_jax.models.presets import resolve
+
+  n = 8
+  base = [f"mesh.data={n}", "data.tokens_per_device=128", "attention.impl=distca",
+          "attention.pingpong=false", "attention.gate=false", f"attention.exchange={exchange}"]
+  batch = layout_batch("span_all", n, seed=n, T=128)
+  shape = resolve(small_config(*base).model)
+  off = dispatch.plan_step(small_config(*base).attention, batch, shape)
+  cfg = small_config(*base, "attention.kv_relay_fanout=1")
+  on = dispatch.plan_step(cfg.attention, batch, shape)
+  assert off.capacities.recv_kv2 == 0 and on.capacities.recv_kv2 > 0
+  assert on.dispatch[0].send_kv2_valid.any()
+  assert on.plans[0].traffic.kv_rows_out.max() < off.plans[0].traffic.kv_rows_out.max()
+  assert on.plans[0].requirements.recv_kv2 > 0
+  caps = on.capacities
+  if exchange == "tiled":
+    assert caps.ckv2 > 0
+  else:
+    assert len(caps.shift_kv2) == n - 1 and max(caps.shift_kv2) > 0
+  plain = dataclasses.replace(caps, ckv2=0, shift_kv2=())
+  with_round2 = gate_lib.exchange_bytes(cfg.attention, shape, on.plans, caps)
+  assert (with_round2 > gate_lib.exchange_bytes(cfg.attention, shape, on.plans, plain)).any()

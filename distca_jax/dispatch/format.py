@@ -170,7 +170,8 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   `devices` (default: all): fill only what those devices hold, send and receive (their rows,
   and the rows they send or receive); the other rows stay zero, never touched (numpy's zeros
   are not committed until written), so a process of a large job pays for its own devices;
-  shapes and counts are those of the whole plan on every process. Work is a loop over tasks and
+  shapes and counts are those of the whole plan on every process (and the round-1 rows relays
+  forward to those devices are filled too). Work is a loop over tasks and
   K/V pieces, never over tokens. `kv`: the tasks' `kv_requests`, when already at hand. Raises
   PlanMismatchError when a capacity is too small."""
   n, t = layout.num_buffers, layout.buffer_len
@@ -229,21 +230,25 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   src_off, via, rel = kv.piece_src_off[korder], kv.piece_via[korder], relayed[korder]
   kpos = cumsum_in_groups(rows, kblk[korder])
   own = src == kdst
+  # Where a server's piece sits in its [local Tkv | round-1 Rkv | round-2 Rkv2] rows; a relayed
+  # piece is forwarded from where the relay's own piece of that shard (`fed`) sits.
+  kv_row = np.where(own, src_off, tkv + kv_recv_off[kdst, src] + kpos)
+  fed = _relay_sources(kv, korder, rel, num_docs)
+  r = np.maximum(via, 0)
+  kv_row = np.where(rel, tkv + rkv + kv2_recv_off[kdst, r] + kpos, kv_row)
+  # Round 1 also fills, for `devices`, the pieces their relays forward to them.
+  feeds = np.zeros(rel.size, bool)
+  feeds[fed[rel & mine[kdst]]] = True
   send_kv_idx = np.zeros(n * skvs, np.int32)
   send_kv_valid = np.zeros(n * skvs, bool)
-  w = ~own & ~rel & (mine[src] | mine[kdst])
+  w = ~own & ~rel & (mine[src] | mine[kdst] | feeds)
   fill_ranges(send_kv_idx, send_kv_valid, (src * skvs + kv_send_off[src, kdst] + kpos)[w],
               src_off[w], rows[w])
-  # Where a server's piece sits in its [local Tkv | round-1 Rkv | round-2 Rkv2] rows.
-  kv_row = np.where(own, src_off, tkv + kv_recv_off[kdst, src] + kpos)
   send_kv2_idx = np.zeros(n * skvs2, np.int32)
   send_kv2_valid = np.zeros(n * skvs2, bool)
-  if rel.any():
-    r = np.maximum(via, 0)
-    kv_row = np.where(rel, tkv + rkv + kv2_recv_off[kdst, r] + kpos, kv_row)
-    w = rel & (mine[r] | mine[kdst])
-    fill_ranges(send_kv2_idx, send_kv2_valid, (r * skvs2 + kv2_send_off[r, kdst] + kpos)[w],
-                _relay_rows(kv, korder, kv_row, rel, num_docs)[w], rows[w])
+  w = rel & (mine[r] | mine[kdst])
+  fill_ranges(send_kv2_idx, send_kv2_valid, (r * skvs2 + kv2_send_off[r, kdst] + kpos)[w],
+              kv_row[fed][w], rows[w])
   # The server's K/V buffer: each (server, document) pair a contiguous prefix region.
   need = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n).max(initial=0)
   if need > skv:
@@ -292,14 +297,15 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
       shift_kv2=caps.shift_kv2)
 
 
-def _relay_rows(kv, korder: np.ndarray, kv_row: np.ndarray, rel: np.ndarray,
-                num_docs: int) -> np.ndarray:
-  """For each relayed piece (pieces in `korder`'s order, `rel`), the relay's K/V row its rows
-  start at: where the relay's own round-1 piece of that shard landed (`kv_row`: each piece's
-  place in its server's K/V rows), found by (relay, document, first document position). Raises
-  PlanMismatchError where the relay holds no such piece, or fewer rows of it."""
+def _relay_sources(kv, korder: np.ndarray, rel: np.ndarray, num_docs: int) -> np.ndarray:
+  """For each piece (in `korder`'s order), the piece its rows are forwarded from: for a relayed
+  one (`rel`) the relay's own round-1 piece of that shard, found by (relay, document, first
+  document position); every other piece itself. Raises PlanMismatchError where the relay holds
+  no such piece, or fewer rows of it."""
   pair, doc_off, src, rows, via = (a[korder] for a in (
       kv.piece_pair, kv.piece_doc_off, kv.piece_src, kv.piece_rows, kv.piece_via))
+  if not rel.any():
+    return np.arange(rel.size)
   span = int(doc_off.max(initial=0)) + 1
   # Each direct piece keyed by (its server, document, first position), sorted.
   direct = np.flatnonzero(~rel)
@@ -312,7 +318,7 @@ def _relay_rows(kv, korder: np.ndarray, kv_row: np.ndarray, rel: np.ndarray,
   ok = (key[at] == want) & (src[hit] == src) & (rows[hit] >= rows) if key.size else ~rel
   if not ok[rel].all():
     raise PlanMismatchError("plan relays K/V rows through a device that did not receive them")
-  return np.where(rel, kv_row[hit], 0)
+  return np.where(rel, hit, np.arange(rel.size))
 
 
 def _check_fits(q_pairs: np.ndarray, kv_pairs: np.ndarray, kv2_pairs: np.ndarray,
