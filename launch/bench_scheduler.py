@@ -23,6 +23,18 @@ ProLong and two synthetic batches (`hotspot_batch`), and exits:
 
   python launch/bench_scheduler.py --hotspot [pretrain prolong short long] [--devices 512]
       [--fanouts 4 8 16 32]
+
+`--exchange N ...` measures the packed exchange on the trainer's step plans (`dispatch.plan_step`,
+ping-pong on, gate off) of Pretrain, ProLong and short-document-heavy batches at N devices: rows
+each transport carries over the rows that move (query and K/V separately; `ragged` carries
+exactly the moving rows, `shifted` every shift at its largest block, `tiled` every pair at the
+largest pair's), and the packed send + receive buffers over the busiest sender's plus the
+busiest receiver's moving rows. At the `--exchange-compile` counts it also compiles the query
+exchange on that many simulated CPU devices and reads the buffers XLA allocates (temporaries,
+`memory_analysis`) for the packed `shifted` transport and the `tiled` one, against the same
+moving rows; and exits:
+
+  python launch/bench_scheduler.py --exchange 8 16 32 64 [--batches 3] [--exchange-tokens 65536]
 """
 
 from __future__ import annotations
@@ -78,12 +90,23 @@ def main(argv=None):
   ap.add_argument("--pairs", type=int, nargs="*", default=[],
                   help="device counts at which to show how the moving rows use the exchange's "
                        "(device, server) pairs (then exit)")
+  ap.add_argument("--exchange", type=int, nargs="*", default=None, metavar="N",
+                  help="the packed exchange at these device counts (e.g. 8 16 32 64): rows each "
+                       "transport carries over the rows that move, and the buffers over the "
+                       "busiest device's moving rows, on the trainer's step plans")
+  ap.add_argument("--exchange-tokens", type=int, default=65536,
+                  help="tokens per device for --exchange")
+  ap.add_argument("--exchange-compile", type=int, nargs="*", default=[8, 16],
+                  help="device counts at which --exchange also compiles the query exchange on "
+                       "simulated CPU devices and reads its buffers from XLA's memory analysis")
   ap.add_argument("--hotspot", nargs="*", default=None, metavar="DIST",
                   help="the busiest device's bytes with relayed K/V off and on, on these "
                        "distributions (default: pretrain prolong short long; then exit)")
   ap.add_argument("--fanouts", type=int, nargs="+", default=[4, 8, 16, 32],
                   help="--hotspot: relay fanouts to compare (node-aware, 8 devices a node)")
   args = ap.parse_args(argv)
+  if args.exchange is not None:
+    return exchange_table(args)
   if args.hotspot is not None:
     return hotspot(args)
   if args.step_devices:
@@ -326,6 +349,132 @@ def hotspot(args):
             f"| {r[:, 4].mean():.2f} | {r[:, 5].mean():.2f} | {r[:, 6].mean():.0f} "
             f"| {100 * r[:, 7].mean():.0f}% |", flush=True)
 
+
+
+EXCHANGE_DISTS = ("pretrain", "prolong", "short")
+
+
+def _step_contexts(dist: str, n: int, t: int, batches: int):
+  """The trainer's CAD host contexts (`dispatch.plan_step`: ping-pong on, gate off) of `batches`
+  sampled batches, each at its own buckets."""
+  from distca_jax import dispatch
+  from distca_jax.config import load_config
+  from distca_jax.data.sources import make_batch
+  from distca_jax.models.presets import resolve
+
+  config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
+                              "attention.impl=distca", "attention.gate=false",
+                              "attention.min_imbalance=1", f"mesh.data={n}"])
+  shape = resolve(config.model)
+  out = []
+  for step in range(batches):
+    lens = hotspot_batch(dist, n, t, step)
+    tokens = np.zeros(int(lens.sum()), np.int32)
+    out.append(dispatch.plan_step(config.attention, make_batch(lens, tokens, n, t), shape))
+  return config, shape, out
+
+
+def _carried(d, name: str) -> dict[str, float]:
+  """Rows each transport carries for one plan's query ("q") or K/V ("kv") exchange, the rows that
+  move, and the packed buffers against the busiest sender's and receiver's moving rows."""
+  from distca_jax.schedule.items import buffer_bucket, exchange_capacity
+
+  count = np.asarray(getattr(d, f"send_{name}_count"), np.int64)
+  n = count.shape[0]
+  moved = int(count.sum())
+  k = np.arange(n)
+  shifts = [buffer_bucket(int(count[k, (k + s) % n].max())) for s in range(1, n)]
+  buffers = getattr(d, f"send_{name}_idx").shape[-1] + getattr(d, f"recv_{name}")
+  busiest = int(count.sum(1).max() + count.sum(0).max())
+  return {"moved": moved, "ragged": moved, "shifted": n * sum(shifts),
+          "tiled": n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
+          "buffers": buffers, "busiest": busiest}
+
+
+def _compiled_buffers(plan, n: int, row_heads: int = 8, head_dim: int = 128) -> dict[str, int]:
+  """XLA's temporaries (bytes per device) for the query exchange of `plan` (rows of `row_heads`
+  x `head_dim` bf16) on `n` simulated CPU devices, per transport."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from distca_jax.dispatch import exchange as ex
+
+  t = plan.return_idx.shape[-1]
+  mesh = Mesh(np.array(jax.devices()[:n]).reshape(n, 1, 1), ("data", "pipe", "tensor"))
+  q = jax.ShapeDtypeStruct((n, t, row_heads, head_dim), jnp.bfloat16)
+  out = {}
+  for mode in ("shifted", "tiled"):
+    def local(q, p, mode=mode):
+      p = jax.tree.map(lambda x: x[0], p)
+      return ex._rows_to_servers(q[0], p, mode)[None]
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(("pipe", "data")), P(("pipe", "data"))),
+                      out_specs=P(("pipe", "data")), check_vma=False)
+    m = jax.jit(f).lower(q, plan).compile().memory_analysis()
+    # The exchange's buffers: temporaries, and the output less the local rows it passes on.
+    out[mode] = int(m.temp_size_in_bytes + m.output_size_in_bytes
+                    - t * row_heads * head_dim * 2)
+  return out
+
+
+def exchange_table(args):
+  """Prints the packed exchange's table (module docstring, `--exchange`)."""
+  import dataclasses
+
+  flags = os.environ.get("XLA_FLAGS", "")
+  want = max(args.exchange_compile or [0])
+  if want and "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  t = args.exchange_tokens
+  print(f"# packed exchange, llama3_8b, {t} tokens per device, ping-pong on, gate off, "
+        f"{args.batches} batches per row; carried / moved rows per transport (mean over plans, "
+        f"worst in brackets); buffers: send + receive rows over the busiest sender's + receiver's "
+        f"moving rows")
+  print("| devices | dist | Q moved | Q ragged | Q shifted | Q tiled | K/V moved | K/V ragged | "
+        "K/V shifted | K/V tiled | Q buffers / busiest | K/V buffers / busiest |")
+  # "busiest": the step's busiest sender's plus busiest receiver's moving rows, over its plans.
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  compiled_rows = []
+  for n in args.exchange:
+    for dist in EXCHANGE_DISTS:
+      config, shape, ctxs = _step_contexts(dist, n, t, args.batches)
+      steps = [c.dispatch for c in ctxs if c.cad]
+      plans = [d for ds in steps for d in ds]
+      if not plans:
+        print(f"| {n} | {dist} | nothing moves | | | | | | | | | |")
+        continue
+      cells = []
+      for name in ("q", "kv"):
+        rows = [_carried(d, name) for d in plans if _carried(d, name)["moved"]]
+        ratio = lambda key: [r[key] / r["moved"] for r in rows]
+        # A step holds one set of buffers for its plans (Ping and Pong): sized for the busier.
+        per_step = [[_carried(d, name) for d in ds] for ds in steps]
+        buffers = [r[0]["buffers"] / max(x["busiest"] for x in r) for r in per_step
+                   if max(x["busiest"] for x in r)]
+        cells.append((int(np.mean([r["moved"] for r in rows])),
+                      *((np.mean(ratio(k)), np.max(ratio(k))) for k in ("ragged", "shifted", "tiled")),
+                      (np.mean(buffers), np.max(buffers))))
+      fmt = lambda m: f"{m[0]:.2f}x ({m[1]:.2f}x)"
+      (qm, *qr, qb), (km, *kr, kb) = cells
+      print(f"| {n} | {dist} | {qm} | " + " | ".join(fmt(x) for x in qr) + f" | {km} | "
+            + " | ".join(fmt(x) for x in kr) + f" | {fmt(qb)} | {fmt(kb)} |", flush=True)
+      if n in (args.exchange_compile or []):
+        d = max(plans, key=lambda d: int(np.asarray(d.send_q_count).sum()))
+        got = _compiled_buffers(d, n)
+        busy = _carried(d, "q")["busiest"] * 8 * 128 * 2
+        compiled_rows.append((n, dist, busy, got))
+  if compiled_rows:
+    print()
+    print("# compiled query exchange (the plan moving the most query rows), 8 heads x 128 bf16 "
+          "rows, XLA CPU temporaries per device over the busiest sender's + receiver's rows")
+    print("| devices | dist | busiest moving rows (MB) | shifted temp / busiest | tiled temp / busiest |")
+    print("|---|---|---|---|---|")
+    for n, dist, busy, got in compiled_rows:
+      print(f"| {n} | {dist} | {busy / 1e6:.1f} | {got['shifted'] / busy:.2f}x | "
+            f"{got['tiled'] / busy:.2f}x |")
+  return 0
 
 if __name__ == "__main__":
   main()
