@@ -1,4 +1,4 @@
-"""Test setup: 8 simulated CPU devices (set before jax is imported anywhere), and every
+"""Test setup: 16 simulated CPU devices (set before jax is imported anywhere), and every
 test run from a temporary working directory, so that a run without `train.out_dir` (whose
 directory defaults to `runs/...` under the working directory) never writes into the checkout."""
 
@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=16").strip()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -143,7 +143,7 @@ def test_pipeline_trains_end_to_end(tmp_path):
                      "attention.pingpong=false", "train.steps=3", "data.tokens_per_device=128",
                      f"train.out_dir={tmp_path}", "optim.lr=3e-3", "optim.warmup_steps=0",
                      "model.remat=full")
-  summary = loop.run(cfg, log=lambda *_: None)
+  summary = loop.run(cfg, devices=jax.devices()[:8], log=lambda *_: None)
   assert summary.steps == 3 and summary.compile_count == 1
   assert summary.microbatches == 2 and summary.pipeline_bubble == pytest.approx(1 / 3)
   assert "bubble 33%" in loop.format_summary(summary)

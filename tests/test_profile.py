@@ -1,6 +1,7 @@
 """Profiling: phase attribution by named scope from a real xprof trace, step-time statistics, and
 `launch/profile_steps.py` end to end (compile time, step times, trace, phases, attention load PNG)."""
 
+import functools
 import json
 import os
 import tempfile
@@ -114,11 +115,15 @@ def test_phase_breakdown_of_a_traced_program(tmp_path):
     assert np.mean([d[p] for d in per_device.values()]) == pytest.approx(ms[p])
 
 
-def test_profile_cli_end_to_end(tmp_path, capsys):
+def test_profile_cli_end_to_end(tmp_path, capsys, monkeypatch):
   """`launch/profile_steps.py` in this process (8 CPU devices): seed 6 keeps the three steps on one
   compiled program, the one tests/test_multihost.py compiles too."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
+  from distca_jax.train import loop
+
+  # The launcher trains on every device; the suite has more than the 8 this program is for.
+  monkeypatch.setattr(loop, "run", functools.partial(loop.run, devices=jax.devices()[:8]))
   enable_compile_cache(os.environ.setdefault("DISTCA_TEST_COMPILE_CACHE",
                                              tempfile.mkdtemp(prefix="distca_compile_cache_")))
   cli = launch_script("profile_steps")

@@ -65,9 +65,9 @@ def test_default_job_short_run_learns(tmp_path):
   cfg = load_config(None, FAST + [f"train.steps={steps}", f"train.out_dir={tmp_path}"])
   assert cfg.model.preset == "tiny" and cfg.data.source == "synthetic"
   assert cfg.data.distribution == "pretrain"
-  summary = loop.run(cfg, log=lambda *_: None)
+  summary = loop.run(cfg, devices=jax.devices()[:8], log=lambda *_: None)
 
-  assert len(jax.devices()) == 8 and summary.devices == 8
+  assert summary.devices == 8
   assert summary.mesh_shape == {"data": 8, "pipe": 1, "tensor": 1}
   assert summary.steps == steps and len(summary.losses) == steps
   assert all(math.isfinite(x) for x in summary.losses)
