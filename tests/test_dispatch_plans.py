@@ -357,6 +357,9 @@ def test_relays_on_the_host_path(exchange):
   assert on.dispatch[0].send_kv2_valid.any()
   assert on.plans[0].traffic.kv_rows_out.max() < off.plans[0].traffic.kv_rows_out.max()
   assert on.plans[0].requirements.recv_kv2 > 0
+  d = on.dispatch[0]  # the rows the arrays send are the ones the planner's traffic counts
+  np.testing.assert_array_equal(d.send_kv_count.sum(1) + d.send_kv2_count.sum(1),
+                                on.plans[0].traffic.kv_rows_out)
   caps = on.capacities
   if exchange == "tiled":
     assert caps.ckv2 > 0

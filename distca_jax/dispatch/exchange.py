@@ -12,6 +12,10 @@ leading N, `format.DispatchPlan`):
   4. returns O by the reverse exchange into the send buffer's slots, and each home row picks
      its output (`_rows_to_home`).
 
+With relays (`attention.kv_relay_fanout`, `schedule/relay.py`) the K/V exchange of step 2 runs in
+two rounds: the holders send their pieces to a few servers, which forward them, gathered from
+their [local | round-1] rows, to the others; the backward runs them reversed, round 2 first.
+
 The transport seam. `transport(x, out_rows, ex, mode)` takes a device's packed send buffer and
 an `Exchange` (its counts and offsets, per peer) and returns its packed receive buffer of
 `out_rows` rows. Every mode gives the same result; they differ in what travels:
