@@ -374,6 +374,8 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
     # Rows per exchanged block (query, K/V): the run's capacities, what the exchange sends.
     record["exchange_q_rows"] = ctx.capacities.c
     record["exchange_kv_rows"] = ctx.capacities.ckv
+    if ctx.capacities.ckv2:  # relayed K/V's second round (attention.kv_relay_fanout)
+      record["exchange_kv2_rows"] = ctx.capacities.ckv2
   if load_after is not None:
     p.imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
     record["attention_imbalance_after"] = p.imbalances_after[-1]
