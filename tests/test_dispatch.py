@@ -39,6 +39,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("data,tensor,layout,pingpong,mode,T", CASES)
+
+def count_primitive(jaxpr, name: str) -> int:
+  """How many equations of `jaxpr` (sub-jaxprs included) apply primitive `name`."""
+  from jax.extend import core as jax_core
+
+  return sum((eqn.primitive.name == name)
+             + sum(count_primitive(sub, name) for sub in jax_core.jaxprs_in_params(eqn.params))
+             for eqn in jaxpr.eqns)
+
 def test_distca_matches_reference(monkeypatch, data, tensor, layout, pingpong, mode, T):
   # One decoder layer: every kind of parameter gradient is still checked, at half the cost.
   cfg = small_config(f"mesh.data={data}", f"mesh.tensor={tensor}", "attention.impl=distca",
@@ -267,19 +276,9 @@ def test_backward_has_no_autodiff_scatters():
   loss = lambda q, k, v: core_attention(q, k, v, plan).sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
 
-  from jax.extend import core as jax_core
-
-  def count(jaxpr, name):
-    n = 0
-    for eqn in jaxpr.eqns:
-      n += eqn.primitive.name == name
-      for sub in jax_core.jaxprs_in_params(eqn.params):
-        n += count(sub, name)
-    return n
-
-  assert count(jaxpr.jaxpr, "scatter-add") == 2  # K and V gradients summed home
+  assert count_primitive(jaxpr.jaxpr, "scatter-add") == 2  # K and V gradients summed home
   # Forward: Q, K, V out and O back; backward: dO out and dQ, dK, dV back.
-  assert count(jaxpr.jaxpr, "all_to_all") == 8
+  assert count_primitive(jaxpr.jaxpr, "all_to_all") == 8
 
 
 def test_kv_gradients_return_drops_the_empty_slots():
@@ -429,19 +428,9 @@ def test_relayed_kv_backward_is_explicit():
   loss = lambda q, k, v: core_attention(q, k, v, plan).sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
 
-  from jax.extend import core as jax_core
-
-  def count(jaxpr, name):
-    n = 0
-    for eqn in jaxpr.eqns:
-      n += eqn.primitive.name == name
-      for sub in jax_core.jaxprs_in_params(eqn.params):
-        n += count(sub, name)
-    return n
-
-  assert count(jaxpr.jaxpr, "scatter-add") == 4
+  assert count_primitive(jaxpr.jaxpr, "scatter-add") == 4
   # Forward: Q, K and V in two rounds, O back; backward: dO out, dQ back, dK and dV two rounds.
-  assert count(jaxpr.jaxpr, "all_to_all") == 12
+  assert count_primitive(jaxpr.jaxpr, "all_to_all") == 12
 
 
 def test_relayed_kv_in_a_pipelined_step_matches_reference():
