@@ -53,7 +53,7 @@ def test_transport_moves_the_counted_rows(n, mode):
   S = int(count.sum(1).max()) + 3  # send buffers with padding rows past the counts
   R = int(count.sum(0).max()) + 2
   send_NxSxE = rng.standard_normal((n, S, 2, 3)).astype(np.float32)
-  # Block and shift sizes as the capacities give them: the largest pair (per shift), some larger.
+  # The tiled block one row past the largest pair (a padded block); each shift exactly its largest.
   block = int(count.max()) + 1 if mode == "tiled" else 0
   shifts = (tuple(int(count[np.arange(n), (np.arange(n) + k) % n].max()) for k in range(1, n))
             if mode == "shifted" else ())
