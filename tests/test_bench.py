@@ -29,29 +29,30 @@ def _bench(tmp_path, *args: str, tokens: int = 512) -> tuple[list[dict], str]:
   return json.loads(out.read_text()), proc.stdout
 
 
-def test_cad_suite(tmp_path):
-  """Colocated, distca, the WLB-LLM-style baseline and the single-stream ablation on a sampled and
-  a skewed batch: every row ran, the distca rows report the batch's own imbalance before
-  scheduling (colocated's) and the streams they ran, the baseline re-packs without CAD, and every
-  variant computes the same loss."""
-  rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", "pretrain", "skewed",
+@pytest.mark.parametrize("batch", ["pretrain", "skewed"])
+def test_cad_suite(tmp_path, batch):
+  """Colocated, distca, the WLB-LLM-style baseline and (skewed) the single-stream ablation on a
+  sampled and a skewed batch, one process per batch (each variant compiles its own step, so the
+  two run on two test workers): every row ran, the distca rows report the batch's own imbalance
+  before scheduling (colocated's) and the streams they ran, the baseline re-packs without CAD,
+  and every variant computes the same loss."""
+  rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", batch,
                    "--pingpong-ablation", "skewed", "mesh.data=2", "model.layers=1",
                    "attention.gate=false")  # skewed at 512 tokens: [512] + 4 x [128]
-  by = {(r["batch"], r["variant"]): r for r in rows}
-  assert set(by) == {("pretrain", "colocated"), ("pretrain", "distca"), ("pretrain", "wlb"),
-                     ("skewed", "colocated"), ("skewed", "distca"), ("skewed", "wlb"),
-                     ("skewed", "distca-single")}
-  for batch in ("pretrain", "skewed"):
-    colocated = by[batch, "colocated"]
-    for (b, name), r in by.items():
-      if b != batch or name == "colocated":
-        continue
-      if name == "wlb":  # documents re-packed, attention colocated
-        assert r["cad_ran"] is False, (b, name)
-      else:
-        assert r["cad_ran"] and r["streams"] == (1 if name == "distca-single" else 2), (b, name)
-      assert r["imbalance"][0] == pytest.approx(colocated["imbalance"][0], rel=1e-9), (b, name)
-      assert r["loss"] == pytest.approx(colocated["loss"], rel=1e-3), (b, name)
+  by = {r["variant"]: r for r in rows}
+  assert all(r["batch"] == batch for r in rows), rows
+  assert set(by) == {"colocated", "distca", "wlb"} | ({"distca-single"} if batch == "skewed"
+                                                      else set())
+  colocated = by["colocated"]
+  for name, r in by.items():
+    if name == "colocated":
+      continue
+    if name == "wlb":  # documents re-packed, attention colocated
+      assert r["cad_ran"] is False, name
+    else:
+      assert r["cad_ran"] and r["streams"] == (1 if name == "distca-single" else 2), name
+    assert r["imbalance"][0] == pytest.approx(colocated["imbalance"][0], rel=1e-9), name
+    assert r["loss"] == pytest.approx(colocated["loss"], rel=1e-3), name
 
 
 def test_pipeline_suite(tmp_path):
@@ -80,9 +81,7 @@ def test_scheduler_bench_modes(capsys):
 
 def test_bench_kernels_rounds(tmp_path):
   """bench_kernels.py on the CPU (the reference and Pallas backends; no cuDNN here, so no dense
-  baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table;
-  then `--gpu-time`'s profiler trace written and read (no GPU kernels in it here), run with
-  `python -P` as `launch/gpu_session.sh` runs it."""
+  baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--backends",
@@ -101,6 +100,13 @@ def test_bench_kernels_rounds(tmp_path):
   table, = (json.loads(p.read_text()) for p in tmp_path.glob("*.json")
             if p.name != "bench_kernels.json")
   assert table["q"] == [128] and table["fwdbwd_ms"][0][0] > 0
+
+
+def test_bench_kernels_gpu_time_trace(tmp_path):
+  """bench_kernels.py --gpu-time: its profiler trace written and read (no GPU kernels in it on a
+  CPU), run with `python -P` as `launch/gpu_session.sh` runs it."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
   proc = subprocess.run([sys.executable, "-P", str(ROOT / "launch" / "bench_kernels.py"),
                          "--backends", "reference", "--contexts", "1024", "--datasets", "pretrain",
                          "--sweep=", "--gpu-time", "--heads", "2,1", "--head-dim", "16", "--out",
