@@ -38,8 +38,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("data,tensor,layout,pingpong,mode,T", CASES)
-
 def count_primitive(jaxpr, name: str) -> int:
   """How many equations of `jaxpr` (sub-jaxprs included) apply primitive `name`."""
   from jax.extend import core as jax_core
@@ -48,6 +46,8 @@ def count_primitive(jaxpr, name: str) -> int:
              + sum(count_primitive(sub, name) for sub in jax_core.jaxprs_in_params(eqn.params))
              for eqn in jaxpr.eqns)
 
+
+@pytest.mark.parametrize("data,tensor,layout,pingpong,mode,T", CASES)
 def test_distca_matches_reference(monkeypatch, data, tensor, layout, pingpong, mode, T):
   # One decoder layer: every kind of parameter gradient is still checked, at half the cost.
   cfg = small_config(f"mesh.data={data}", f"mesh.tensor={tensor}", "attention.impl=distca",
