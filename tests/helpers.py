@@ -3,6 +3,7 @@ launch scripts as modules, and the dispatch arrays' numpy specification (`simula
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -118,6 +119,54 @@ def reference_value_and_grad(params, shape, batch):
   """Jitted (loss, grads) of `reference_loss` on one batch (the batch is a trace-time constant:
   its documents unroll into the traced program, the same arithmetic as eager, far faster)."""
   return jax.jit(jax.value_and_grad(lambda p: reference_loss(p, shape, batch)))(params)
+
+
+def dense_reference_value_and_grad(params, shape, batch):
+  """(loss, grads) of `reference_loss` on one batch with attention as one dense [S, S] product
+  masked to causal pairs of one document (a contiguous run of one segment id in the flat stream,
+  as `reference_hidden` slices them). The batch's arrays are arguments, not constants: batches of
+  one size share one compiled program, however their documents fall."""
+  seg_S = batch.segment_ids.reshape(-1)
+  run_S = np.cumsum(np.r_[True, seg_S[1:] != seg_S[:-1]]) - 1
+  flat = lambda a: jnp.asarray(a.reshape(-1))
+  return _dense_value_and_grad(params, shape, flat(batch.tokens), flat(batch.positions),
+                               jnp.asarray(np.where(seg_S >= 0, run_S, -1)), flat(batch.targets),
+                               flat(batch.loss_mask))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _dense_value_and_grad(params, shape, tokens_S, positions_S, run_S, targets_S, mask_S,
+                          eps: float = 1e-5):
+  H, K, E = shape.heads, shape.kv_heads, shape.head_dim
+  S = tokens_S.shape[0]
+  # Padding rows (run -1) attend to themselves alone (no NaN row), and their output is zeroed.
+  mask_SxS = (((run_S[:, None] == run_S[None, :]) & (run_S[:, None] >= 0)) | jnp.eye(S, dtype=bool))
+  mask_SxS &= jnp.tril(jnp.ones((S, S), bool))
+  norm = lambda x, scale: x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+  def rot(x):
+    ang = positions_S[:, None, None] * shape.rope_theta ** (-np.arange(0, E, 2) / E)
+    x1, x2 = x[..., : E // 2], x[..., E // 2:]
+    return jnp.concatenate([x1 * jnp.cos(ang) - x2 * jnp.sin(ang),
+                            x2 * jnp.cos(ang) + x1 * jnp.sin(ang)], -1)
+
+  def loss(p):
+    x = p["embed"][tokens_S]
+    for blk in p["blocks"].values() if isinstance(p["blocks"], dict) else p["blocks"]:
+      a, m = blk["attn"], blk["mlp"]
+      h = norm(x, blk["attn_norm"]["scale"])
+      q = rot(jnp.einsum("sd,dhe->she", h, a["wq"])).reshape(S, K, H // K, E)
+      k, v = rot(jnp.einsum("sd,dke->ske", h, a["wk"])), jnp.einsum("sd,dke->ske", h, a["wv"])
+      logits = jnp.where(mask_SxS, jnp.einsum("tkge,ske->kgts", q, k) / np.sqrt(E), -jnp.inf)
+      o = jnp.einsum("kgts,ske->tkge", jax.nn.softmax(logits, -1), v).reshape(S, H, E)
+      x = x + jnp.einsum("she,hed->sd", jnp.where((run_S >= 0)[:, None, None], o, 0.0), a["wo"])
+      h = norm(x, blk["mlp_norm"]["scale"])
+      x = x + (jax.nn.silu(h @ m["w_gate"]) * (h @ m["w_up"])) @ m["w_down"]
+    logp = jax.nn.log_softmax(norm(x, p["final_norm"]["scale"]) @ p["lm_head"], -1)
+    picked = jnp.take_along_axis(logp, targets_S[:, None], -1)[:, 0]
+    return -jnp.sum(picked * mask_S) / jnp.maximum(mask_S.sum(), 1.0)
+
+  return jax.value_and_grad(loss)(params)
 
 
 # ----------------------------------------------------------------------------- dispatch spec

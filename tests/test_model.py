@@ -90,6 +90,26 @@ def test_loss_matches_reference_on_one_device():
   assert abs(float(loss) - float(reference_loss(pure_params(state.params), trainer.shape, batch))) < 1e-5
 
 
+def test_dense_reference_is_the_slicing_reference():
+  """helpers' dense reference (one masked [S, S] attention, the batch as arguments) gives the loss
+  and gradients of the document-by-document one, on a batch with a document over two buffers,
+  several short ones and padding."""
+  from helpers import dense_reference_value_and_grad, reference_value_and_grad
+
+  cfg = small_config("mesh.data=1", "model.layers=2")
+  trainer, _ = _one_device_trainer(cfg)
+  params = pure_params(trainer.init_state(2).params)
+  lens = np.array([150, 41, 30, 9])
+  batch = make_batch(lens, np.random.default_rng(0).integers(0, 512, lens.sum()).astype(np.int32),
+                     2, 128)
+  seg = batch.segment_ids
+  assert (seg < 0).any() and set(seg[0][seg[0] >= 0]) & set(seg[1])  # padding; a spanning document
+  want_loss, want_grads = reference_value_and_grad(params, trainer.shape, batch)
+  loss, grads = dense_reference_value_and_grad(params, trainer.shape, batch)
+  assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+  assert tree_rel_err(grads, want_grads) <= 1e-6
+
+
 @pytest.mark.parametrize("T,chunk", [(96, 32), (80, 32)])  # several chunks; chunk not dividing T
 def test_cross_entropy_and_grads_matches_autodiff(T, chunk):
   from distca_jax.train.loss import chunked_cross_entropy, cross_entropy_and_grads
