@@ -180,17 +180,20 @@ def test_checkpoint_moves_between_pipeline_layouts(tmp_path):
   loop.run(piped, devices=jax.devices()[:4], log=lambda *_: None)
   saved_dir = tmp_path / "piped" / "checkpoints"
 
-  def restore(cfg, directory):
-    mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])
-    trainer = Trainer(cfg, mesh)
-    with Checkpointer(directory, save_every=2, keep=2, read_only=True) as ck:
-      return trainer, *loop.restore_any_layout(ck, trainer, trainer.init_state(1), expect={})
+  def trainer_of(cfg):  # a trainer and the state whose shardings a restore fills
+    trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
+    return trainer, trainer.init_state(1)
 
-  piped_trainer, as_saved, extra = restore(piped, saved_dir)
+  def restore(trainer, state, directory):
+    with Checkpointer(directory, save_every=2, keep=2, read_only=True) as ck:
+      return loop.restore_any_layout(ck, trainer, state, expect={})
+
+  piped_trainer, piped_state = trainer_of(piped)  # restored into twice: one trainer a layout
+  as_saved, extra = restore(piped_trainer, piped_state, saved_dir)
   assert extra["pipeline_stages"] == 2
   flat = small_config(*common, "mesh.data=4", "train.steps=3", f"train.out_dir={tmp_path / 'flat'}",
                       f"checkpoint.dir={saved_dir}")
-  flat_trainer, unpiped, _ = restore(flat, saved_dir)
+  unpiped, _ = restore(*trainer_of(flat), saved_dir)
   want = jax.device_get(piped_trainer.relayout(as_saved, 2, 1))
   got = jax.device_get(unpiped)
   assert jax.tree.structure(got) == jax.tree.structure(want)
@@ -203,7 +206,7 @@ def test_checkpoint_moves_between_pipeline_layouts(tmp_path):
   flat_dir = tmp_path / "flat_ck"
   with Checkpointer(flat_dir, save_every=2, keep=2) as ck:
     ck.maybe_save(2, unpiped, {**extra, "pipeline_stages": 1}, force=True)
-  _, again, _ = restore(piped, flat_dir)
+  again, _ = restore(piped_trainer, piped_state, flat_dir)
   for a, b in zip(jax.tree.leaves(jax.device_get(again)), jax.tree.leaves(jax.device_get(as_saved))):
     np.testing.assert_array_equal(a, b)
 
