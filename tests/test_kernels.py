@@ -337,9 +337,17 @@ def test_mosaic_forward(case, head_dim, ctas):
 
 @pytest.mark.parametrize("backend", _backends())
 def test_check_grads(backend):
-  """Numerical vs custom-VJP gradients (reverse mode) on a tiny shape."""
+  """Numerical vs the backend's gradients (its custom VJP; autodiff for the reference), reverse
+  mode, on a tiny shape.
+
+  Finite differences need float32 dot products: a GPU's default float32 matmul rounds its
+  inputs to TF32 (10 mantissa bits, steps of about 1e-3 near 1), coarser than the differences'
+  step (1e-4), so the differences would measure the rounding, not the gradient. The check runs
+  at `highest` matmul precision (full float32 on a GPU; a CPU computes so anyway). The other
+  backends' GPU kernels do their own dot products (TF32 or bf16), which that setting does not
+  reach: on a GPU they are checked against the oracle above only."""
   if ON_GPU and backend != "reference":
-    pytest.skip("finite differences need float32 accuracy")
+    pytest.skip("finite differences need float32 accuracy; the GPU kernels' dot products are not")
   tasks = make_task_table([0, 4, 9], [4, 3, 2], [0, 0, 6], [4, 7, 5], capacity=4)
   q, k, v, _, _ = _inputs(12, 11, 2, 1, 4, jnp.float32, seed=3)
   w = jax.random.normal(jax.random.PRNGKey(4), (12, 2, 4))
@@ -349,7 +357,12 @@ def test_check_grads(backend):
     o, lse = kernels.attention(q, k, v, tasks, backend=backend)
     return jnp.sum(o * w) + 0.5 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-  jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+  # The setting is read when `f` and its VJP are traced, which happens inside check_grads.
+  with jax.default_matmul_precision("highest"):
+    if backend == "reference":  # the setting reaches every dot product (checked on CPU too)
+      dots = re.findall(r"precision = \[(\w+), (\w+)\]", f.lower(q, k, v).as_text())
+      assert dots and set(dots) == {("HIGHEST", "HIGHEST")}, dots
+    jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
 
 
 # ------------------------------------------------------------------------- mosaic (Hopper) bwd
