@@ -228,8 +228,12 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
   """Measured pairs from two `launch/train.py` logs of the same sampled steps (colocated, and
   distca with its gate): per step on which CAD ran and neither run compiled, both step times and
   the rows per exchanged block the step ran with (its run's grown capacities, which set the
-  tiled exchange's bytes). Log step s trained on the sampler's batch s - 1; the distribution
-  is `data.distribution` in `setup` (default: the config's)."""
+  tiled exchange's bytes): `c`, `ckv` and, for the relayed K/V round, `ckv2`. The trainer logs
+  `exchange_kv2_rows` only while its run has that round; a step without it keeps `ckv2` None,
+  and the fit takes the step's own plan's instead: 0 when the run had no relayed round (its
+  capacities only grow, so no step's plan needed one), the step's own need on a log written
+  before the trainer logged the round. Log step s trained on the sampler's batch s - 1; the
+  distribution is `data.distribution` in `setup` (default: the config's)."""
   from distca_jax.config import load_config
   from distca_jax.schedule.capacities import Capacities
 
@@ -241,9 +245,19 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
     c, d = col[s], cad[s]
     if c["compiled"] or d["compiled"] or d.get("cad") != 1.0 or "exchange_q_rows" not in d:
       continue
-    caps = Capacities(c=int(d["exchange_q_rows"]), ckv=int(d["exchange_kv_rows"]))
+    kv2 = d.get("exchange_kv2_rows")
+    caps = Capacities(c=int(d["exchange_q_rows"]), ckv=int(d["exchange_kv_rows"]),
+                      ckv2=None if kv2 is None else int(kv2))
     out.append((devices, rest, dist, s - 1, c["step_s"] * 1e3, d["step_s"] * 1e3, caps))
   return out
+
+
+def logged_over(own, logged):
+  """`own` capacities (a step's plan's) with each size `logged` gives (not None) and each
+  shift list it gives (not empty) in their place."""
+  return dataclasses.replace(own, **{
+      f.name: getattr(logged, f.name) for f in dataclasses.fields(logged)
+      if getattr(logged, f.name) not in (None, ())})
 
 
 def fit(verbose: bool = True, extra=()) -> dict:
@@ -267,10 +281,10 @@ def fit(verbose: bool = True, extra=()) -> dict:
     ctx = dispatch.plan_step(cfg.attention, batch, shape)
     planned = sum(p.stats.load_after for p in ctx.plans)
     linear, attn = gate.colocated_flops(shape, batch.layout)
-    # The exchange at the capacities the step ran with: a training run's grown ones when its log
-    # says (from_train_logs), else the step's own (a benchmark compiles each batch).
-    moved_bytes = gate.exchange_bytes(cfg.attention, shape, ctx.plans,
-                                      (caps and caps[0]) or ctx.capacities).max() * shape.layers
+    # The exchange at the capacities the step ran with: a training run's grown ones where its
+    # log says (from_train_logs), else the step's own (a benchmark compiles each batch).
+    ran = logged_over(ctx.capacities, caps[0]) if caps and caps[0] else ctx.capacities
+    moved_bytes = gate.exchange_bytes(cfg.attention, shape, ctx.plans, ran).max() * shape.layers
     batches.append(gate.FitBatch(
         colocated_ms=col, distca_ms=cad, linear_flops=linear.max(), attention_flops=attn.max(),
         planned_flops=gate.attention_flops_per_area(shape) * planned.max(),

@@ -3,6 +3,7 @@ charges (padded blocks, bytes across nodes), its decisions on plans, and its fit
 (`launch/fit_gate.py`, `launch/tools/gate_report.py`) against the recorded measurements."""
 
 import dataclasses
+import sys
 
 import jax
 import numpy as np
@@ -446,31 +447,46 @@ def test_fit_gate_expect_plans_as_the_trainer(capsys):
 def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
   """fit_gate --logs: the CAD steps of a gated train.py run on which neither run compiled join
   the fit, each with its batch (log step s trained on the sampler's batch s - 1) and the rows per
-  exchanged block it ran with (the run's grown capacities), which price its exchange."""
+  exchanged block it ran with (the run's grown capacities, the relayed K/V round's included
+  where the log has it), which price its exchange."""
   fit_gate = launch_script("fit_gate")
   line = lambda n, s, c, extra="": f"step {n}: loss=1 step_s={s} compile_count={c}{extra}"
   ran = lambda q, kv: f" cad=1 cad_predicted_saving=0.1 nano_batches=2 exchange_q_rows={q} exchange_kv_rows={kv}"
-  col = [line(1, 9.0, 1), line(2, 2.0, 1), line(3, 2.0, 1), line(4, 2.0, 1)]
+  col = [line(1, 9.0, 1), line(2, 2.0, 1), line(3, 2.0, 1), line(4, 2.0, 1), line(5, 2.0, 1)]
   cad = [line(1, 9.0, 1, ran(8192, 16384)), line(2, 1.8, 1, ran(8192, 16384)),
-         line(3, 2.0, 1, " cad=0"), line(4, 1.9, 2, ran(16384, 16384))]
+         line(3, 2.0, 1, " cad=0"), line(4, 1.9, 2, ran(16384, 16384)),
+         line(5, 1.7, 2, ran(16384, 16384) + " exchange_kv2_rows=4096")]
   (tmp_path / "c.log").write_text("\n".join(col))
   (tmp_path / "d.log").write_text("\n".join(cad))
   setup = fit_gate.SETUP + ("data.distribution=prolong",)
   pairs = fit_gate.from_train_logs(tmp_path / "c.log", tmp_path / "d.log", 2, setup)
-  # Step 1 compiled in both, 3 ran colocated, 4 compiled in distca: step 2 only.
+  # Step 1 compiled in both, 3 ran colocated, 4 compiled in distca: steps 2 and 5; step 2's log
+  # has no relayed round (ckv2 not given), step 5's has one.
   assert pairs == [(2, fit_gate.SETUP, "prolong", 1, 2000.0, 1800.0,
-                    Capacities(c=8192, ckv=16384))]
+                    Capacities(c=8192, ckv=16384)),
+                   (2, fit_gate.SETUP, "prolong", 4, 2000.0, 1700.0,
+                    Capacities(c=16384, ckv=16384, ckv2=4096))]
   seen = []
   real = gate_lib.exchange_bytes
 
-  def spy(attention_config, shape, plans, capacities):
-    seen.append(capacities)
+  def spy(attention_config, shape, plans, capacities):  # the fit's own pricing (not the planner's)
+    if sys._getframe(1).f_code.co_filename.endswith("fit_gate.py"):
+      seen.append((capacities, (attention_config, shape, plans)))
     return real(attention_config, shape, plans, capacities)
 
   monkeypatch.setattr(gate_lib, "exchange_bytes", spy)
   fitted = fit_gate.fit(verbose=False, extra=pairs)
-  assert "prolong@1 (2 dev)" in fitted["batches"] and len(fitted["batches"]) == 15
-  assert any(c is pairs[0][6] for c in seen)  # priced at the logged capacities
+  assert {"prolong@1 (2 dev)", "prolong@4 (2 dev)"} <= set(fitted["batches"])
+  assert len(fitted["batches"]) == 16
+  assert len(seen) == 16
+  # Priced at the logged capacities (the logs' pairs come last); the step without a logged
+  # relayed round takes its own plan's, none with relays off.
+  (no_relay, _), (relayed, args) = seen[-2:]
+  assert (no_relay.c, no_relay.ckv, no_relay.ckv2) == (8192, 16384, 0)
+  assert (relayed.c, relayed.ckv, relayed.ckv2) == (16384, 16384, 4096)
+  # The relayed round's blocks add to the bytes the busiest device moves.
+  assert (real(*args, relayed).max()
+          > real(*args, dataclasses.replace(relayed, ckv2=0)).max())
 
 
 def test_exchange_padding_report(capsys):
