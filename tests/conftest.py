@@ -1,8 +1,10 @@
-"""Test setup: 16 simulated CPU devices (set before jax is imported anywhere), and every
-test run from a temporary working directory, so that a run without `train.out_dir` (whose
-directory defaults to `runs/...` under the working directory) never writes into the checkout."""
+"""Test setup: 16 simulated CPU devices (set before jax is imported anywhere), one persistent
+compilation cache for the whole run, and every test run from a temporary working directory, so
+that a run without `train.out_dir` (whose directory defaults to `runs/...` under the working
+directory) never writes into the checkout."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -10,6 +12,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=16").strip()
+# Set at import, so pytest-xdist's workers (started after the controller read this file) share one
+# directory, and the tests that start processes can hand it to them.
+os.environ.setdefault("DISTCA_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="distca_compile_cache_"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compile_cache():
+  """Tests build many trainers that compile the same small programs (a step under each remat
+  policy, a model's initialisation): after the first, each loads from the cache."""
+  from distca_jax.compile_cache import enable_compile_cache
+
+  enable_compile_cache(os.environ["DISTCA_TEST_COMPILE_CACHE"])
 
 
 @pytest.fixture(autouse=True, scope="session")

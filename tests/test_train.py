@@ -25,17 +25,6 @@ from distca_jax.train.checkpoint import CheckpointSaveError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache():
-  """The runs below compile a few small programs again and again: one persistent cache (shared
-  with the other operability tests) serves them after the first."""
-  import tempfile
-
-  from distca_jax.compile_cache import enable_compile_cache
-
-  enable_compile_cache(os.environ.setdefault("DISTCA_TEST_COMPILE_CACHE",
-                                             tempfile.mkdtemp(prefix="distca_compile_cache_")))
-
 # The default job, made small and quick to learn: short buffers that still hold several documents
 # and documents spanning devices (length_scale), a shorter warm-up and a higher peak rate.
 FAST = ["model.dtype=float32", "model.remat=none", "data.tokens_per_device=256",
