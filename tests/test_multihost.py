@@ -30,6 +30,9 @@ ARGS = ["model.dtype=float32", "model.remat=none", "model.layers=1", "model.hidd
         "model.vocab_size=256", "data.tokens_per_device=256", "data.length_scale=64",
         "train.progress=false", "train.tensorboard=false", "train.imbalance_after=false",
         "train.steps=2",
+        # The learning-rate schedule a fixed length, not the run's: a run of more steps compiles the
+        # same program (the dead-process run loads the step the others compiled).
+        "optim.decay_steps=100",
         "attention.gate=false"]  # distca: the exchange runs on every step, however balanced
 
 
