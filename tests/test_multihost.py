@@ -6,8 +6,10 @@ with a clear message within the configured timeout; the launcher's environment (
 NCCL_NVLS_ENABLE) respects what the user set.
 """
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,12 +66,20 @@ def _two_processes(tmp_path: Path, name: str, *args: str) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def colocated_two(tmp_path_factory):
-  """The uninterrupted 2-process colocated run (its directory, with its final checkpoint)."""
+def colocated_two():
+  """The uninterrupted 2-process colocated run (its directory, with its final checkpoint), run
+  once for the whole test run: by the first pytest-xdist worker that needs it, while a second
+  waits on the lock and then reads the same directory (next to the shared compilation cache)."""
   enable_compile_cache(_cache_dir())
-  tmp = tmp_path_factory.mktemp("two")
-  proc = _two_processes(tmp, "two", "attention.impl=colocated")
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  tmp = Path(_cache_dir() + "_colocated_two")
+  tmp.mkdir(exist_ok=True)
+  with open(tmp / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (tmp / "done").exists():
+      shutil.rmtree(tmp / "two", ignore_errors=True)  # a failed attempt's: never resumed
+      proc = _two_processes(tmp, "two", "attention.impl=colocated")
+      assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+      (tmp / "done").touch()
   return tmp
 
 
