@@ -163,14 +163,11 @@ class AttentionConfig:
   # docs/PERFORMANCE.md); or `ragged` (GPU only): only the rows that move travel, but XLA 0.11
   # waits on the host before each call, which makes it slower than `tiled` (docs/PERFORMANCE.md).
   exchange: Literal["tiled", "shifted", "ragged"] = "tiled"
-  # Relayed K/V (`schedule/relay.py`): a layout shard that many servers need goes from its
-  # holder to at most this many of them, each of which forwards it to at most this many more in
-  # a second K/V exchange round, so no device sends one long document's K/V prefix to most of
-  # the pool. 0: off, every piece sent by its holder.
+  # Relayed K/V (`schedule/relay.py`): a layout shard that three or more other servers need is
+  # cut into at most this many slices, each sent once by its holder to one of those servers,
+  # which forwards it to the others in a second K/V exchange round, so no device sends one long
+  # document's K/V prefix to most of the pool. 0: off, every piece sent by its holder.
   kv_relay_fanout: NonNegInt = 0
-  # Consecutive devices of the server pool that share a node's links: relays on a server's node
-  # are preferred (1: relays chosen without regard to nodes).
-  devices_per_node: PositiveInt = 8
 
   def min_imbalance_for(self, pipelined: bool) -> float:
     """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""

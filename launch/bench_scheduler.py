@@ -30,11 +30,13 @@ each transport carries over the rows that move (query and K/V separately; `ragge
 exactly the moving rows, `shifted` every shift at its largest block, `tiled` every pair at the
 largest pair's), and the packed send + receive buffers over the busiest sender's plus the
 busiest receiver's moving rows. At the `--exchange-compile` counts it also compiles the query
-exchange on that many simulated CPU devices and reads the buffers XLA allocates (temporaries,
-`memory_analysis`) for the packed `shifted` transport and the `tiled` one, against the same
-moving rows; and exits:
+and K/V exchanges on that many simulated CPU devices and reads the buffers XLA allocates
+(`memory_analysis`) for the packed `shifted` transport and the `tiled` one, against the same
+moving rows; with `--mock-gpu`, on one GPU for a mocked cluster (compile only), `ragged` too;
+and exits:
 
   python launch/bench_scheduler.py --exchange 8 16 32 64 [--batches 3] [--exchange-tokens 65536]
+      [--exchange-compile 8 16] [--mock-gpu]
 """
 
 from __future__ import annotations
@@ -99,11 +101,14 @@ def main(argv=None):
   ap.add_argument("--exchange-compile", type=int, nargs="*", default=[8, 16],
                   help="device counts at which --exchange also compiles the query exchange on "
                        "simulated CPU devices and reads its buffers from XLA's memory analysis")
+  ap.add_argument("--mock-gpu", action="store_true",
+                  help="--exchange-compile on one GPU for a mocked topology of that many GPUs "
+                       "(JAX_MOCK_GPU_TOPOLOGY, compile only), with the ragged transport too")
   ap.add_argument("--hotspot", nargs="*", default=None, metavar="DIST",
                   help="the busiest device's bytes with relayed K/V off and on, on these "
                        "distributions (default: pretrain prolong short long; then exit)")
   ap.add_argument("--fanouts", type=int, nargs="+", default=[4, 8, 16, 32],
-                  help="--hotspot: relay fanouts to compare (node-aware, 8 devices a node)")
+                  help="--hotspot: relay fanouts (slices per relayed shard) to compare")
   args = ap.parse_args(argv)
   if args.exchange is not None:
     return exchange_table(args)
@@ -315,7 +320,7 @@ def hotspot(args):
   n, t, per_node = args.devices, args.tokens, 8
   node = np.arange(n) // per_node
   across = node[:, None] != node[None, :]
-  relays = [None] + [Relay(f, per_node) for f in args.fanouts] + [Relay(args.fanouts[-1], 1)]
+  relays = [None] + [Relay(f) for f in args.fanouts]
   print(f"# {n} devices x {t} tokens, llama3_8b TP={args.tp}, eps 0.1, {args.batches} batches; "
         f"CPU {platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}")
   print("| dist | K/V relay | plan ms (median / worst) | relay ms | imbalance after "
@@ -342,8 +347,7 @@ def hotspot(args):
         rows.append((ms, kv_ms, stats.imbalance_after, busy.max() / busy.mean(), busy.max() / 1e9,
                      rounds / 1e9, tr.pair_bytes[across].sum() / 1e9, second))
       r = np.array(rows)
-      name = ("off" if relay is None else f"fanout {relay.fanout}"
-              + ("" if relay.devices_per_node > 1 else ", node-blind"))
+      name = "off" if relay is None else f"fanout {relay.fanout}"
       print(f"| {dist} | {name} | {np.median(r[:, 0]):.1f} / {r[:, 0].max():.1f} | {r[:, 1].mean():.1f} "
             f"| {r[:, 2].mean():.3f} | {r[:, 3].mean():.1f}x (worst {r[:, 3].max():.1f}x) "
             f"| {r[:, 4].mean():.2f} | {r[:, 5].mean():.2f} | {r[:, 6].mean():.0f} "
@@ -391,9 +395,13 @@ def _carried(d, name: str) -> dict[str, float]:
           "buffers": buffers, "busiest": busiest}
 
 
-def _compiled_buffers(plan, n: int, row_heads: int = 8, head_dim: int = 128) -> dict[str, int]:
-  """XLA's temporaries (bytes per device) for the query exchange of `plan` (rows of `row_heads`
-  x `head_dim` bf16) on `n` simulated CPU devices, per transport."""
+def _compiled_buffers(plan, n: int, modes, row_heads: int = 8,
+                      head_dim: int = 128) -> dict[tuple[str, str], int]:
+  """XLA's buffers (bytes per device) for the query and the K/V exchange of `plan` (rows of
+  `row_heads` x `head_dim` bf16) on `n` devices, per transport in `modes`: {(name, mode): bytes}.
+  Query: temporaries plus the output less the local rows it passes on. K/V: temporaries (the send
+  and receive buffers and the rows gathered from; the output is the kernel's K/V buffer, which
+  every transport fills alike)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, PartitionSpec as P
@@ -401,20 +409,21 @@ def _compiled_buffers(plan, n: int, row_heads: int = 8, head_dim: int = 128) -> 
   from distca_jax.dispatch import exchange as ex
 
   t = plan.return_idx.shape[-1]
+  row = row_heads * head_dim * 2
   mesh = Mesh(np.array(jax.devices()[:n]).reshape(n, 1, 1), ("data", "pipe", "tensor"))
-  q = jax.ShapeDtypeStruct((n, t, row_heads, head_dim), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((n, t, row_heads, head_dim), jnp.bfloat16)
   out = {}
-  for mode in ("shifted", "tiled"):
-    def local(q, p, mode=mode):
-      p = jax.tree.map(lambda x: x[0], p)
-      return ex._rows_to_servers(q[0], p, mode)[None]
+  for name, mover in (("q", ex._rows_to_servers), ("kv", ex._kv_to_servers)):
+    for mode in modes:
+      def local(x, p, mover=mover, mode=mode):
+        p = jax.tree.map(lambda a: a[0], p)
+        return mover(x[0], p, mode)[None]
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=(P(("pipe", "data")), P(("pipe", "data"))),
-                      out_specs=P(("pipe", "data")), check_vma=False)
-    m = jax.jit(f).lower(q, plan).compile().memory_analysis()
-    # The exchange's buffers: temporaries, and the output less the local rows it passes on.
-    out[mode] = int(m.temp_size_in_bytes + m.output_size_in_bytes
-                    - t * row_heads * head_dim * 2)
+      f = jax.shard_map(local, mesh=mesh, in_specs=(P(("pipe", "data")), P(("pipe", "data"))),
+                        out_specs=P(("pipe", "data")), check_vma=False)
+      m = jax.jit(f).lower(x, plan).compile().memory_analysis()
+      kept = m.output_size_in_bytes - t * row if name == "q" else 0
+      out[(name, mode)] = int(m.temp_size_in_bytes + kept)
   return out
 
 
@@ -424,9 +433,14 @@ def exchange_table(args):
 
   flags = os.environ.get("XLA_FLAGS", "")
   want = max(args.exchange_compile or [0])
-  if want and "xla_force_host_platform_device_count" not in flags:
+  if want and args.mock_gpu:
+    # One GPU compiles for a mocked cluster of `want` (one GPU a host; mock NCCL): compile only.
+    os.environ["JAX_MOCK_GPU_TOPOLOGY"] = f"1x{want}x1"
+    os.environ.setdefault("JAX_CUDA_VISIBLE_DEVICES", "0")
+  elif want and "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  modes = ("ragged", "shifted", "tiled") if args.mock_gpu else ("shifted", "tiled")
   t = args.exchange_tokens
   print(f"# packed exchange, llama3_8b, {t} tokens per device, ping-pong on, gate off, "
         f"{args.batches} batches per row; carried / moved rows per transport (mean over plans, "
@@ -462,18 +476,24 @@ def exchange_table(args):
             + " | ".join(fmt(x) for x in kr) + f" | {fmt(qb)} | {fmt(kb)} |", flush=True)
       if n in (args.exchange_compile or []):
         d = max(plans, key=lambda d: int(np.asarray(d.send_q_count).sum()))
-        got = _compiled_buffers(d, n)
-        busy = _carried(d, "q")["busiest"] * 8 * 128 * 2
+        got = _compiled_buffers(d, n, modes)
+        busy = {name: _carried(d, name)["busiest"] * 8 * 128 * 2 for name in ("q", "kv")}
         compiled_rows.append((n, dist, busy, got))
   if compiled_rows:
+    import jax
+
     print()
-    print("# compiled query exchange (the plan moving the most query rows), 8 heads x 128 bf16 "
-          "rows, XLA CPU temporaries per device over the busiest sender's + receiver's rows")
-    print("| devices | dist | busiest moving rows (MB) | shifted temp / busiest | tiled temp / busiest |")
-    print("|---|---|---|---|---|")
+    print(f"# compiled exchanges (the plan moving the most query rows), 8 heads x 128 bf16 rows, "
+          f"XLA {jax.default_backend()} buffers per device (bench_scheduler._compiled_buffers) "
+          f"over the busiest sender's + receiver's moving rows"
+          + (f"; mocked topology {os.environ['JAX_MOCK_GPU_TOPOLOGY']}" if args.mock_gpu else ""))
+    print("| devices | dist | busiest moving Q / K/V (MB) | "
+          + " | ".join(f"{name} {mode} / busiest" for name in ("Q", "K/V") for mode in modes) + " |")
+    print("|---|---|---|" + "---|" * (2 * len(modes)))
     for n, dist, busy, got in compiled_rows:
-      print(f"| {n} | {dist} | {busy / 1e6:.1f} | {got['shifted'] / busy:.2f}x | "
-            f"{got['tiled'] / busy:.2f}x |")
+      cells = [f"{got[(name, mode)] / busy[name]:.2f}x" for name in ("q", "kv") for mode in modes]
+      print(f"| {n} | {dist} | {busy['q'] / 1e6:.1f} / {busy['kv'] / 1e6:.1f} | "
+            + " | ".join(cells) + " |", flush=True)
   return 0
 
 if __name__ == "__main__":

@@ -276,6 +276,9 @@ def layout_batch(kind: str, n: int, seed: int, T: int = 256):
     lens = np.array([total - 37, 37])
   elif kind == "long_on_one":  # device 0 holds all the long documents, the rest many short ones
     lens = np.concatenate([[T // 2, T // 2], np.full((total - T) // 16, 16)])
+  elif kind == "wide_prefix":  # one document over buffers 0 and 1, short ones elsewhere: the
+    # planner spreads its second shard's queries, so many servers need buffer 0's K/V
+    lens = np.concatenate([[2 * T], np.full((total - 2 * T) // 16, 16)])
   elif kind == "equal":        # nothing to balance
     lens = np.full(total // 64, 64)
   else:

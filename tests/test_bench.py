@@ -79,6 +79,24 @@ def test_scheduler_bench_modes(capsys):
   assert {l.split("|")[3].strip() for l in rows} == {"ping", "pong"}
 
 
+def test_scheduler_bench_exchange_table(capsys):
+  """bench_scheduler.py --exchange at 4 devices: a row per distribution, `ragged` carrying
+  exactly the moving rows and `tiled` more, and the compiled exchanges' buffers per transport
+  (the CPU's: shifted and tiled, query and K/V)."""
+  bench = launch_script("bench_scheduler")
+  bench.main(["--exchange", "4", "--exchange-compile", "4", "--batches", "1",
+              "--exchange-tokens", "8192"])
+  out = capsys.readouterr().out.splitlines()
+  rows = [[c.strip() for c in l.split("|")[1:-1]] for l in out if l.startswith("| 4 |")]
+  carried, compiled = rows[:3], rows[3:]
+  assert [r[1] for r in carried] == ["pretrain", "prolong", "short"]
+  for r in carried:
+    assert r[3] == r[7] == "1.00x (1.00x)"  # ragged: query and K/V
+    assert float(r[5].split("x")[0]) > 1 and float(r[9].split("x")[0]) >= 1  # tiled pads
+  assert [r[1] for r in compiled] == ["pretrain", "prolong", "short"]
+  assert all(len(r) == 7 and float(r[4].rstrip("x")) > 1 for r in compiled)  # Q tiled
+
+
 def test_bench_kernels_rounds(tmp_path):
   """bench_kernels.py on the CPU (the reference and Pallas backends; no cuDNN here, so no dense
   baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table."""

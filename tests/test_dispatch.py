@@ -381,26 +381,27 @@ def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
 # (attention.kv_relay_fanout: a widely needed shard's K/V forwarded by relays in a second round)
 
 RELAY_CASES = [
-    # devices, exchange, ping-pong, memory mode, fanout
-    (4, "tiled", False, "keep", 1),
-    (8, "tiled", True, "resend", 1),
-    (8, "shifted", False, "resend", 2),
-    (4, "shifted", True, "keep", 1),
+    # devices, tokens per device, exchange, ping-pong, memory mode, fanout
+    (4, 512, "tiled", False, "keep", 1),
+    (8, 512, "tiled", True, "resend", 2),
+    (8, 256, "shifted", False, "resend", 2),
+    (4, 512, "shifted", True, "keep", 1),
 ]
 
 
-@pytest.mark.parametrize("n,exchange,pingpong,mode,fanout", RELAY_CASES)
-def test_relayed_kv_matches_reference(n, exchange, pingpong, mode, fanout):
-  """One document over every device: its first shard's K/V goes to every other server, so with
-  relays on most of them get it in round 2 from a relay. Loss and every gradient equal the
-  single-device reference (the backward returns round 2's gradients through the relays)."""
-  cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=128", "attention.impl=distca",
+@pytest.mark.parametrize("n,T,exchange,pingpong,mode,fanout", RELAY_CASES)
+def test_relayed_kv_matches_reference(n, T, exchange, pingpong, mode, fanout):
+  """One document over buffers 0 and 1 whose second shard's queries the planner spreads: many
+  servers need buffer 0's K/V, and with relays some get it in round 2 from a relay. Loss and
+  every gradient equal the single-device reference (the backward returns round 2's gradients
+  through the relays)."""
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca",
                      f"attention.pingpong={str(pingpong).lower()}", f"attention.memory_mode={mode}",
                      f"attention.exchange={exchange}", f"attention.kv_relay_fanout={fanout}",
-                     "attention.devices_per_node=2", "attention.gate=false", "model.layers=1",
+                     "attention.gate=false", "model.layers=1",
                      "attention.kernel=reference", "attention.epsilon=0.05",
                      "attention.pingpong_allow_single=false")
-  batch = layout_batch("span_all", n, seed=n, T=128)
+  batch = layout_batch("wide_prefix", n, seed=n, T=T)
   loss, grads, params, shape, ctx = run_step(cfg, batch, n)
   assert len(ctx.batches) == (2 if pingpong else 1)
   assert sum(int(d.send_kv2_valid.sum()) for d in ctx.dispatch) > 0  # round 2 carries rows
@@ -412,19 +413,19 @@ def test_relayed_kv_matches_reference(n, exchange, pingpong, mode, fanout):
 def test_relayed_kv_backward_is_explicit():
   """With relays the backward is still the explicit transposes: per K/V tensor one scatter-add
   per round (onto the relay's rows, then home), and one exchange each way per round."""
-  n = 4
+  n, T = 4, 512
   cfg = small_config(f"mesh.data={n}", "attention.impl=distca", "attention.pingpong=false",
-                     "data.tokens_per_device=128", "attention.kv_relay_fanout=1")
+                     f"data.tokens_per_device={T}", "attention.kv_relay_fanout=1")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:n])
   core_attention = dispatch.make_distca_attention(cfg.attention, mesh)
-  batch = layout_batch("span_all", n, seed=n, T=128)
+  batch = layout_batch("wide_prefix", n, seed=n, T=T)
   from distca_jax.models.presets import resolve
 
   ctx = dispatch.plan_step(dataclasses.replace(cfg.attention, gate=False), batch, resolve(cfg.model))
   plan = ctx.dispatch[0]
   assert plan.recv_kv2 > 0, "want a plan that relays"
-  q = jax.numpy.ones((n, 128, 4, 16))
-  kv = jax.numpy.ones((n, 128, 2, 16))
+  q = jax.numpy.ones((n, T, 4, 16))
+  kv = jax.numpy.ones((n, T, 2, 16))
   loss = lambda q, k, v: core_attention(q, k, v, plan).sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
 
@@ -442,15 +443,14 @@ def test_relayed_kv_in_a_pipelined_step_matches_reference():
   pipe, data, M = 2, 4, 2
   cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"model.layers={pipe}",
                      "attention.impl=distca", "attention.pingpong=false", f"train.microbatches={M}",
-                     "attention.kernel=reference", "data.tokens_per_device=128",
-                     "attention.epsilon=0.05", "model.remat=full", "attention.kv_relay_fanout=1",
-                     "attention.devices_per_node=2")
+                     "attention.kernel=reference", "data.tokens_per_device=512",
+                     "attention.epsilon=0.05", "model.remat=full", "attention.kv_relay_fanout=1")
   trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:pipe * data]))
   state = trainer.init_state(0)
   rng = np.random.default_rng(0)
-  lens = np.array([data * 128 - 40, 40])  # one document over every data rank
+  lens = np.r_[1024, np.full(64, 16)]  # one document over data ranks 0 and 1, short ones after
   mbs = [make_batch(lens, rng.integers(0, trainer.shape.vocab_size, lens.sum()).astype(np.int32),
-                    data, 128) for _ in range(M)]
+                    data, 512) for _ in range(M)]
   ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
   arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
   assert int(np.asarray(dctx["forward"].send_kv2_valid).sum()) > 0

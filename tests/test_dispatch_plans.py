@@ -269,29 +269,29 @@ def test_step_shapes_restore_a_checkpoint_s_sizes():
 # ----------------------------------------------------------------------------- relayed K/V
 
 
-def _relay_case(n=8, fanout=1, seed=8):
-  """(layout, tasks, K/V requests with relays, without) of one document over all `n` devices."""
+def _relay_case(n=8, T=256, fanout=2, seed=8):
+  """(layout, tasks, K/V requests with relays, without) of a `wide_prefix` batch (helpers)."""
   from distca_jax import gate as gate_lib
   from distca_jax.models.presets import resolve
   from distca_jax.schedule.plan import make_plan
   from distca_jax.schedule.planner import kv_requests
   from distca_jax.schedule.relay import Relay
 
-  cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=128", "attention.impl=distca")
-  layout = layout_batch("span_all", n, seed=seed, T=128).layout
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca")
+  layout = layout_batch("wide_prefix", n, seed=seed, T=T).layout
   plan = make_plan(layout, gate_lib.comm_model(resolve(cfg.model), cfg.attention), epsilon=0.05)
-  return (layout, plan.tasks, kv_requests(plan.tasks, layout, Relay(fanout, 2)),
+  return (layout, plan.tasks, kv_requests(plan.tasks, layout, Relay(fanout)),
           kv_requests(plan.tasks, layout))
 
 
-@pytest.mark.parametrize("n,fanout", [(4, 1), (8, 1), (8, 2)])
-def test_relayed_plan_moves_the_same_rows_from_fewer_per_sender(n, fanout):
+@pytest.mark.parametrize("n,T,fanout", [(4, 512, 1), (8, 256, 2), (8, 512, 4)])
+def test_relayed_plan_moves_the_same_rows_from_fewer_per_sender(n, T, fanout):
   """With relays every server receives the rows it did without (in two rounds), the busiest K/V
   sender sends fewer, the query side and the task tables are unchanged, the numpy specification
   computes exact attention, and relays off leave round 2 empty."""
   from helpers import simulate_dispatch
 
-  layout, tasks, kv, direct = _relay_case(n, fanout)
+  layout, tasks, kv, direct = _relay_case(n, T, fanout)
   assert (kv.piece_via >= 0).any()
   off = dispatch.build_dispatch(tasks, layout, Capacities(), kv=direct)
   on = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
@@ -346,12 +346,12 @@ def test_relays_on_the_host_path(exchange):
   from distca_jax.models.presets import resolve
 
   n = 8
-  base = [f"mesh.data={n}", "data.tokens_per_device=128", "attention.impl=distca",
+  base = [f"mesh.data={n}", "data.tokens_per_device=256", "attention.impl=distca",
           "attention.pingpong=false", "attention.gate=false", f"attention.exchange={exchange}"]
-  batch = layout_batch("span_all", n, seed=n, T=128)
+  batch = layout_batch("wide_prefix", n, seed=n, T=256)
   shape = resolve(small_config(*base).model)
   off = dispatch.plan_step(small_config(*base).attention, batch, shape)
-  cfg = small_config(*base, "attention.kv_relay_fanout=1")
+  cfg = small_config(*base, "attention.kv_relay_fanout=2")
   on = dispatch.plan_step(cfg.attention, batch, shape)
   assert off.capacities.recv_kv2 == 0 and on.capacities.recv_kv2 > 0
   assert on.dispatch[0].send_kv2_valid.any()

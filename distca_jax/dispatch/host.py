@@ -175,7 +175,7 @@ def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
 def relay_of(attention_config) -> Relay | None:
   """The K/V relay `attention.kv_relay_fanout` asks for (None: off)."""
   fanout = attention_config.kv_relay_fanout
-  return Relay(fanout, attention_config.devices_per_node) if fanout else None
+  return Relay(fanout) if fanout else None
 
 
 def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):

@@ -337,7 +337,8 @@ class KVRequests:
   (first K/V row of the device: its buffer row, or T + row for a ping-pong `prior` shard),
   piece_doc_off (first document position), piece_rows, piece_via (-1: sent by piece_src, or local
   when piece_src is the server; else the device that forwards it in a second round, having
-  received the same rows, or more, of that shard directly: `relay.py`).
+  received the same rows, or more, of that shard directly: `relay.py`). Without relays a pair
+  has one piece per shard; a relayed shard's pieces are cut at its slices.
   """
 
   pair_server: np.ndarray
@@ -353,7 +354,7 @@ class KVRequests:
 
 def kv_requests(tasks: Tasks, layout: Layout, relay: Relay | None = None) -> KVRequests:
   """Deduplicated KV rows per (server, document), split by the layout shard that holds them;
-  with `relay`, a shard that more than `relay.fanout` servers need is relayed (`relay.route`)."""
+  with `relay`, a shard that three or more other servers need is relayed (`relay.route`)."""
   num_docs = int(np.asarray(layout.doc_lens).size)
   key = tasks.server * max(num_docs, 1) + tasks.doc
   order = np.argsort(key, kind="stable")
@@ -386,12 +387,15 @@ def kv_requests(tasks: Tasks, layout: Layout, relay: Relay | None = None) -> KVR
   piece_pair, shard, d_off = piece_pair[keep], shard[keep], d_off[keep]
   rows = np.asarray(np.minimum(d_off + sh_len[shard], pair_need[piece_pair]) - d_off, np.int64)
   src = np.asarray(sh_buf[shard], np.int64)
-  via = (np.full(rows.shape, -1, np.int64) if relay is None else
-         route(relay, shard, src, pair_server[piece_pair], rows, layout.num_buffers))
+  src_off, d_off = np.asarray(sh_row[shard], np.int64), np.asarray(d_off, np.int64)
+  via = np.full(rows.shape, -1, np.int64)
+  if relay is not None:  # relayed shards' pieces are cut at their slices (`relay.route`)
+    r = route(relay, shard, src, pair_server[piece_pair], rows, layout.num_buffers)
+    piece_pair, src, src_off, d_off = (a[r.parent] for a in (piece_pair, src, src_off, d_off))
+    src_off, d_off, rows, via = src_off + r.start, d_off + r.start, r.rows, r.via
   return KVRequests(pair_server=pair_server, pair_doc=pair_doc, pair_need=pair_need,
-                    piece_pair=piece_pair, piece_src=src,
-                    piece_src_off=np.asarray(sh_row[shard], np.int64),
-                    piece_doc_off=np.asarray(d_off, np.int64), piece_rows=rows, piece_via=via)
+                    piece_pair=piece_pair, piece_src=src, piece_src_off=src_off,
+                    piece_doc_off=d_off, piece_rows=rows, piece_via=via)
 
 
 def pair_rows(tasks: Tasks, layout: Layout, kv: KVRequests | None = None

@@ -142,9 +142,7 @@ class Simulator:
         elongate_factor=elong, full_context_replacement=(point.distribution == "prolong"),
         seed=cfg.seed)
     self.node = np.arange(self.ranks) * tp // h.gpus_per_node
-    # Relayed K/V: a node holds gpus_per_node / TP ranks (TP 8 on 8 GPUs: every rank its own node).
-    self.relay = (Relay(cfg.kv_relay_fanout, max(1, h.gpus_per_node // tp))
-                  if cfg.kv_relay_fanout else None)
+    self.relay = Relay(cfg.kv_relay_fanout) if cfg.kv_relay_fanout else None
     # Appendix A: shards in flight with communication hidden, s <= 2 (t B - h_q) / h_kv - 1,
     # t = forward time per token of the non-attention layers (one layer, one GPU's share),
     # B = network bandwidth per GPU, h_q / h_kv = bytes per token of Q / of K and V on one GPU.
