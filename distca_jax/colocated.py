@@ -4,7 +4,9 @@ A document that started on earlier devices needs their K/V: we all-gather K and 
 (per-document context parallelism, as Llama 3 does it) and keep only the window of rows before
 this buffer that such a document needs. Every local shard becomes one CA-task whose KV range is
 its document's whole prefix, so the same kernel interface serves every case. CAD runs it too,
-for a step its gate stopped (`dispatch.exchange.make_distca_attention`).
+for a step its gate stopped (`dispatch.exchange.make_distca_attention`). `local_task_attention`
+is the shard_map that runs each device's tasks on its own rows; the WLB-style baseline
+(`wlb_attention.py`) runs it too, with its own K/V gather.
 
 Shapes: T rows per buffer, H query heads, K K/V heads, D head dim.
 """
@@ -134,34 +136,51 @@ def make_colocated_attention(mesh: Mesh, backend: str = "auto") -> Callable:
   Rows (buffers) are spread over `ROW_AXES` = (pipe, data); documents never cross a pipeline
   stage's rows, so earlier rows' K/V are gathered over `data` only."""
   kernels.resolve_backend(backend)  # a bad name or platform fails here; `auto` resolves per call
-  qkv_spec = P(ROW_AXES, None, "tensor", None)
-  task_spec = P(ROW_AXES, None)
-
-  def local(window, q_1xTxHxD, k_1xTxKxD, v_1xTxKxD, q_start, q_len, kv_start, kv_len):
-    T = q_1xTxHxD.shape[1]
-    k_TxKxD, v_TxKxD = k_1xTxKxD[0], v_1xTxKxD[0]
-    if window:
-      rank = jax.lax.axis_index("data")
-
-      def prefix(x_TxKxD):
-        # The `window` rows of the global stream just before this buffer; zeros before row 0.
-        x_all = jax.lax.all_gather(x_TxKxD, "data", axis=0, tiled=True)  # [N*T, K, D]
-        x_all = jnp.concatenate([jnp.zeros((window,) + x_all.shape[1:], x_all.dtype), x_all])
-        return jax.lax.dynamic_slice_in_dim(x_all, rank * T, window)
-
-      with jax.named_scope("dispatch"):  # the profiler's communication phase
-        k_TxKxD = jnp.concatenate([prefix(k_TxKxD), k_TxKxD])
-        v_TxKxD = jnp.concatenate([prefix(v_TxKxD), v_TxKxD])
-    tasks = TaskTable(q_start[0], q_len[0], kv_start[0], kv_len[0])
-    with jax.named_scope("core_attention"):
-      o_TxHxD, _ = kernels.attention(q_1xTxHxD[0], k_TxKxD, v_TxKxD, tasks, backend=backend)
-    return o_TxHxD[None]
 
   def core_attention(q, k, v, ctx: ColocatedContext):
-    sharded = jax.shard_map(
-        functools.partial(local, ctx.window), mesh=mesh,
-        in_specs=(qkv_spec, qkv_spec, qkv_spec, task_spec, task_spec, task_spec, task_spec),
-        out_specs=qkv_spec, check_vma=False)
-    return sharded(q, k, v, ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len)
+    tasks = TaskTable(ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len)
+    kv_rows = functools.partial(_with_prefix, ctx.window) if ctx.window else None
+    return local_task_attention(mesh, ROW_AXES, backend, q, k, v, tasks, kv_rows)
 
   return core_attention
+
+
+def _with_prefix(window: int, x_TxKxD: jax.Array) -> jax.Array:
+  """[window + T, K, D]: the `window` rows of the global stream just before this buffer (zeros
+  before row 0), then the buffer's own rows. Inside a shard_map over `data`."""
+  T = x_TxKxD.shape[0]
+  x_NTxKxD = jax.lax.all_gather(x_TxKxD, "data", axis=0, tiled=True)
+  x_NTxKxD = jnp.concatenate([jnp.zeros((window,) + x_NTxKxD.shape[1:], x_NTxKxD.dtype), x_NTxKxD])
+  prefix_WxKxD = jax.lax.dynamic_slice_in_dim(x_NTxKxD, jax.lax.axis_index("data") * T, window)
+  return jnp.concatenate([prefix_WxKxD, x_TxKxD])
+
+
+def local_task_attention(mesh: Mesh, row_axes: tuple[str, ...], backend: str, q_BxTxHxD, k_BxTxKxD,
+                         v_BxTxKxD, tasks_BxC: TaskTable, kv_rows: Callable | None = None,
+                         kv_args=()) -> jax.Array:
+  """O [B, T, H, D]: each device runs the kernel over its own buffers' task tables, inside one
+  shard_map over (`row_axes`, tensor). Colocated and WLB attention both run through it.
+
+  Buffers (B) are sharded over `row_axes`, heads over `tensor`. `tasks_BxC`: one table row of C
+  tasks per buffer; its KV ranges index the device's K/V rows, which are its own T rows, or, with
+  `kv_rows`, `kv_rows(x_TxKxD, *row_args)` of its K and of its V alike (called inside the
+  shard_map, so it may gather over mesh axes; the profiler's `dispatch` phase). `kv_args`: arrays
+  [B, ...] sharded like the tables; `row_args` are this buffer's rows of them."""
+  qkv_spec = P(row_axes, None, "tensor", None)
+  row_spec = P(row_axes, None)
+
+  def local(q_1xTxHxD, k_1xTxKxD, v_1xTxKxD, tasks_1xC, *args_1):
+    k_SxKxD, v_SxKxD = k_1xTxKxD[0], v_1xTxKxD[0]
+    if kv_rows is not None:
+      row_args = [a[0] for a in args_1]
+      with jax.named_scope("dispatch"):  # the profiler's communication phase
+        k_SxKxD, v_SxKxD = kv_rows(k_SxKxD, *row_args), kv_rows(v_SxKxD, *row_args)
+    tasks = TaskTable(*(a[0] for a in tasks_1xC))
+    with jax.named_scope("core_attention"):
+      o_TxHxD, _ = kernels.attention(q_1xTxHxD[0], k_SxKxD, v_SxKxD, tasks, backend=backend)
+    return o_TxHxD[None]
+
+  sharded = jax.shard_map(local, mesh=mesh,
+                          in_specs=(qkv_spec,) * 3 + (row_spec,) * (1 + len(kv_args)),
+                          out_specs=qkv_spec, check_vma=False)
+  return sharded(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, tasks_BxC, *kv_args)

@@ -12,7 +12,8 @@ group's other ranks: the group all-gathers its K and V (cp − 1 `ppermute`s ins
 whose transposes return dK, dV), and each rank lays the rows of each such document's prefix out
 contiguously by its gather index (`WlbContext.kv_index`; the transpose of that gather sums the
 gradients). Its K/V rows are then its own buffer followed by those `window` rows, and every
-shard is one task over its document's whole prefix, as colocated attention does.
+shard is one task over its document's whole prefix, run as colocated attention runs its tasks
+(`colocated.local_task_attention`).
 """
 
 from __future__ import annotations
@@ -27,15 +28,12 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from distca_jax import kernels
+from distca_jax.colocated import local_task_attention, stream_arrays
 from distca_jax.data.packing import PAD_SEGMENT, Layout, _ranges
 from distca_jax.data.sources import Batch
 from distca_jax.kernels import TaskTable
 from distca_jax.schedule import wlb
-
-
-def _bucket(n: int, minimum: int) -> int:
-  """Smallest power of two >= max(n, minimum): few distinct shapes, few compilations."""
-  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+from distca_jax.schedule.items import task_bucket
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -66,9 +64,7 @@ class WlbContext:
 
   def device_inputs(self, batch: Batch):
     """(the re-packed batch's per-token arrays, their spec), (this context, its spec)."""
-    arrays = {"tokens": batch.tokens, "targets": batch.targets, "loss_mask": batch.loss_mask,
-              "positions": batch.positions}
-    return (arrays, P("data")), (self, P("data"))
+    return (stream_arrays(batch), P("data")), (self, P("data"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +82,7 @@ def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
   lay, g = packing.layout, packing.cp
   N, C = lay.num_buffers, lay.buffer_len
   counts = np.bincount(lay.buffer, minlength=N)
-  cap = _bucket(int(counts.max(initial=1)), 32)
+  cap = task_bucket(int(counts.max(initial=1)), 32)
   capacity = cap if capacity is None else max(capacity, cap)
   # Each document's flat rows (rank * C + row) by document position.
   doc_start = np.cumsum(lay.doc_lens) - lay.doc_lens
@@ -102,7 +98,7 @@ def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
   np.maximum.at(need, inv, (lay.doc_offset + lay.length)[~local])
   need_rank, need_doc = need_key // lay.doc_lens.size, need_key % lay.doc_lens.size
   per_rank = np.bincount(need_rank, weights=need, minlength=N).astype(np.int64)
-  grown = _bucket(int(per_rank.max(initial=0)), 128) if per_rank.any() else 0
+  grown = task_bucket(int(per_rank.max(initial=0)), 128) if per_rank.any() else 0
   window = grown if window is None else max(window, grown)
   region = np.cumsum(need) - need - np.repeat(np.cumsum(per_rank) - per_rank, np.bincount(
       need_rank, minlength=N))  # offset of each (rank, document) prefix in its rank's window
@@ -209,35 +205,22 @@ def make_wlb_attention(mesh: Mesh, backend: str = "auto") -> Callable:
     raise ValueError("data.packing=wlb: not with mesh.pipe > 1")
   n = mesh.shape["data"]
   row_axes = tuple(a for a in ("pipe", "data") if a in mesh.shape)
-  qkv_spec = P(row_axes, None, "tensor", None)
-  task_spec = P(row_axes, None)
 
-  def local(group, window, q_1xTxHxD, k_1xTxKxD, v_1xTxKxD, q_start, q_len, kv_start, kv_len,
-            kv_index):
-    k_TxKxD, v_TxKxD = k_1xTxKxD[0], v_1xTxKxD[0]
-    if window:
-      def gathered(x_TxKxD):
-        # Block s: the buffer of the group rank s places before this one (cyclically).
-        blocks = [x_TxKxD]
-        for s in range(1, group):
-          perm = [(r, r // group * group + (r % group + s) % group) for r in range(n)]
-          blocks.append(jax.lax.ppermute(x_TxKxD, "data", perm))
-        return jnp.concatenate(blocks)[kv_index[0, :window]]
-
-      with jax.named_scope("dispatch"):  # the profiler's communication phase
-        k_TxKxD = jnp.concatenate([k_TxKxD, gathered(k_TxKxD)])
-        v_TxKxD = jnp.concatenate([v_TxKxD, gathered(v_TxKxD)])
-    tasks = TaskTable(q_start[0], q_len[0], kv_start[0], kv_len[0])
-    with jax.named_scope("core_attention"):
-      o_TxHxD, _ = kernels.attention(q_1xTxHxD[0], k_TxKxD, v_TxKxD, tasks, backend=backend)
-    return o_TxHxD[None]
+  def with_group_rows(group, window, x_TxKxD, kv_index_W):
+    # Block s: the buffer of the group rank s places before this one (cyclically).
+    blocks = [x_TxKxD]
+    for s in range(1, group):
+      perm = [(r, r // group * group + (r % group + s) % group) for r in range(n)]
+      blocks.append(jax.lax.ppermute(x_TxKxD, "data", perm))
+    return jnp.concatenate([x_TxKxD, jnp.concatenate(blocks)[kv_index_W[:window]]])
 
   def core_attention(q, k, v, ctx: WlbContext):
-    sharded = jax.shard_map(
-        functools.partial(local, ctx.group, ctx.window), mesh=mesh,
-        in_specs=(qkv_spec, qkv_spec, qkv_spec) + (task_spec,) * 5, out_specs=qkv_spec,
-        check_vma=False)
-    return sharded(q, k, v, ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len, ctx.kv_index)
+    tasks = TaskTable(ctx.q_start, ctx.q_len, ctx.kv_start, ctx.kv_len)
+    if not ctx.window:  # no document is split over ranks: each rank's own rows only
+      return local_task_attention(mesh, row_axes, backend, q, k, v, tasks)
+    return local_task_attention(mesh, row_axes, backend, q, k, v, tasks,
+                                functools.partial(with_group_rows, ctx.group, ctx.window),
+                                (ctx.kv_index,))
 
   return core_attention
 
