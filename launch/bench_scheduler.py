@@ -32,11 +32,11 @@ largest pair's), and the packed send + receive buffers over the busiest sender's
 busiest receiver's moving rows. At the `--exchange-compile` counts it also compiles the query
 and K/V exchanges on that many simulated CPU devices and reads the buffers XLA allocates
 (`memory_analysis`) for the packed `shifted` transport and the `tiled` one, against the same
-moving rows; with `--mock-gpu`, on one GPU for a mocked cluster (compile only), `ragged` too;
-and exits:
+moving rows (XLA's CPU analysis leaves the shifted K/V exchange's ppermute buffers uncounted, so
+read its shifted columns as lower bounds); and exits:
 
   python launch/bench_scheduler.py --exchange 8 16 32 64 [--batches 3] [--exchange-tokens 65536]
-      [--exchange-compile 8 16] [--mock-gpu]
+      [--exchange-compile 8 16]
 """
 
 from __future__ import annotations
@@ -101,9 +101,6 @@ def main(argv=None):
   ap.add_argument("--exchange-compile", type=int, nargs="*", default=[8, 16],
                   help="device counts at which --exchange also compiles the query exchange on "
                        "simulated CPU devices and reads its buffers from XLA's memory analysis")
-  ap.add_argument("--mock-gpu", action="store_true",
-                  help="--exchange-compile on one GPU for a mocked topology of that many GPUs "
-                       "(JAX_MOCK_GPU_TOPOLOGY, compile only), with the ragged transport too")
   ap.add_argument("--hotspot", nargs="*", default=None, metavar="DIST",
                   help="the busiest device's bytes with relayed K/V off and on, on these "
                        "distributions (default: pretrain prolong short long; then exit)")
@@ -433,14 +430,10 @@ def exchange_table(args):
 
   flags = os.environ.get("XLA_FLAGS", "")
   want = max(args.exchange_compile or [0])
-  if want and args.mock_gpu:
-    # One GPU compiles for a mocked cluster of `want` (one GPU a host; mock NCCL): compile only.
-    os.environ["JAX_MOCK_GPU_TOPOLOGY"] = f"1x{want}x1"
-    os.environ.setdefault("JAX_CUDA_VISIBLE_DEVICES", "0")
-  elif want and "xla_force_host_platform_device_count" not in flags:
+  if want and "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  modes = ("ragged", "shifted", "tiled") if args.mock_gpu else ("shifted", "tiled")
+  modes = ("shifted", "tiled")  # jax.lax.ragged_all_to_all does not run on the CPU
   t = args.exchange_tokens
   print(f"# packed exchange, llama3_8b, {t} tokens per device, ping-pong on, gate off, "
         f"{args.batches} batches per row; carried / moved rows per transport (mean over plans, "
@@ -480,13 +473,10 @@ def exchange_table(args):
         busy = {name: _carried(d, name)["busiest"] * 8 * 128 * 2 for name in ("q", "kv")}
         compiled_rows.append((n, dist, busy, got))
   if compiled_rows:
-    import jax
-
     print()
-    print(f"# compiled exchanges (the plan moving the most query rows), 8 heads x 128 bf16 rows, "
-          f"XLA {jax.default_backend()} buffers per device (bench_scheduler._compiled_buffers) "
-          f"over the busiest sender's + receiver's moving rows"
-          + (f"; mocked topology {os.environ['JAX_MOCK_GPU_TOPOLOGY']}" if args.mock_gpu else ""))
+    print("# compiled exchanges (the plan moving the most query rows), 8 heads x 128 bf16 rows, "
+          "XLA CPU buffers per device (_compiled_buffers) over the busiest sender's + receiver's "
+          "moving rows")
     print("| devices | dist | busiest moving Q / K/V (MB) | "
           + " | ".join(f"{name} {mode} / busiest" for name in ("Q", "K/V") for mode in modes) + " |")
     print("|---|---|---|" + "---|" * (2 * len(modes)))

@@ -54,10 +54,6 @@
 #   ktrace 1 GPU: launch/tools/ab_mosaic.py --trace on T_DATASETS (prolong) at each of T_CONTEXTS
 #          (65536 131072) for T_VERSIONS (now=): f+b TF/s and the GPU time per call of every kernel
 #          a forward+backward runs (the attention kernels and the XLA passes around them)
-#   xmem   1 GPU: launch/bench_scheduler.py --exchange at X_DEVICES (8 16 32 64) with
-#          --mock-gpu: the step plans' rows per transport, then each exchange compiled for a
-#          mocked cluster of that many GPUs (compile only) and its buffers from XLA's memory
-#          analysis, ragged included (X_BATCHES, default 3; X_TIMEOUT, default 400 s)
 #   tests  all GPUs: pytest T_FILES (default tests/test_dispatch.py) -k T_K (default ragged: the
 #          ragged exchange runs only on GPUs)
 # Logs and tables go to $OUT (or ./gpu_out).
@@ -136,9 +132,6 @@ for suite in "$@"; do
                ${T_VERSIONS:-now=} --rounds ${T_ROUNDS:-3} --datasets ${T_DATASETS:-prolong} --context $ctx --trace 2>&1 \
                | grep -v -i warn | tee -a "$OUT/ktrace.log"
            done ;;
-    xmem) CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${X_TIMEOUT:-400} python3 -P launch/bench_scheduler.py \
-            --exchange ${X_DEVICES:-8 16 32 64} --exchange-compile ${X_DEVICES:-8 16 32 64} --mock-gpu \
-            --batches ${X_BATCHES:-3} 2>&1 | grep -v -i warn | tee "$OUT/xmem.log" ;;
     tests) JAX_PLATFORMS=cuda timeout -k 10 ${T_TIMEOUT:-240} python3 -P -m pytest -q -p no:cacheprovider ${T_FILES:-tests/test_dispatch.py} \
            -k "${T_K:-ragged}" 2>&1 | grep -v -i warn | tail -15 | tee -a "$OUT/tests.log" ;;
     kfit) logs=""
