@@ -291,20 +291,25 @@ def test_gate_report_per_exchange_shape(tmp_path, capsys):
   """gate_report: with CAD steps at two exchange shapes, the prediction's error per shape (the
   capacities logged with each step), so a cost that grows with the padded blocks shows."""
   line = lambda n, s, extra="": f"step {n}: loss=1 step_s={s} compile_count=1{extra}"
-  shape = lambda kv: f" exchange_q_rows=12288 exchange_kv_rows={kv} nano_batches=2"
-  col = [line(n, 2.0) for n in range(1, 7)]
+  shape = lambda kv, kv2="": (f" exchange_q_rows=12288 exchange_kv_rows={kv}"
+                             + (f" exchange_kv2_rows={kv2}" if kv2 else "") + " nano_batches=2")
+  col = [line(n, 2.0) for n in range(1, 9)]
   cad = [line(1, 9.0, " cad=0"),  # compiled (the first step): left out
          line(2, 1.8, " cad=1 cad_predicted_saving=0.1" + shape(32768)),   # measured 10%
          line(3, 1.6, " cad=1 cad_predicted_saving=0.2" + shape(32768)),   # measured 20%
          line(4, 1.9, " cad=1 cad_predicted_saving=0.1" + shape(65536)),   # measured 5%
          line(5, 1.8, " cad=1 cad_predicted_saving=0.2" + shape(65536)),   # measured 10%
-         line(6, 2.0, " cad=0")]
+         line(6, 2.0, " cad=0"),
+         # The relayed round's rows make their own shape (a step compiled for them).
+         line(7, 1.6, " cad=1 cad_predicted_saving=0.3" + shape(32768, 8192)),  # measured 20%
+         line(8, 2.0, " cad=0")]
   (tmp_path / "c.log").write_text("\n".join(col))
   (tmp_path / "d.log").write_text("\n".join(cad))
   assert launch_script("tools/gate_report").main([str(tmp_path / "c.log"), str(tmp_path / "d.log")]) == 0
   out = capsys.readouterr().out
-  assert "| 12,288 | 32,768 | 2 | 2 | +15.0% | +15.0% | +0.0 points |" in out
-  assert "| 12,288 | 65,536 | 2 | 2 | +15.0% | +7.5% | +7.5 points |" in out
+  assert "| 12,288 | 32,768 | 0 | 2 | 2 | +15.0% | +15.0% | +0.0 points |" in out
+  assert "| 12,288 | 65,536 | 0 | 2 | 2 | +15.0% | +7.5% | +7.5 points |" in out
+  assert "| 12,288 | 32,768 | 8,192 | 2 | 1 | +30.0% | +20.0% | +10.0 points |" in out
 
 
 def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):

@@ -9,7 +9,8 @@ compiled, and prints the run-level speedup (sum of colocated step times over the
 the gate gave CAD and over those it kept colocated, and how often each happened; then, over the
 steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one,
 overall and, where the CAD steps ran at more than one exchange shape (the logged capacities
-`exchange_q_rows`, `exchange_kv_rows` and `nano_batches`, which only grow over a run), per shape:
+`exchange_q_rows`, `exchange_kv_rows`, the relayed round's `exchange_kv2_rows` when the run
+has one, and `nano_batches`, which only grow over a run), per shape:
 a cost the gate's model misses that grows with the padded blocks shows there; and
 how long the two runs' losses agree (same batches, same initialisation: the same function, until
 bf16 rounding, which the optimizer carries on, sets them apart).
@@ -24,7 +25,8 @@ import numpy as np
 from distca_jax.gate import read_step_log as read
 
 # The logged exchange shape of a CAD step (its capacities: each value compiles the step once).
-SHAPE = ("exchange_q_rows", "exchange_kv_rows", "nano_batches")
+# A log without the relayed K/V round has no exchange_kv2_rows: read as 0.
+SHAPE = ("exchange_q_rows", "exchange_kv_rows", "exchange_kv2_rows", "nano_batches")
 # Logged losses carry four significant digits.
 LOSS_TOLERANCE = 1e-3
 
@@ -61,11 +63,12 @@ def main(argv=None) -> int:
           f"of {len(pairs)}")
   shape_of = [tuple(int(cad[s].get(k, 0)) for k in SHAPE) for s in cad_steps]
   if len(set(shape_of)) > 1:
-    print("\n| query rows | K/V rows | nano-batches | CAD steps | predicted | measured | "
-          "predicted - measured |\n|---|---|---|---|---|---|---|")
+    print("\n| query rows | K/V rows | relayed K/V rows | nano-batches | CAD steps | predicted | "
+          "measured | predicted - measured |\n|---|---|---|---|---|---|---|---|")
     for shape in sorted(set(shape_of)):
       sel = pairs[[sh == shape for sh in shape_of]]
-      print(f"| {shape[0]:,} | {shape[1]:,} | {shape[2]} | {len(sel)} | {sel[:, 0].mean():+.1%} | "
+      print(f"| {shape[0]:,} | {shape[1]:,} | {shape[2]:,} | {shape[3]} | {len(sel)} | "
+            f"{sel[:, 0].mean():+.1%} | "
             f"{sel[:, 1].mean():+.1%} | {(sel[:, 0] - sel[:, 1]).mean() * 100:+.1f} points |")
   steps = sorted(s for s in col.keys() & cad.keys() if "loss" in col[s] and "loss" in cad[s])
   rel = [abs(cad[s]["loss"] - col[s]["loss"]) / max(abs(col[s]["loss"]), 1e-30) for s in steps]
