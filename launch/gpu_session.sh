@@ -22,8 +22,10 @@
 #          (env PP_TOKENS, PP_LAYERS, PP_BATCHES, PP_MICROBATCHES, PP_TIMEOUT; PP_TRACE=DIR traces
 #          every variant's last step and prints its per-phase busy time)
 #   ragged all GPUs: tiled vs ragged exchange on one batch (R_BATCH, default prolong; R_TOKENS),
-#          once per XLA ragged-all-to-all implementation (NCCL, the one-shot kernel), each its own
-#          process under R_TIMEOUT (default 240 s)
+#          once per XLA ragged-all-to-all implementation in R_IMPLS (default "nccl oneshot
+#          device": NCCL send/recv, which waits on the host; the one-shot kernel, one node only;
+#          the device-initiated kernel, which needs NCCL >= 2.29), each its own process under
+#          R_TIMEOUT (default 240 s); prints the NCCL wheel's version first
 #   kstep  1 GPU: one training step per attention kernel in S_KERNELS (default "triton mosaic"),
 #          each its own process on the same machine, S_MODEL overrides (default llama3_8b with 2
 #          layers), S_TOKENS tokens (default 65536) sampled from S_DIST (default prolong: on a
@@ -93,12 +95,19 @@ for suite in "$@"; do
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \
            model.layers=${PP_LAYERS:-4} data.tokens_per_device=${PP_TOKENS:-65536} data.length_scale=1 2>&1 \
            | grep -v -i warn | tee -a "$OUT/pp.log" ;;
-    ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation
-           # (default NCCL path; the intra-node one-shot kernel), each in its own process so a
-           # hang costs only its own R_TIMEOUT (SIGKILL 10 s later: a hung NCCL process that
-           # ignores SIGTERM would hold the GPUs for the next command).
-           for impl in nccl oneshot; do
-             flags=""; [ $impl = oneshot ] && flags="--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"
+    ragged) # The ragged exchange against tiled, once per XLA ragged-all-to-all implementation,
+           # each in its own process so a hang or crash costs only its own R_TIMEOUT (SIGKILL 10 s
+           # later: a hung NCCL process that ignores SIGTERM would hold the GPUs for the next
+           # command). The device kernel (one launch, no host wait, NVLink and network peers)
+           # is a no-op without symmetric buffers, so it takes both flags.
+           python3 -c "import importlib.metadata as m; print('NCCL', [d.version for d in m.distributions() if d.metadata['Name'].startswith('nvidia-nccl')])" | tee -a "$OUT/ragged.log"
+           for impl in ${R_IMPLS:-nccl oneshot device}; do
+             case $impl in
+               nccl) flags="" ;;
+               oneshot) flags="--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true" ;;
+               device) flags="--xla_gpu_experimental_ragged_all_to_all_use_device_kernel=true --xla_gpu_experimental_enable_nccl_symmetric_buffers=true" ;;
+               *) echo "R_IMPLS: unknown $impl"; continue ;;
+             esac
              mkdir -p "$OUT/ragged_$impl"
              XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout -k 10 ${R_TIMEOUT:-240} python3 -P launch/bench_train.py --suite cad \
                --warmup 1 --steps 3 --json "$OUT/ragged_$impl/cad.json" --batches ${R_BATCH:-prolong} \

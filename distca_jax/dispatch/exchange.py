@@ -275,9 +275,12 @@ def resolve_exchange(exchange: str) -> str:
     raise ValueError(f"attention.exchange=ragged needs GPUs (jax.lax.ragged_all_to_all), this "
                      f"backend is {jax.default_backend()}; use attention.exchange=tiled")
   if exchange == "ragged":
-    log.warning("attention.exchange=ragged: XLA's GPU ragged_all_to_all waits on the host before "
-                "each call, which made the step slower than the tiled exchange "
-                "(docs/PERFORMANCE.md, the ragged exchange)")
+    log.warning("attention.exchange=ragged: XLA's default GPU ragged_all_to_all waits on the host "
+                "before each call, which made the step slower than the tiled exchange; XLA's "
+                "device-initiated kernel, which does not, needs NCCL >= 2.29 and XLA_FLAGS="
+                "--xla_gpu_experimental_ragged_all_to_all_use_device_kernel=true "
+                "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true (docs/PERFORMANCE.md, "
+                "the ragged exchange)")
   return exchange
 
 
