@@ -315,7 +315,7 @@ def test_every_numeric_field_declares_its_range(schema):
     ("optim.lr=.inf", "optim.lr", "finite"),
     ("optim.lr=nan", "optim.lr", "finite"),
     ("optim.lr=1e400", "optim.lr", "finite"),
-    ("optim.lr=0", "optim.lr", "in (0, 1000]"),
+    ("optim.lr=0", "optim.lr", "in (0, 1e+30]"),
     ("optim.lr=1e38", "optim.lr", "an AdamW learning rate"),
     ("optim.b1=2", "optim.b1", "[0, 1)"),
     ("optim.b1=1", "optim.b1", "[0, 1)"),
