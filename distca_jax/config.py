@@ -180,7 +180,7 @@ class AttentionConfig:
 class OptimConfig:
   """AdamW with linear warm-up and cosine decay, global-norm clipping."""
 
-  # Bounded so the schedule's float32 arithmetic cannot overflow (near 3e38 it gave NaN).
+  # Bounded: near float32's maximum the schedule's float32 arithmetic overflows to NaN.
   lr: Annotated[float, Range(gt=0, le=1e30, why="an AdamW learning rate")] = 3e-3
   min_lr_ratio: Fraction = 0.1
   warmup_steps: NonNegInt = 5

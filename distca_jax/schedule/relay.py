@@ -110,9 +110,10 @@ def _scatter_shard(relay: Relay, holder: int, pieces: np.ndarray, servers: list[
   for x, y in zip(cuts[:-1], cuts[1:]):
     need = [j for j in range(m) if rows[j] > x]  # rows are sorted: a prefix of the servers
     forwards = sum(min(y, rows[j]) - x for j in need) - (y - x)
-    r = min((j for j in need if rows[j] >= y), key=lambda j: (load[servers[j]], servers[j]))
+    r = -1 if len(need) < 3 else min((j for j in need if rows[j] >= y),
+                                     key=lambda j: (load[servers[j]], servers[j]))
     # Relay only where it lowers the busier of holder and relay: never a new hot spot.
-    if len(need) < 3 or load[servers[r]] + forwards >= load[holder]:
+    if r < 0 or load[servers[r]] + forwards >= load[holder]:
       for j in need:
         parent.append(j), start.append(x), size.append(min(y, rows[j]) - x), via.append(-1)
       continue
