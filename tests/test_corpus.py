@@ -249,6 +249,23 @@ def test_every_token_once_per_epoch(built):
   assert not np.array_equal(orders[0], orders[1])  # each epoch has its own permutation
 
 
+def test_a_process_reads_only_its_rows(built):
+  """`batch(step, rows)` holds those buffers as the whole batch does, the others zero, and reads
+  any other token of the batch from the file on demand (`take`, which the ping-pong split uses)."""
+  _, out, _ = built
+  source = _source(out, 4, 64, seed=2)
+  rows = np.array([0, 3])
+  for step in range(3):
+    whole, part = source.batch(step), source.batch(step, rows)
+    for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids"):
+      np.testing.assert_array_equal(getattr(part, k)[rows], getattr(whole, k)[rows], err_msg=k)
+    assert not part.tokens[[1, 2]].any()
+    flat = np.arange(64, 192)  # buffers 1 and 2, not held
+    got, want = part.take(flat), whole.take(flat)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
 def test_batch_packing_and_cut_documents(built):
   _, out, _ = built
   source = _source(out, 3, 64, seed=1)

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from distca_jax.data.doclens import FULL_CONTEXT_TOKENS, LengthSampler, load_lengths
 from distca_jax.data.packing import PAD_SEGMENT, pack
-from distca_jax.data.sources import make_batch
+from distca_jax.data.sources import SyntheticSource, make_batch, packed_batch
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -256,3 +256,53 @@ def test_user_length_file(tmp_path):
 def test_missing_distribution_names_field(tmp_path):
   with pytest.raises(ValueError, match="data.distribution"):
     load_lengths(str(tmp_path / "absent.json"))
+
+
+@FAST
+@given(packings(), st.data())
+def test_rows_and_lookups_match_the_whole_layout(case, data):
+  """A process reads only its rows: segment ids and positions of some buffers, and `locate` of
+  single rows, equal the whole layout's."""
+  lens, nb, bl = case
+  layout = pack(lens, nb, bl)
+  seg, pos = reference(lens, nb, bl)
+  rows = np.asarray(data.draw(st.lists(st.integers(0, nb - 1), min_size=1, unique=True)))
+  np.testing.assert_array_equal(layout.segment_ids(rows), seg[rows])
+  np.testing.assert_array_equal(layout.positions(rows), pos[rows])
+  b = np.asarray(data.draw(st.lists(st.integers(0, nb - 1), min_size=1, max_size=20)))
+  o = np.asarray(data.draw(st.lists(st.integers(0, bl - 1), min_size=b.size, max_size=b.size)))
+  doc, p = layout.locate(b, o)
+  np.testing.assert_array_equal(doc, seg[b, o])
+  np.testing.assert_array_equal(p, pos[b, o])
+
+
+@FAST
+@given(packings(), st.data())
+def test_a_batch_of_some_rows_is_the_whole_batch_s(case, data):
+  """`packed_batch(rows=...)` fills exactly those buffers, as the whole batch has them, and leaves
+  the others zero; `take` reads any token of the batch, held or not, as the whole batch does."""
+  lens, nb, bl = case
+  tokens = np.random.default_rng(int(lens.sum())).integers(1, 1000, int(lens.sum())).astype(np.int32)
+  whole = make_batch(lens, tokens, nb, bl)
+  rows = np.asarray(data.draw(st.lists(st.integers(0, nb - 1), min_size=1, unique=True)))
+  part = packed_batch(lens, lambda p: tokens[p], nb, bl, rows)
+  others = np.setdiff1d(np.arange(nb), rows)
+  assert part.holds(rows) and not (others.size and part.holds(others)) and whole.holds(others)
+  for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids"):
+    np.testing.assert_array_equal(getattr(part, k)[rows], getattr(whole, k)[rows], err_msg=k)
+    assert not getattr(part, k)[others].any(), k
+  flat = np.asarray(data.draw(st.lists(st.integers(0, nb * bl - 1), min_size=1, max_size=30)))
+  got, want = part.take(flat), whole.take(flat)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_synthetic_source_builds_the_rows_asked_for():
+  src = SyntheticSource(LengthSampler(lengths=load_lengths("pretrain"), seed=3), 1000, 6, 4096)
+  whole, rows = src.batch(2), np.array([1, 4])
+  part = src.batch(2, rows)
+  for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids"):
+    np.testing.assert_array_equal(getattr(part, k)[rows], getattr(whole, k)[rows], err_msg=k)
+  assert not part.tokens[[0, 2, 3, 5]].any() and whole.tokens[[0, 2, 3, 5]].any()
+  with pytest.raises(ValueError, match="outside"):
+    src.batch(2, [6])

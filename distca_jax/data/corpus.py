@@ -41,7 +41,7 @@ import numpy as np
 from distca_jax.schema import ConfigError
 
 from .packing import _ranges
-from .sources import Batch, make_batch
+from .sources import Batch, packed_batch
 
 FORMAT = "distca-corpus"
 VERSION = 1
@@ -370,16 +370,24 @@ class CorpusSource:
     doc, doc_offset, length, _ = self.pieces(step)
     return _ranges(self.corpus.offsets[doc] + doc_offset, length)
 
-  def batch(self, step: int) -> Batch:
-    """Global batch `step`, packed into N buffers of T tokens (no padding)."""
+  def batch(self, step: int, rows=None) -> Batch:
+    """Global batch `step`, packed into N buffers of T tokens (no padding); its buffers `rows`
+    only when given (the rest zero), reading only their tokens from the file."""
     doc, doc_offset, length, _ = self.pieces(step)
-    tokens = np.asarray(self.corpus.tokens[_ranges(self.corpus.offsets[doc] + doc_offset, length)])
-    top = int(tokens.max())
-    if top >= self.corpus.vocab_size:
-      raise CorpusError(
-          f"token file {self.corpus.tokens_path}: id {top} >= vocab_size {self.corpus.vocab_size} "
-          f"in batch {step}; the file is corrupt")
-    return make_batch(length, tokens.astype(np.int32), self.num_buffers, self.buffer_len)
+    piece_end = np.cumsum(length)
+    file_start = self.corpus.offsets[doc] + doc_offset
+
+    def tokens_at(p):
+      k = np.searchsorted(piece_end, p, side="right")
+      tokens = np.asarray(self.corpus.tokens[file_start[k] + p - piece_end[k] + length[k]])
+      top = int(tokens.max(initial=0))
+      if top >= self.corpus.vocab_size:
+        raise CorpusError(
+            f"token file {self.corpus.tokens_path}: id {top} >= vocab_size {self.corpus.vocab_size} "
+            f"in batch {step}; the file is corrupt")
+      return tokens.astype(np.int32)
+
+    return packed_batch(length, tokens_at, self.num_buffers, self.buffer_len, rows)
 
 
 # A token file up to this size is read whole when the config is checked, for ids >= vocab_size;

@@ -56,22 +56,47 @@ class Layout:
     """K/V rows per device its attention reads: its buffer, then a `prior` stream's buffer."""
     return self.buffer_len * (1 if self.prior is None else 2)
 
-  def segment_ids(self) -> np.ndarray:
-    """[num_buffers, buffer_len] int32 document id per token, PAD_SEGMENT for padding."""
-    out = np.full((self.num_buffers, self.buffer_len), PAD_SEGMENT, np.int32)
-    flat = out.reshape(-1)
-    starts = self.buffer * self.buffer_len + self.buffer_offset
-    flat[_ranges(starts, self.length)] = np.repeat(self.doc, self.length)
+  def segment_ids(self, rows=None) -> np.ndarray:
+    """[rows, buffer_len] int32 document id per token, PAD_SEGMENT for padding, of buffers `rows`
+    (default: all, in order)."""
+    rows, starts, shards = self._rows(rows)
+    out = np.full((rows.size, self.buffer_len), PAD_SEGMENT, np.int32)
+    out.reshape(-1)[_ranges(starts, self.length[shards])] = np.repeat(self.doc[shards],
+                                                                     self.length[shards])
     return out
 
-  def positions(self) -> np.ndarray:
-    """[num_buffers, buffer_len] int32 in-document position per token (0 for padding)."""
-    out = np.zeros((self.num_buffers, self.buffer_len), np.int32)
-    flat = out.reshape(-1)
-    starts = self.buffer * self.buffer_len + self.buffer_offset
-    idx = _ranges(starts, self.length)
-    flat[idx] = idx - np.repeat(starts, self.length) + np.repeat(self.doc_offset, self.length)
+  def positions(self, rows=None) -> np.ndarray:
+    """[rows, buffer_len] int32 in-document position per token (0 for padding) of buffers `rows`
+    (default: all, in order)."""
+    rows, starts, shards = self._rows(rows)
+    out = np.zeros((rows.size, self.buffer_len), np.int32)
+    length = self.length[shards]
+    idx = _ranges(starts, length)
+    out.reshape(-1)[idx] = idx - np.repeat(starts - self.doc_offset[shards], length)
     return out
+
+  def _rows(self, rows):
+    """(rows, where each of their shards starts in a [rows, buffer_len] array, those shards)."""
+    rows = np.arange(self.num_buffers) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+    where = np.full(self.num_buffers, -1, np.int64)
+    where[rows] = np.arange(rows.size)
+    shards = np.flatnonzero(where[self.buffer] >= 0)
+    return rows, where[self.buffer[shards]] * self.buffer_len + self.buffer_offset[shards], shards
+
+  def locate(self, buffer, offset) -> tuple[np.ndarray, np.ndarray]:
+    """(document id, in-document position) of row `offset` of buffer `buffer` (int arrays of one
+    shape; PAD_SEGMENT and 0 for padding): a lookup per row, so reading a few rows of a large
+    batch costs those rows, not the batch."""
+    flat = np.asarray(buffer, np.int64) * self.buffer_len + np.asarray(offset, np.int64)
+    if not self.num_shards:
+      return np.full(flat.shape, PAD_SEGMENT, np.int64), np.zeros(flat.shape, np.int64)
+    starts = self.buffer * self.buffer_len + self.buffer_offset
+    order = np.argsort(starts, kind="stable")
+    i = np.searchsorted(starts[order], flat, side="right") - 1
+    s = order[np.maximum(i, 0)]
+    real = (i >= 0) & (flat < starts[s] + self.length[s])
+    return (np.where(real, self.doc[s], PAD_SEGMENT),
+            np.where(real, flat - starts[s] + self.doc_offset[s], 0))
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

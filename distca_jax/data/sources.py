@@ -1,13 +1,15 @@
 """Batches of packed documents: the synthetic source and the common `Batch` structure.
 
 A source is deterministic per step (`source.batch(step)`), so resuming at step k needs nothing
-but k. Every source returns the documents of one global batch as lengths plus a flat token stream;
-`make_batch` packs them into per-device buffers (packing.py) and builds next-token targets.
+but k. Every source gives the documents of one global batch as lengths plus their concatenated
+token stream, read by position; `packed_batch` packs them into per-device buffers (packing.py)
+with next-token targets, reading only the tokens of the buffers it is asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -15,10 +17,18 @@ from .doclens import LengthSampler, load_lengths
 from .packing import PAD_SEGMENT, Layout, pack
 
 
+TOKEN_ARRAYS = ("tokens", "targets", "loss_mask", "positions")
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch:
   """One global batch, host side. Arrays are [num_buffers, buffer_len]; buffer b goes to device b
-  of the `data` axis."""
+  of the `data` axis.
+
+  A process of a multi-process job builds only the buffers its devices hold (`rows`): the other
+  rows of its arrays are zero, never written (numpy's zeros are not committed until written, so
+  it pays for its own rows) and not to be read; `stream` reads any token of the batch instead
+  (`take`), which re-packing the batch (the ping-pong split) needs."""
 
   tokens: np.ndarray       # int32
   targets: np.ndarray      # int32, next token of the same document (0 where there is none)
@@ -26,26 +36,72 @@ class Batch:
   segment_ids: np.ndarray  # int32 document id, PAD_SEGMENT for padding
   positions: np.ndarray    # int32 in-document position (RoPE)
   layout: Layout
+  rows: np.ndarray | None = None  # the buffers the arrays hold, sorted (None: all)
+  # Tokens at positions of the documents' concatenated stream (a batch of some rows only).
+  stream: Callable[[np.ndarray], np.ndarray] | None = None
+
+  def holds(self, rows) -> bool:
+    """Whether the arrays hold buffers `rows` (None: all of them)."""
+    if self.rows is None:
+      return True
+    return rows is not None and bool(np.isin(rows, self.rows).all())
+
+  def take(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+    """The `TOKEN_ARRAYS` at flat positions `flat` (buffer * buffer_len + row) of the batch, from
+    its arrays when it holds every row, else from its stream (a batch packed in document order:
+    flat position p is the stream's token p)."""
+    if self.rows is None:
+      return {k: getattr(self, k).reshape(-1)[flat] for k in TOKEN_ARRAYS}
+    if self.stream is None:
+      raise ValueError("Batch.take: the batch holds only some rows and has no stream to read "
+                       "the others from")
+    return packed_arrays(self.layout.doc_lens, self.stream, flat)
+
+
+def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray) -> dict[str, np.ndarray]:
+  """The `TOKEN_ARRAYS` at flat positions `flat` of documents packed in order from position 0
+  (flat position p is token p of their concatenated stream; past their end, padding), reading
+  only the tokens they need: `tokens_at(p)` gives the stream's tokens at positions p."""
+  flat = np.asarray(flat, np.int64)
+  doc_end = np.cumsum(np.asarray(doc_lens, np.int64))
+  real = flat < (doc_end[-1] if doc_end.size else 0)
+  doc = np.minimum(np.searchsorted(doc_end, flat, side="right"), max(doc_end.size - 1, 0))
+  has_next = real & (flat + 1 < doc_end[doc]) if doc_end.size else real
+  tokens, targets = np.zeros(flat.shape, np.int32), np.zeros(flat.shape, np.int32)
+  tokens[real] = tokens_at(flat[real])
+  targets[has_next] = tokens_at(flat[has_next] + 1)
+  start = doc_end[doc] - np.asarray(doc_lens, np.int64)[doc] if doc_end.size else 0
+  return {"tokens": tokens, "targets": targets, "loss_mask": has_next.astype(np.float32),
+          "positions": np.where(real, flat - start, 0).astype(np.int32)}
 
 
 def make_batch(doc_lens: np.ndarray, tokens_flat: np.ndarray, num_buffers: int, buffer_len: int) -> Batch:
   """Packs documents (lengths + their concatenated tokens) into buffers with targets."""
-  layout = pack(doc_lens, num_buffers, buffer_len)
-  total = num_buffers * buffer_len
   if tokens_flat.size != int(np.sum(doc_lens)):
     raise ValueError(f"make_batch: {tokens_flat.size} tokens for documents totalling {int(np.sum(doc_lens))}")
-  tokens = np.zeros(total, np.int32)
-  tokens[: tokens_flat.size] = tokens_flat
-  segment_ids = layout.segment_ids()
-  seg = segment_ids.reshape(-1)
-  same_doc = np.zeros(total, bool)
-  same_doc[:-1] = (seg[1:] == seg[:-1]) & (seg[:-1] != PAD_SEGMENT)
-  targets = np.zeros(total, np.int32)
-  targets[:-1] = np.where(same_doc[:-1], tokens[1:], 0)
+  return packed_batch(doc_lens, lambda p: tokens_flat[p], num_buffers, buffer_len)
+
+
+def packed_batch(doc_lens: np.ndarray, tokens_at, num_buffers: int, buffer_len: int,
+                 rows=None) -> Batch:
+  """Packs documents into buffers with targets, filling buffers `rows` only (default: all), from
+  `tokens_at(p)`: the tokens at positions p of the documents' concatenated stream."""
+  layout = pack(doc_lens, num_buffers, buffer_len)
+  held = np.arange(num_buffers) if rows is None else np.unique(np.asarray(rows, np.int64))
+  if held.size and (held[0] < 0 or held[-1] >= num_buffers):
+    raise ValueError(f"packed_batch: rows {rows} outside the batch's {num_buffers} buffers")
+  flat = (held[:, None] * buffer_len + np.arange(buffer_len)).reshape(-1)
   shape = (num_buffers, buffer_len)
-  return Batch(tokens=tokens.reshape(shape), targets=targets.reshape(shape),
-               loss_mask=same_doc.astype(np.float32).reshape(shape), segment_ids=segment_ids,
-               positions=layout.positions(), layout=layout)
+
+  def full(a):
+    out = np.zeros(shape, a.dtype)
+    out[held] = a.reshape(held.size, buffer_len)
+    return out
+
+  arrays = {k: full(v) for k, v in packed_arrays(layout.doc_lens, tokens_at, flat).items()}
+  return Batch(**arrays, segment_ids=full(layout.segment_ids(held)) if rows is not None
+               else layout.segment_ids(), layout=layout,
+               rows=None if rows is None else held, stream=None if rows is None else tokens_at)
 
 
 @dataclasses.dataclass
@@ -66,14 +122,19 @@ class SyntheticSource:
   def doc_lengths(self, step: int) -> np.ndarray:
     return self.sampler.sample(self.num_buffers * self.buffer_len, step)
 
-  def batch(self, step: int) -> Batch:
+  def batch(self, step: int, rows=None) -> Batch:
+    """Global batch `step`, its buffers `rows` only when given (the rest zero)."""
     doc_lens = self.doc_lengths(step)
     rng = np.random.default_rng([self.sampler.seed, step, 1])
     start = rng.integers(0, self.vocab_size, doc_lens.size)
     stride = rng.choice(np.asarray(self.strides), doc_lens.size)
-    pos = np.arange(int(doc_lens.sum())) - np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
-    tokens = (np.repeat(start, doc_lens) + np.repeat(stride, doc_lens) * pos) % self.vocab_size
-    return make_batch(doc_lens, tokens.astype(np.int32), self.num_buffers, self.buffer_len)
+    doc_end = np.cumsum(doc_lens)
+
+    def tokens_at(p):
+      d = np.searchsorted(doc_end, p, side="right")
+      return ((start[d] + stride[d] * (p - doc_end[d] + doc_lens[d])) % self.vocab_size).astype(np.int32)
+
+    return packed_batch(doc_lens, tokens_at, self.num_buffers, self.buffer_len, rows)
 
 
 def synthetic_from_config(data_config, vocab_size: int, num_buffers: int) -> SyntheticSource:
