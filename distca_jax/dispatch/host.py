@@ -236,7 +236,9 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
   """Ping and Pong: the batch's documents split into two halves of equal tokens and balanced
   attention (`schedule/pingpong.py`), each packed into buffers of half the length. Every token
   keeps its target, loss weight and position: the two halves train exactly the batch (Pong's
-  layout lists the cut document's prefix in Ping as `prior` shards, which its attention reads)."""
+  layout lists the cut document's prefix in Ping as `prior` shards, which its attention reads).
+  Each half holds the buffers the batch holds (`Batch.rows`), their tokens read wherever they sit
+  in the batch (`Batch.take`): a process re-packs only its own rows."""
   layout = batch.layout
   N, T = layout.num_buffers, layout.buffer_len
   if T % 2:
@@ -247,17 +249,28 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
   if not np.array_equal(layout.buffer * T + layout.buffer_offset,
                         doc_start[layout.doc] + layout.doc_offset):
     raise ValueError("ping-pong: the batch's layout is not packed in document order")
+  held = np.arange(N) if batch.rows is None else batch.rows
+  half = T // 2
+  flat = (held[:, None] * half + np.arange(half)).reshape(-1)  # the held rows of a half
   halves = []
   for lay, lens, source in zip((ping, pong), split.lens, split.source):
+    # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch.
+    ends = np.cumsum(lens)
+    j = flat[flat < (ends[-1] if ends.size else 0)]
+    k = np.searchsorted(ends, j, side="right")
     starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)
-    take = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+    got = batch.take(starts[k] + j - ends[k] + lens[k])
 
-    def gather(a):
-      out = np.zeros(N * (T // 2), a.dtype)
-      out[: take.size] = a.reshape(-1)[take]
-      return out.reshape(N, T // 2)
+    def fill(a):
+      out = np.zeros(N * half, a.dtype)
+      out[j] = a
+      return out.reshape(N, half)
 
-    halves.append(Batch(tokens=gather(batch.tokens), targets=gather(batch.targets),
-                        loss_mask=gather(batch.loss_mask), segment_ids=lay.segment_ids(),
-                        positions=gather(batch.positions), layout=lay))
+    if batch.rows is None:
+      segment_ids = lay.segment_ids()
+    else:
+      segment_ids = np.zeros((N, half), np.int32)
+      segment_ids[held] = lay.segment_ids(held)
+    halves.append(Batch(**{name: fill(a) for name, a in got.items()}, segment_ids=segment_ids,
+                        layout=lay, rows=batch.rows))
   return tuple(halves)

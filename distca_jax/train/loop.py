@@ -302,12 +302,12 @@ def _host_item(job: Job, step: int):
     mbs = [job.source.batch(step * m + i) for i in range(m)]
     ctx = pipeline.host_context(c.attention, mbs, job.mesh.shape["pipe"], shape, rows, shapes)
     return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
-  batch = job.source.batch(step)
   if c.data.packing == "wlb":  # the WLB-LLM baseline: the step's documents re-packed
     from distca_jax import wlb_attention
 
-    return (*wlb_attention.host_item(c, batch, shape, job.mesh.shape["tensor"], shapes),
-            dict(shapes.sizes))
+    return (*wlb_attention.host_item(c, job.source.batch(step), shape, job.mesh.shape["tensor"],
+                                     shapes), dict(shapes.sizes))
+  batch = job.source.batch(step, rows)  # only this process's buffers: its host work is its rows'
   ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=shapes)
   loads = profile_lib.attention_loads(ctx, batch.layout, shape, c.attention,
                                       tensor_parallel=job.mesh.shape["tensor"],
