@@ -368,3 +368,34 @@ def test_relays_on_the_host_path(exchange):
   plain = dataclasses.replace(caps, ckv2=0, shift_kv2=())
   with_round2 = gate_lib.exchange_bytes(cfg.attention, shape, on.plans, caps)
   assert (with_round2 > gate_lib.exchange_bytes(cfg.attention, shape, on.plans, plain)).any()
+
+
+@pytest.mark.parametrize("dist, n", [("pretrain", 8), ("prolong", 16)])
+def test_a_process_plans_from_its_rows_alone(dist, n):
+  """A process's step from the batch of its own buffers (`source.batch(step, rows)`) equals, on
+  those rows, the step planned from the whole batch: the same plans, the same nano-batch rows
+  (the ping-pong split reads the tokens it moves in from elsewhere), the same dispatch arrays;
+  a batch that does not hold the checked rows, or whose rows hold other positions, is refused."""
+  from distca_jax.models.presets import resolve
+
+  cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=1024", "attention.impl=distca",
+                     f"data.distribution={dist}", "attention.gate=false",
+                     "attention.min_imbalance=1")
+  shape, source = resolve(cfg.model), synthetic_from_config(cfg.data, 512, n)
+  rows = np.array([1, n // 2, n - 1])
+  whole = dispatch.plan_step(cfg.attention, source.batch(0), shape, rows)
+  mine = dispatch.plan_step(cfg.attention, source.batch(0, rows), shape, rows)
+  assert whole.cad and mine.cad and len(mine.batches) == 2
+  for a, b in zip(whole.batches, mine.batches):
+    assert b.rows is not None and np.array_equal(b.rows, rows)
+    for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids"):
+      np.testing.assert_array_equal(getattr(b, k)[rows], getattr(a, k)[rows], err_msg=k)
+  for a, b in zip(whole.dispatch, mine.dispatch):
+    for f in dispatch.ARRAY_FIELDS:
+      np.testing.assert_array_equal(getattr(b, f), getattr(a, f), err_msg=f)
+  with pytest.raises(ValueError, match="does not hold the rows"):
+    dispatch.plan_step(cfg.attention, source.batch(0, rows[:1]), shape, rows)
+  ping = mine.batches[0]
+  moved = dataclasses.replace(ping, positions=np.roll(ping.positions, 1, axis=1))
+  with pytest.raises(dispatch.PlanMismatchError, match="rows hold other"):
+    dispatch.validate_plan(mine.dispatch[0], ping.layout, rows, moved)

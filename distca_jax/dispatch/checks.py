@@ -1,10 +1,11 @@
 """`validate_plan`: a step's dispatch arrays checked against the batch they are used with.
 
-Each check is one function over a `Scope` (the plan, the batch's segment ids and positions, the
-devices checked); `validate_plan` runs them in order. A plan made for another batch (other
+Each check is one function over a `Scope` (the plan, its layout, the devices checked);
+`validate_plan` runs them in order. A plan made for another batch (other
 document boundaries) fails even when its shapes fit, because the last checks follow every row
 through the arrays back to its (document, position) in the batch. Host side, numpy, vectorised:
-the work is over rows, never a Python loop over tokens.
+the work is over the rows the checked devices' plans touch, never a Python loop over tokens nor
+the whole batch.
 """
 
 from __future__ import annotations
@@ -21,17 +22,29 @@ from distca_jax.dispatch.format import (DispatchPlan, PlanMismatchError, exchang
 
 @dataclasses.dataclass(frozen=True)
 class Scope:
-  """What the checks read: the plan, the batch's per-row document and position (for the K/V rows
-  too: a Pong's include Ping's prior rows), and the devices checked with the index of their rows."""
+  """What the checks read: the plan, its layout (each row's document and position, looked up
+  row by row: a process checking its devices reads the rows their plans touch, not the batch),
+  and the devices checked with the index of their rows."""
 
   plan: DispatchPlan
   layout: Layout
   devices: np.ndarray     # sorted device numbers checked
   rows: object            # index of their rows in an [N, ...] array (`rows_selector`)
-  segment: np.ndarray     # [N, T] document of each home row (PAD_SEGMENT: padding)
-  position: np.ndarray    # [N, T] position in its document
-  kv_segment: np.ndarray  # [N, Tkv] the same for each local K/V row
-  kv_position: np.ndarray
+  real: np.ndarray        # [devices, T] whether each of their home rows is a real token
+
+  def home_row(self, device, row) -> tuple[np.ndarray, np.ndarray]:
+    """(document, position) of home rows `row` of `device` (arrays; PAD_SEGMENT: padding)."""
+    return self.layout.locate(device, row)
+
+  def kv_row(self, device, row) -> tuple[np.ndarray, np.ndarray]:
+    """(document, position) of local K/V rows `row` of `device`: its buffer's, then (a Pong's)
+    the rows of its prior buffer in the other stream."""
+    doc, pos = self.layout.locate(device, np.minimum(row, self.T - 1))
+    if self.layout.prior is None:
+      return doc, pos
+    prior_doc, prior_pos = self.layout.prior.locate(device, np.maximum(row - self.T, 0))
+    own = row < self.T
+    return np.where(own, doc, prior_doc), np.where(own, pos, prior_pos)
 
   @property
   def N(self) -> int:
@@ -57,10 +70,6 @@ class Scope:
   def Rkv2(self) -> int:
     return self.plan.recv_kv2
 
-  @property
-  def real(self) -> np.ndarray:
-    return self.segment != PAD_SEGMENT
-
   def mine(self, a: np.ndarray) -> np.ndarray:
     """The checked devices' rows of a per-device array."""
     return a[self.rows]
@@ -77,13 +86,14 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   0 .. kv_len - 1. `devices` (default: all) limits the checks to what those devices hold,
   send and receive: the outputs of those homes, the tasks of those servers, the blocks they send
   and receive (each process checks the devices it feeds, `build_dispatch(devices=...)` fills only
-  those). `batch`: the Batch packed by `layout`, whose segment ids and positions are then not
-  computed again. `prior_batch` (ping-pong's Pong): Ping's Batch, whose rows the layout's prior
+  those). `batch`: the Batch packed by `layout`, whose checked rows must hold the documents and
+  positions the layout says (each row is then followed through the layout). `prior_batch` (ping-pong's Pong): Ping's Batch, whose rows the layout's prior
   shards name; each must hold the position the shard says. Raises PlanMismatchError naming what
   is wrong.
   """
   check_shapes(plan, layout)
   scope = _scope(plan, layout, devices, batch)
+  check_batch_rows_are_the_layout_s(scope, batch)
   check_prior_rows_hold_their_positions(scope, prior_batch)
   check_padding_is_the_batch_s(scope)
   check_indices_in_range(scope)
@@ -110,32 +120,44 @@ def _scope(plan, layout, devices, batch) -> Scope:
     raise ValueError(f"validate_plan: devices {devices} outside the plan's {N} devices")
   if batch is not None and batch.layout is not layout:
     raise ValueError("validate_plan: `batch` is not packed by `layout`")
-  seg = layout.segment_ids() if batch is None else batch.segment_ids
-  pos = layout.positions() if batch is None else batch.positions
-  seg_kv, pos_kv = seg, pos
-  if layout.prior is not None:  # Pong's K/V rows: its own, then Ping's
-    seg_kv = np.concatenate([seg, layout.prior.segment_ids()], axis=1)
-    pos_kv = np.concatenate([pos, layout.prior.positions()], axis=1)
-  return Scope(plan=plan, layout=layout, devices=D, rows=rows_selector(N, D), segment=seg,
-               position=pos, kv_segment=seg_kv, kv_position=pos_kv)
+  return Scope(plan=plan, layout=layout, devices=D, rows=rows_selector(N, D),
+               real=layout.segment_ids(D) != PAD_SEGMENT)
+
+
+def check_batch_rows_are_the_layout_s(s: Scope, batch: Batch | None) -> None:
+  """The checked devices' rows of `batch` hold the documents and positions the layout says: the
+  later checks follow rows through the layout."""
+  if batch is None:
+    return
+  if not batch.holds(s.devices):
+    raise ValueError(f"validate_plan: the batch does not hold the rows of devices {s.devices}")
+  if (batch.positions.shape != (s.N, s.T)
+      or not np.array_equal(batch.segment_ids[s.devices], s.layout.segment_ids(s.devices))
+      or not np.array_equal(batch.positions[s.devices], s.layout.positions(s.devices))):
+    raise PlanMismatchError("plan does not match the batch: the batch's rows hold other "
+                            "documents or positions than its layout says")
 
 
 def check_prior_rows_hold_their_positions(s: Scope, prior_batch: Batch | None) -> None:
-  """Ping's rows that Pong's prior shards name hold the positions the shards say."""
+  """Ping's rows that Pong's prior shards name hold the positions the shards say (on the checked
+  devices: each process checks the rows it feeds)."""
   prior = s.layout.prior
   if prior is None or prior_batch is None:
     return
-  named = prior.segment_ids() != PAD_SEGMENT
+  named = prior.segment_ids(s.devices) != PAD_SEGMENT
+  if not prior_batch.holds(s.devices):
+    raise ValueError(f"validate_plan: the earlier stream's batch does not hold the rows of "
+                     f"devices {s.devices}")
   if (prior_batch.positions.shape != (s.N, s.T)
-      or (prior_batch.segment_ids[named] == PAD_SEGMENT).any()
-      or (prior_batch.positions[named] != prior.positions()[named]).any()):
+      or (prior_batch.segment_ids[s.devices][named] == PAD_SEGMENT).any()
+      or (prior_batch.positions[s.devices][named] != prior.positions(s.devices)[named]).any()):
     raise PlanMismatchError("plan does not match the batch: the rows of the earlier stream that "
                             "its prior shards name hold other positions")
 
 
 def check_padding_is_the_batch_s(s: Scope) -> None:
   """The plan returns an output exactly for the batch's real tokens."""
-  got, want = s.mine(s.plan.return_valid), s.real[s.devices]
+  got, want = s.mine(s.plan.return_valid), s.real
   if not np.array_equal(got, want):
     i, r = np.argwhere(got != want)[0]
     raise PlanMismatchError(f"plan does not match the batch: device {s.devices[i]} row {r} is "
@@ -238,7 +260,7 @@ def check_each_token_has_one_slot(s: Scope) -> None:
   the next check, every real token sits in exactly one slot, so the O return is the exact
   transpose of the Q dispatch)."""
   slots = int(s.mine(s.plan.local_q_valid).sum()) + int(s.mine(s.plan.send_q_valid).sum())
-  tokens = int(s.real[s.devices].sum())
+  tokens = int(s.real.sum())
   if slots != tokens:
     raise PlanMismatchError(f"plan places {slots} query rows on servers for {tokens} real tokens")
 
@@ -327,7 +349,7 @@ def check_outputs_come_from_their_tokens(s: Scope) -> None:
     ok = np.where(r < T, p.local_q_valid[home, local_row], p.send_q_valid[home, slot])
   else:
     got, ok = p.local_q_idx[home, local_row], p.local_q_valid[home, local_row]
-  wrong = s.real[s.devices] & ((got != np.arange(T)[None]) | ~ok)
+  wrong = s.real & ((got != np.arange(T)[None]) | ~ok)
   if wrong.any():
     i, row = np.argwhere(wrong)[0]
     raise PlanMismatchError(f"plan does not match the batch: the output for device "
@@ -352,19 +374,30 @@ def check_tasks_cover_one_document(s: Scope) -> None:
 
   task, row, offset = _expand(q_start, q_len)
   home, home_row, q_ok = _query_row_source(s, server[task], row)
-  q_doc, q_pos = s.segment[home, home_row], s.position[home, home_row]
+  q_doc, q_pos = s.home_row(home, home_row)
   task_doc = np.full(q_len.size, -2, np.int64)
   task_doc[task[::-1]] = q_doc[::-1]  # the document of each task's first query row
   bad_q = ~q_ok | (q_doc != task_doc[task]) | (q_pos != (kv_len - q_len)[task] + offset)
 
-  kv_task, kv_slot, kv_offset = _expand(kv_start, kv_len)
-  holder, kv_row, k_ok = _kv_row_source(s, server[kv_task], kv_slot)
-  k_doc, k_pos = s.kv_segment[holder, kv_row], s.kv_position[holder, kv_row]
-  bad_k = ~k_ok | (k_doc != task_doc[kv_task]) | (k_pos != kv_offset)
+  # A server's tasks of one document read prefixes of the same gathered key rows, from one start:
+  # each (server, start) group's slots are followed once, over its longest task's keys (work of
+  # the server's K/V buffer, not of every task's prefix again).
+  group = np.unique(server * p.server_kv_idx.shape[-1] + kv_start, return_inverse=True)[1]
+  first = np.full(group.max(initial=-1) + 1, q_len.size, np.int64)
+  np.minimum.at(first, group, np.arange(q_len.size))  # a task standing for its group
+  longest = np.zeros(first.size, np.int64)
+  np.maximum.at(longest, group, kv_len)
+  group_doc = task_doc[first]
+  kv_group, kv_slot, kv_offset = _expand(kv_start[first], longest)
+  holder, kv_row, k_ok = _kv_row_source(s, server[first][kv_group], kv_slot)
+  k_doc, k_pos = s.kv_row(holder, kv_row)
+  bad_k = ~k_ok | (k_doc != group_doc[kv_group]) | (k_pos != kv_offset)
+  bad_k_task = task_doc != group_doc[group]  # tasks of one start must be of one document
 
-  if bad_q.any() or bad_k.any() or (task_doc == PAD_SEGMENT).any():
+  if bad_q.any() or bad_k.any() or bad_k_task.any() or (task_doc == PAD_SEGMENT).any():
     t = (int(task[np.argmax(bad_q)]) if bad_q.any() else
-         int(kv_task[np.argmax(bad_k)]) if bad_k.any() else 0)
+         int(first[kv_group[np.argmax(bad_k)]]) if bad_k.any() else
+         int(np.argmax(bad_k_task)) if bad_k_task.any() else 0)
     raise PlanMismatchError(
         f"plan does not match the batch: task {int(slot[t])} on server {int(server[t])} does not "
         f"cover one document's queries with exactly that document's prefix")
