@@ -120,7 +120,8 @@ def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> 
   q_pairs, kv_pairs, kv2_pairs = pair_rows(tasks, layout, kv)
   d = np.arange(n)
   skv = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n)
-  shifts = lambda pairs: tuple(int(pairs[d, (d + k) % n].max()) for k in range(1, n))
+  shift_of = (d[:, None] + d[None, 1:]) % n  # [d, k - 1]: the device d sends to at shift k
+  shifts = lambda pairs: tuple(int(x) for x in pairs[d[:, None], shift_of].max(0, initial=0))
   return Capacities(
       send_q=int(q_pairs.sum(1).max(initial=0)), recv_q=int(q_pairs.sum(0).max(initial=0)),
       send_kv=int(kv_pairs.sum(1).max(initial=0)), recv_kv=int(kv_pairs.sum(0).max(initial=0)),
