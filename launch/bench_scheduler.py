@@ -12,8 +12,10 @@ tensor-parallel rank's heads (llama3_8b, TP = 8). "time imbalance": max / mean o
 predicted kernel time (cost.AnalyticKernel: 300 TFLOP/s, 128-row tiles), the plan's quality in
 time rather than FLOPs. `--arrays-devices` also times building the
 dispatch arrays (plan.make_plan with arrays) at a device count where they fit in memory.
-`--step-devices` times the trainer's whole host path per step (dispatch.plan_step: ping-pong
-split, schedule, dense dispatch arrays, validation) and reports how much of the tiled all_to_all
+`--step-devices` times the trainer's whole host path per step (the source's batch, then
+dispatch.plan_step: ping-pong split, schedule, dense dispatch arrays, validation; with
+`--local-devices k`, also as one process of a multi-process job holding k devices' rows builds
+them) and reports how much of the tiled all_to_all
 is padding (every (device, server) block padded to the largest one's bucket). `--pairs` shows
 why: how few (device, server) pairs the moving rows use, and the rows a device sends in the tiled
 exchange ((N - 1) blocks of the common capacity) against the busiest device's real rows (what a
@@ -181,8 +183,8 @@ def main(argv=None):
           f"ctask={c.ctask}; imbalance {plan.stats.imbalance_before:.2f} -> {plan.stats.imbalance_after:.3f}")
 
 
-def _trainer_batch(dist: str, n: int, t: int):
-  """(config, model shape, batch 0) of the trainer's CAD job on `n` devices of `t` tokens
+def _trainer_source(dist: str, n: int, t: int):
+  """(config, model shape, data source) of the trainer's CAD job on `n` devices of `t` tokens
   (llama3_8b, the paper's elongation for t), the gate off: the CAD host path on every batch."""
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -193,7 +195,7 @@ def _trainer_batch(dist: str, n: int, t: int):
                               "attention.impl=distca", "attention.gate=false",
                               "attention.min_imbalance=1", f"mesh.data={n}", f"data.distribution={dist}"])
   shape = resolve(config.model)
-  return config, shape, synthetic_from_config(config.data, shape.vocab_size, n).batch(0)
+  return config, shape, synthetic_from_config(config.data, shape.vocab_size, n)
 
 
 def step_host_path(args):
@@ -206,17 +208,17 @@ def step_host_path(args):
   print(f"# host path per step, {t} tokens/device, llama3_8b, ping-pong on; CPU "
         f"{platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}")
   k = args.local_devices
-  print("| dist | devices | host ms (wall), all rows | host ms, a process of "
+  print("| dist | devices | host ms (wall: batch + plan_step), all rows | host ms, a process of "
         f"{k or '-'} devices | of it schedule ms | imbalance before -> after "
         "| Q rows sent: padded / real | K/V rows sent: padded / real |")
   print("|---|---|---|---|---|---|---|---|")
   for dist in args.dist:
     for n in args.step_devices:
-      config, shape, batch = _trainer_batch(dist, n, t)
+      config, shape, source = _trainer_source(dist, n, t)
 
-      def timed(devices):
+      def timed(devices):  # a process's data and plans for `devices` (None: every row)
         t0 = time.perf_counter()
-        ctx = dispatch.plan_step(config.attention, batch, shape, devices)
+        ctx = dispatch.plan_step(config.attention, source.batch(0, devices), shape, devices)
         return ctx, (time.perf_counter() - t0) * 1e3
 
       ctx, wall = timed(None) if n <= args.all_rows_upto else (None, None)
@@ -258,7 +260,8 @@ def pair_usage(args):
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for dist in args.dist:
     for n in args.pairs:
-      config, shape, batch = _trainer_batch(dist, n, t)
+      config, shape, source = _trainer_source(dist, n, t)
+      batch = source.batch(0)
       comm = gate.comm_model(shape, config.attention)
       for k, nano in enumerate(dispatch.split_pingpong_batch(batch)):
         lay = nano.layout
