@@ -216,6 +216,23 @@ def test_skewed_layout_is_balanced_and_moves_pay():
   assert low[moved_to].all()
 
 
+
+@pytest.mark.parametrize("n,t,seed", [(16, 16384, 2), (32, 8192, 0), (32, 8192, 2)])
+def test_the_largest_surplus_gives_first(n, t, seed):
+  """Each move takes work from the server with the largest load at that point (it always has a
+  candidate here), not from whichever source offers the best work per byte: replayed move by
+  move, the one server whose load falls is the busiest. (These batches are ones where the best
+  candidate over all sources lies elsewhere.)"""
+  layout = pack(LengthSampler(load_lengths("pretrain")).sample(n * t, seed), n, t)
+  comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=8)
+  load = balance(layout, comm, 0.1, max_moves=0)[1].load_after
+  for k in range(1, 9):
+    stats = balance(layout, comm, 0.1, max_moves=k)[1]
+    assert stats.moves == k
+    fell = np.flatnonzero(stats.load_after < load - 1e-6)
+    assert fell.tolist() == [int(np.argmax(load))], (k, fell, np.argmax(load))
+    load = stats.load_after
+
 @pytest.mark.parametrize("n,t,size", [(8, 1024, 512), (4, 2048, 128), (3, 384, 1)])
 def test_equal_documents_nothing_moves(n, t, size):
   layout = pack([size] * (n * t // size), n, t)

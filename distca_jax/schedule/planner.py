@@ -4,10 +4,11 @@
 
 1. Every layout shard starts as a task on its home device. Load F_s = area of the tasks on s,
    target F̄ = ΣF / N. Servers above F̄ have a surplus, servers below it a deficit.
-2. Take the destination d with the largest deficit. For candidate items on surplus sources:
-   ΔF = min(F_item, surplus_s, deficit_d); V = bytes to move ΔF worth of the item (the whole item,
-   or the byte-optimal sub-range from `cost.optimal_split`, cut at 128-token boundaries);
-   score E = ΔF / V. Move the best candidate.
+2. Take the destination d with the largest deficit and the source s with the largest surplus.
+   For s's candidate items: ΔF = min(F_item, surplus_s, deficit_d); V = bytes to move ΔF worth
+   of the item (the whole item, or the byte-optimal sub-range from `cost.optimal_split`, cut at
+   128-token boundaries); score E = ΔF / V. Move the best candidate (if none fits d, the source
+   with the next largest surplus offers its own).
 3. Repeat until every server is within ε·F̄ of F̄, or no candidate can move.
 
 Moves never push a source below F̄ or a destination above F̄ (beyond the rounding of a cut to
@@ -21,14 +22,17 @@ launch/bench_scheduler.py times it, docs/PERFORMANCE.md has the figures): the lo
 handful of numbers a move touches. Each source offers its `top_k` largest home items as
 candidates (long documents give the best ΔF per byte: a short document moved whole costs bytes
 ∝ l for area ∝ l², so E ∝ l).
-Surplus and deficit live in lazy max-heaps; a move scores the candidates of sources in order of
-surplus and stops once the best score is within `prune` of an upper bound on what the next
-source could reach. Only splits are scored: an item that fits moves whole, with an E known from
-the start, and an item none of whose sub-ranges can beat the best found (`_subrange_bound`) is
-passed over, so batches of many short documents score few candidates. The layout's
-items stay numpy arrays; only what moves becomes Python objects. Bytes in E use the paper's
-estimate (no deduplication); the plan's reported bytes (`traffic`) deduplicate KV per server and
-document.
+Surplus and deficit live in lazy max-heaps. Only splits are scored: an item that fits moves
+whole, with an E known from the start, and an item none of whose sub-ranges can beat the best
+found (`_subrange_bound`) is passed over. The layout's items stay numpy arrays; only what moves
+becomes Python objects. Bytes in E use the paper's estimate (no deduplication); the plan's
+reported bytes (`traffic`) deduplicate KV per server and document.
+
+Why one source at a time: the method takes the best E over the candidates of every surplus
+source, which favours the same long documents move after move (their splits score best) and
+spreads each over many servers, its K/V prefix travelling to each. The heaviest source giving
+first needs fewer moves and fewer bytes, and leaves a smaller hot spot (docs/PERFORMANCE.md,
+"Scheduler").
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def _imbalance(load: np.ndarray) -> float:
 
 
 def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int = 3,
-            max_sources: int = 32, prune: float = 0.03, max_moves: int | None = None,
+            max_sources: int = 32, max_moves: int | None = None,
             validate: bool = True) -> tuple[Tasks, BalanceStats]:
   """Assigns every CA-task of `layout` to a server (servers = the layout's N buffers/devices).
 
@@ -78,12 +82,8 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     comm: per-row byte sizes (its β = kv/q row bytes shapes the sub-range choice).
     epsilon: tolerance; the planner stops once every server is within epsilon * mean load.
     top_k: candidate items offered per source and move.
-    max_sources: per move, at most the sources with the largest surplus offer candidates (a larger
-      surplus allows a larger ΔF, which costs fewer bytes per FLOP); they are scored in order of
-      surplus and scoring stops when an upper bound of E (the unconstrained byte-optimal shard of
-      that source's ΔF) is within `prune` of the best score found.
-    prune: relative slack of that early stop (0: exact greedy over the candidates; 0.03 keeps
-      the chosen E within 3% of the best candidate's, and scores a few candidates per move).
+    max_sources: per move, sources are tried in order of surplus, and the first with a candidate
+      that fits the destination gives it; after this many without one, the destination is stuck.
     max_moves: safety bound on moves (default 8 N + 64).
   Returns:
     (tasks, stats): tasks ordered by (home, home_off) with their servers; stats with loads.
@@ -124,7 +124,6 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   area_sorted = area0[by_area]
   handed: list[list[tuple]] = [[] for _ in range(n)]
   cands: list[list[tuple]] = [[] for _ in range(n)]
-  whole = [(0.0, 0.0)] * n  # per source: (largest candidate area, best E among candidates)
 
   chunk = 2 * top_k  # pieces handed out at a time
 
@@ -148,8 +147,7 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
       pool.extend(base_cands(idx))
       nxt[s] = j + idx.size
       pool.sort(key=lambda c: (-c[3], c[0]))
-    cands[s] = c = pool[:top_k]
-    whole[s] = (max((x[3] for x in c), default=0.0), max((x[4] for x in c), default=0.0))
+    cands[s] = pool[:top_k]
 
   rank = np.arange(p0) - np.asarray(bounds)[base.home[by_area]]
   first = by_area[rank < chunk]
@@ -160,9 +158,6 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     refresh(s)
 
   k_opt = 2.0 * comm.beta / (comm.beta + 2.0)  # n_q* = sqrt(k_opt * want), cost.optimal_split
-  # Upper bound of E for a move of `w` pairs: the unconstrained byte-optimal shard. E grows like
-  # sqrt(w), so once a source's cap bounds E below the best found, smaller caps cannot win.
-  e_free_coef = 1.0 / (math.sqrt(k_opt) * qb + (1.0 / math.sqrt(k_opt) + 0.5 * math.sqrt(k_opt)) * kvb)
   inv_g = 1.0 / g
 
   def score(a0, e0, cap):
@@ -226,7 +221,11 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     floor_ = 0.0 if cap_d > tol else tol
     best_e, best = 0.0, None  # best E; (source, candidate, x, y, got)
     popped = []
-    while sur_heap and len(popped) < max_sources:
+    # The source with the largest surplus gives, its best candidate by E; the next sources only
+    # when it has none that fits. Draining the heaviest source first moves fewer, larger pieces
+    # than taking the best E over many sources, which sends a long document's pieces (and its
+    # K/V prefix) to server after server.
+    while sur_heap and best is None and len(popped) < max_sources:
       entry = heapq.heappop(sur_heap)
       s = entry[2]
       if entry[1] != ver[s]:
@@ -236,16 +235,6 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
       if sur <= floor_:
         break
       cap = min(sur, cap_d)
-      # Sources come in order of surplus, so caps and this bound only fall: stop once the best
-      # score is within `prune` of what this (and any later) source could reach with a move of
-      # exactly its cap (rounding to the 128 grid can beat the bound by a fraction of a granule).
-      if best_e >= (1.0 - prune) * e_free_coef * math.sqrt(cap):
-        break
-      # Candidates that fit move whole, with a known E: a source whose candidates all fit and
-      # cannot beat the best is skipped unscored (short documents, moved whole, rarely can).
-      fa_max, ew_max = whole[s]
-      if fa_max <= cap and ew_max <= best_e:
-        continue
       for c in cands[s]:
         if c[3] <= cap:
           if c[4] > best_e:
