@@ -12,6 +12,7 @@ from distca_jax import attention as attn
 from distca_jax import dispatch
 from distca_jax import mesh as mesh_lib
 from distca_jax.data.sources import synthetic_from_config
+from distca_jax.dispatch.format import META_FIELDS
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.planner import pair_rows
@@ -51,10 +52,12 @@ def test_pingpong_halves_hold_the_batch(source):
 
 
 def _step_shape(ctx):
-  """What the step compiles for: its kind and every context array's shape (and the window)."""
+  """What the step compiles for: its kind, every context array's shape, and the static sizes the
+  dispatch plans carry beside their arrays (receive rows, blocks; the window)."""
   if isinstance(ctx, attn.ColocatedContext):
     return ("colocated", ctx.q_start.shape, ctx.window)
-  return (f"cad x{len(ctx.batches)}",) + tuple(jax.tree.leaves(jax.tree.map(np.shape, ctx.dispatch)))
+  static = tuple(int(x) for d in ctx.dispatch for f in META_FIELDS for x in np.ravel(getattr(d, f)))
+  return (f"cad x{len(ctx.batches)}",) + tuple(jax.tree.leaves(jax.tree.map(np.shape, ctx.dispatch))) + (static,)
 
 
 @pytest.mark.parametrize("pingpong", [False, True])
