@@ -99,8 +99,7 @@ def packed_batch(doc_lens: np.ndarray, tokens_at, num_buffers: int, buffer_len: 
     return out
 
   arrays = {k: full(v) for k, v in packed_arrays(layout.doc_lens, tokens_at, flat).items()}
-  return Batch(**arrays, segment_ids=full(layout.segment_ids(held)) if rows is not None
-               else layout.segment_ids(), layout=layout,
+  return Batch(**arrays, segment_ids=full(layout.segment_ids(held)), layout=layout,
                rows=None if rows is None else held, stream=None if rows is None else tokens_at)
 
 

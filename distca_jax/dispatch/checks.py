@@ -30,7 +30,12 @@ class Scope:
   layout: Layout
   devices: np.ndarray     # sorted device numbers checked
   rows: object            # index of their rows in an [N, ...] array (`rows_selector`)
-  real: np.ndarray        # [devices, T] whether each of their home rows is a real token
+  segment: np.ndarray     # [devices, T] the document of each of their home rows (PAD_SEGMENT)
+
+  @property
+  def real(self) -> np.ndarray:
+    """[devices, T] whether each of their home rows is a real token."""
+    return self.segment != PAD_SEGMENT
 
   def home_row(self, device, row) -> tuple[np.ndarray, np.ndarray]:
     """(document, position) of home rows `row` of `device` (arrays; PAD_SEGMENT: padding)."""
@@ -121,7 +126,7 @@ def _scope(plan, layout, devices, batch) -> Scope:
   if batch is not None and batch.layout is not layout:
     raise ValueError("validate_plan: `batch` is not packed by `layout`")
   return Scope(plan=plan, layout=layout, devices=D, rows=rows_selector(N, D),
-               real=layout.segment_ids(D) != PAD_SEGMENT)
+               segment=layout.segment_ids(D))
 
 
 def check_batch_rows_are_the_layout_s(s: Scope, batch: Batch | None) -> None:
@@ -132,7 +137,7 @@ def check_batch_rows_are_the_layout_s(s: Scope, batch: Batch | None) -> None:
   if not batch.holds(s.devices):
     raise ValueError(f"validate_plan: the batch does not hold the rows of devices {s.devices}")
   if (batch.positions.shape != (s.N, s.T)
-      or not np.array_equal(batch.segment_ids[s.devices], s.layout.segment_ids(s.devices))
+      or not np.array_equal(batch.segment_ids[s.devices], s.segment)
       or not np.array_equal(batch.positions[s.devices], s.layout.positions(s.devices))):
     raise PlanMismatchError("plan does not match the batch: the batch's rows hold other "
                             "documents or positions than its layout says")

@@ -266,11 +266,8 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
       out[j] = a
       return out.reshape(N, half)
 
-    if batch.rows is None:
-      segment_ids = lay.segment_ids()
-    else:
-      segment_ids = np.zeros((N, half), np.int32)
-      segment_ids[held] = lay.segment_ids(held)
+    segment_ids = np.zeros((N, half), np.int32)
+    segment_ids[held] = lay.segment_ids(held)
     halves.append(Batch(**{name: fill(a) for name, a in got.items()}, segment_ids=segment_ids,
                         layout=lay, rows=batch.rows))
   return tuple(halves)
