@@ -133,7 +133,8 @@ class AttentionConfig:
   # NVLink bytes (the fit above is one NVLink host's), and a device's exchange takes as long as
   # its busier link, within its node or across (`gate.exchange_bytes`, as the simulator
   # models it). Default 4: NVLINK_GBPS / NETWORK_GBPS (above), not a fit: refit on the
-  # cluster. `gate_nodes`: the node of each data rank; unset, the trainer finds it (processes
+  # cluster. `gate_nodes`: the node of each data rank (the gate prices bytes by it, and the
+  # planner prefers sources on a server's own node); unset, the trainer finds it (processes
   # grouped by host name; one process is one node) and records it in the run's config.json. Set
   # it (a list of mesh.data node numbers) to plan as another topology would, or where host names
   # do not tell nodes apart (containers that share one name would all count as one node).

@@ -20,11 +20,12 @@ is padding (every (device, server) block padded to the largest one's bucket). `-
 why: how few (device, server) pairs the moving rows use, and the rows a device sends in the tiled
 exchange ((N - 1) blocks of the common capacity) against the busiest device's real rows (what a
 transport sending only the moving rows would be bound by). `--hotspot` shows the busiest device's
-K/V bytes with the two-round relayed exchange (`schedule/relay.py`) off and on, on Pretrain,
+K/V bytes with the two-round relayed exchange (`schedule/relay.py`) off and on, and the bytes
+that cross nodes, planned without and with the nodes (`balance(nodes=...)`), on Pretrain,
 ProLong and two synthetic batches (`hotspot_batch`), and exits:
 
   python launch/bench_scheduler.py --hotspot [pretrain prolong short long] [--devices 512]
-      [--fanouts 4 8 16 32]
+      [--fanouts 4 8 16 32] [--node-size 8]
 
 `--exchange N ...` measures the packed exchange on the trainer's step plans (`dispatch.plan_step`,
 ping-pong on, gate off) of Pretrain, ProLong and short-document-heavy batches at N devices: rows
@@ -108,6 +109,9 @@ def main(argv=None):
                        "distributions (default: pretrain prolong short long; then exit)")
   ap.add_argument("--fanouts", type=int, nargs="+", default=[4, 8, 16, 32],
                   help="--hotspot: relay fanouts (slices per relayed shard) to compare")
+  ap.add_argument("--node-size", type=int, default=8,
+                  help="--hotspot: devices a node (the node-aware planner's nodes, and which "
+                       "bytes cross the network)")
   args = ap.parse_args(argv)
   if args.exchange is not None:
     return exchange_table(args)
@@ -307,52 +311,59 @@ def hotspot_batch(dist: str, n: int, t: int, step: int) -> np.ndarray:
 
 
 def hotspot(args):
-  """Per distribution and K/V relay: plan time (`balance`, CPU ms, median and worst batch), the
-  relay's routing time (`kv_requests`), imbalance after, the busiest device's bytes per layer
-  (max of sent and received) over the mean device's, in GB, and the busiest of round 1 (Q and
-  direct K/V) plus the busiest of round 2 (forwarded K/V; the rounds run one after the other, so
-  this sum, not the busiest total, bounds the exchange's time), the bytes that cross nodes (8
-  devices a node), and the share of K/V rows sent in round 2. Means over `--batches` batches."""
+  """Per distribution, planner (`flat`: nodes unknown; `nodes`: `balance(nodes=...)`, a
+  destination takes from its own node's sources first) and K/V relay: plan time (`balance`, CPU
+  ms, median and worst batch), the relay's routing time (`kv_requests`), imbalance after, moves,
+  the busiest device's bytes per layer (max of sent and received) over the mean device's, in GB,
+  and the busiest of round 1 (Q and direct K/V) plus the busiest of round 2 (forwarded K/V; the
+  rounds run one after the other, so this sum, not the busiest total, bounds the exchange's
+  time), the bytes that cross nodes (`--node-size` devices a node) in all and at the busiest
+  device's network link, and the share of K/V rows sent in round 2. Means over `--batches`
+  batches."""
   from distca_jax.schedule.planner import kv_requests, pair_rows
   from distca_jax.schedule.relay import Relay
 
   comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=args.tp)
-  n, t, per_node = args.devices, args.tokens, 8
+  n, t, per_node = args.devices, args.tokens, args.node_size
   node = np.arange(n) // per_node
   across = node[:, None] != node[None, :]
   relays = [None] + [Relay(f) for f in args.fanouts]
-  print(f"# {n} devices x {t} tokens, llama3_8b TP={args.tp}, eps 0.1, {args.batches} batches; "
-        f"CPU {platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}")
-  print("| dist | K/V relay | plan ms (median / worst) | relay ms | imbalance after "
+  print(f"# {n} devices x {t} tokens, {per_node} devices a node, llama3_8b TP={args.tp}, eps 0.1, "
+        f"{args.batches} batches; CPU {platform.processor() or platform.machine()}, "
+        f"loadavg {os.getloadavg()[0]:.1f}")
+  print("| dist | planner | K/V relay | plan ms (median / worst) | relay ms | imbalance after | moves "
         "| busiest / mean | busiest GB | round 1 + round 2 busiest GB | across nodes GB "
-        "| K/V rows in round 2 |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+        "| busiest network GB | K/V rows in round 2 |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for dist in args.hotspot or HOTSPOT_DISTS:
-    plans = []
-    for b in range(args.batches):
-      lay = pack(hotspot_batch(dist, n, t, b), n, t)
-      (tasks, stats), ms, _ = _cpu_ms(lambda: balance(lay, comm, 0.1), args.repeats)
-      plans.append((lay, tasks, stats, ms))
-    for relay in relays:
-      rows = []
-      for lay, tasks, stats, ms in plans:
-        kv, kv_ms, _ = _cpu_ms(lambda: kv_requests(tasks, lay, relay), 1)
-        tr = traffic(tasks, lay, comm, pairwise=True, relay=relay)
-        busy = np.maximum(tr.send, tr.recv)
-        moved = kv.pair_server[kv.piece_pair] != kv.piece_src
-        second = kv.piece_rows[kv.piece_via >= 0].sum() / max(kv.piece_rows[moved].sum(), 1)
-        q, kv1, kv2 = pair_rows(tasks, lay, kv)
-        rounds = sum(max(m.sum(0).max(), m.sum(1).max()) for m in (
-            q * comm.q_row_bytes + kv1 * comm.kv_row_bytes, kv2 * comm.kv_row_bytes))
-        rows.append((ms, kv_ms, stats.imbalance_after, busy.max() / busy.mean(), busy.max() / 1e9,
-                     rounds / 1e9, tr.pair_bytes[across].sum() / 1e9, second))
-      r = np.array(rows)
-      name = "off" if relay is None else f"fanout {relay.fanout}"
-      print(f"| {dist} | {name} | {np.median(r[:, 0]):.1f} / {r[:, 0].max():.1f} | {r[:, 1].mean():.1f} "
-            f"| {r[:, 2].mean():.3f} | {r[:, 3].mean():.1f}x (worst {r[:, 3].max():.1f}x) "
-            f"| {r[:, 4].mean():.2f} | {r[:, 5].mean():.2f} | {r[:, 6].mean():.0f} "
-            f"| {100 * r[:, 7].mean():.0f}% |", flush=True)
-
+    layouts = [pack(hotspot_batch(dist, n, t, b), n, t) for b in range(args.batches)]
+    for planner, nodes in (("flat", None), ("nodes", node)):
+      plans = []
+      for lay in layouts:
+        (tasks, stats), ms, _ = _cpu_ms(lambda: balance(lay, comm, 0.1, nodes=nodes), args.repeats)
+        plans.append((lay, tasks, stats, ms))
+      for relay in relays:
+        rows = []
+        for lay, tasks, stats, ms in plans:
+          kv, kv_ms, _ = _cpu_ms(lambda: kv_requests(tasks, lay, relay), 1)
+          tr = traffic(tasks, lay, comm, pairwise=True, relay=relay)
+          busy = np.maximum(tr.send, tr.recv)
+          net = np.where(across, tr.pair_bytes, 0.0)
+          moved = kv.pair_server[kv.piece_pair] != kv.piece_src
+          second = kv.piece_rows[kv.piece_via >= 0].sum() / max(kv.piece_rows[moved].sum(), 1)
+          q, kv1, kv2 = pair_rows(tasks, lay, kv)
+          rounds = sum(max(m.sum(0).max(), m.sum(1).max()) for m in (
+              q * comm.q_row_bytes + kv1 * comm.kv_row_bytes, kv2 * comm.kv_row_bytes))
+          rows.append((ms, kv_ms, stats.imbalance_after, stats.moves, busy.max() / busy.mean(),
+                       busy.max() / 1e9, rounds / 1e9, net.sum() / 1e9,
+                       max(net.sum(0).max(), net.sum(1).max()) / 1e9, second))
+        r = np.array(rows)
+        name = "off" if relay is None else f"fanout {relay.fanout}"
+        print(f"| {dist} | {planner} | {name} | {np.median(r[:, 0]):.1f} / {r[:, 0].max():.1f} "
+              f"| {r[:, 1].mean():.1f} | {r[:, 2].mean():.3f} | {r[:, 3].mean():.0f} "
+              f"| {r[:, 4].mean():.1f}x (worst {r[:, 4].max():.1f}x) | {r[:, 5].mean():.2f} "
+              f"| {r[:, 6].mean():.2f} | {r[:, 7].mean():.0f} | {r[:, 8].mean():.2f} "
+              f"| {100 * r[:, 9].mean():.0f}% |", flush=True)
 
 
 EXCHANGE_DISTS = ("pretrain", "prolong", "short")

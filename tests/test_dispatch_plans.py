@@ -402,3 +402,34 @@ def test_a_process_plans_from_its_rows_alone(dist, n):
   moved = dataclasses.replace(ping, positions=np.roll(ping.positions, 1, axis=1))
   with pytest.raises(dispatch.PlanMismatchError, match="rows hold other"):
     dispatch.validate_plan(mine.dispatch[0], ping.layout, rows, moved)
+
+
+def test_the_step_plans_with_the_data_ranks_nodes():
+  """`attention.gate_nodes` reaches the planner: each nano-batch's plan is `make_plan` with
+  those nodes (which here differs from the flat plan), checked like any other; a layout of
+  another size (a pipelined tick's) is planned as one node."""
+  from distca_jax import gate as gate_lib
+  from distca_jax.dispatch.host import planner_nodes
+  from distca_jax.models.presets import resolve
+  from distca_jax.schedule.plan import make_plan
+
+  n, nodes = 16, tuple(i // 4 for i in range(16))
+  cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=2048", "attention.impl=distca",
+                     "data.distribution=pretrain", "attention.gate=false",
+                     "attention.min_imbalance=1", f"attention.gate_nodes={list(nodes)}")
+  shape, source = resolve(cfg.model), synthetic_from_config(cfg.data, 512, n)
+  comm = gate_lib.comm_model(shape, cfg.attention)
+  differs = False
+  for step in range(3):
+    ctx = dispatch.plan_step(cfg.attention, source.batch(step), shape)
+    assert ctx.cad
+    for plan, b in zip(ctx.plans, ctx.batches):
+      want = make_plan(b.layout, comm, cfg.attention.epsilon, nodes=nodes)
+      flat = make_plan(b.layout, comm, cfg.attention.epsilon)
+      assert np.array_equal(plan.tasks.server, want.tasks.server)
+      differs |= plan.tasks.server.shape != flat.tasks.server.shape or not np.array_equal(
+          plan.tasks.server, flat.tasks.server)
+  assert differs
+  assert planner_nodes(cfg.attention, ctx.batches[0].layout) == nodes
+  tick = dataclasses.replace(ctx.batches[0].layout, num_buffers=2 * n)
+  assert planner_nodes(cfg.attention, tick) is None

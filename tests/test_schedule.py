@@ -167,9 +167,12 @@ def check_plan(plan, layout, epsilon=None):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(layout=layouts(), eps=st.sampled_from([0.0, 0.05, 0.2]))
-def test_plan_invariants(layout, eps):
-  plan = make_plan(layout, COMM, eps)
+@given(layout=layouts(), eps=st.sampled_from([0.0, 0.05, 0.2]),
+       nodes=st.sampled_from([None, "halves", "alternate"]))
+def test_plan_invariants(layout, eps, nodes):
+  n = layout.num_buffers
+  node = {None: None, "halves": np.arange(n) * 2 // n, "alternate": np.arange(n) % 2}[nodes]
+  plan = make_plan(layout, COMM, eps, nodes=node)
   check_plan(plan, layout, epsilon=plan.epsilon)
 
 
@@ -232,6 +235,46 @@ def test_the_largest_surplus_gives_first(n, t, seed):
     fell = np.flatnonzero(stats.load_after < load - 1e-6)
     assert fell.tolist() == [int(np.argmax(load))], (k, fell, np.argmax(load))
     load = stats.load_after
+
+@pytest.mark.parametrize("n,t,seed", [(32, 8192, 0), (64, 8192, 2), (32, 16384, 3)])
+def test_a_destination_takes_from_its_own_node_first(n, t, seed):
+  """With nodes of 8 servers, replayed move by move: the server whose load falls is the one on
+  the destination's node with the largest surplus, when that surplus covers the flat rule's move
+  (the deficit or the largest surplus, the smaller), else the busiest server; and some moves
+  are local where the flat rule's source is not."""
+  layout = pack(LengthSampler(load_lengths("pretrain")).sample(n * t, seed), n, t)
+  comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=8)
+  node = np.arange(n) // 8
+  load = balance(layout, comm, 0.1, max_moves=0)[1].load_after
+  target, local_not_busiest = load.mean(), 0
+  for k in range(1, 13):
+    stats = balance(layout, comm, 0.1, max_moves=k, nodes=node)[1]
+    assert stats.moves == k
+    fell = np.flatnonzero(stats.load_after < load - 1e-6)
+    rose = np.flatnonzero(stats.load_after > load + 1e-6)
+    assert fell.size == 1 and rose.size == 1, (k, fell, rose)
+    d = int(rose[0])
+    sur = np.where(node == node[d], load - target, -np.inf)
+    if sur.max() >= min(target - load[d], load.max() - target):
+      want = int(np.argmax(sur))
+      local_not_busiest += want != int(np.argmax(load))
+    else:
+      want = int(np.argmax(load))
+    assert int(fell[0]) == want, (k, fell, want)
+    load = stats.load_after
+  assert local_not_busiest > 0
+
+
+def test_bad_nodes_raise():
+  layout = _skewed_layout()
+  with pytest.raises(ValueError, match="nodes"):
+    balance(layout, COMM, 0.1, nodes=[0, 1])
+  with pytest.raises(ValueError, match="nodes"):
+    balance(layout, COMM, 0.1, nodes=[0.5, 1, 1, 2])
+  # One node (all equal) is the flat planner.
+  flat, one = balance(layout, COMM, 0.1)[0], balance(layout, COMM, 0.1, nodes=[3] * 4)[0]
+  assert all((getattr(flat, f) == getattr(one, f)).all() for f in ("server", "q_lo", "q_hi"))
+
 
 @pytest.mark.parametrize("n,t,size", [(8, 1024, 512), (4, 2048, 128), (3, 384, 1)])
 def test_equal_documents_nothing_moves(n, t, size):

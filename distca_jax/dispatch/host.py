@@ -169,7 +169,16 @@ def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
   """The scheduler's plan for one nano-batch or tick (global: the same on every process)."""
   return make_plan(layout, gate.comm_model(shape, attention_config),
                    epsilon=attention_config.epsilon,
-                   min_imbalance=attention_config.min_imbalance_for(pipelined=pipelined))
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=pipelined),
+                   nodes=planner_nodes(attention_config, layout))
+
+
+def planner_nodes(attention_config, layout: Layout):
+  """The node of each of `layout`'s buffers for the planner (`attention.gate_nodes`, one per data
+  rank), or None: unknown, or a pipelined tick's layout (a buffer per stage and data rank), which
+  is planned as one node."""
+  nodes = attention_config.gate_nodes
+  return nodes if nodes is not None and len(nodes) == layout.num_buffers else None
 
 
 def relay_of(attention_config) -> Relay | None:

@@ -33,6 +33,12 @@ source, which favours the same long documents move after move (their splits scor
 spreads each over many servers, its K/V prefix travelling to each. The heaviest source giving
 first needs fewer moves and fewer bytes, and leaves a smaller hot spot (docs/PERFORMANCE.md,
 "Scheduler").
+
+Nodes (`nodes`, the trainer's `attention.gate_nodes`): a destination first asks the sources on
+its own node, largest surplus first, among those that can give as much as the flat rule's source
+would; the move is as large, and its bytes cross NVLink, not the network. Moves, plan time and
+the balance stay those of the flat rule; fewer bytes cross nodes (docs/PERFORMANCE.md,
+"Scheduler").
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def _imbalance(load: np.ndarray) -> float:
 
 
 def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int = 3,
-            max_sources: int = 32, max_moves: int | None = None,
+            max_sources: int = 32, max_moves: int | None = None, nodes=None,
             validate: bool = True) -> tuple[Tasks, BalanceStats]:
   """Assigns every CA-task of `layout` to a server (servers = the layout's N buffers/devices).
 
@@ -85,6 +91,10 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     max_sources: per move, sources are tried in order of surplus, and the first with a candidate
       that fits the destination gives it; after this many without one, the destination is stuck.
     max_moves: safety bound on moves (default 8 N + 64).
+    nodes: the node of each server (N ints; None: one node). A destination first takes from the
+      sources on its own node whose surplus covers the move the flat rule would make (its deficit
+      or the largest surplus, the smaller), largest first, and from the others only when none of
+      those has a candidate that fits: the same moves, more of them over NVLink.
   Returns:
     (tasks, stats): tasks ordered by (home, home_off) with their servers; stats with loads.
   Raises:
@@ -94,6 +104,7 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     raise ValueError(f"epsilon: must be in [0, 10), got {epsilon}")
   base = initial_tasks(layout, validate=validate)
   n = layout.num_buffers
+  node = _node_ids(nodes, n)
   g = float(GRANULE)
   qb, kvb = comm.q_row_bytes, comm.kv_row_bytes
   max_moves = 8 * n + 64 if max_moves is None else max_moves
@@ -191,12 +202,22 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   def_heap = [(load[d] - target, 0, d) for d in range(n) if load[d] < target]
   heapq.heapify(sur_heap)
   heapq.heapify(def_heap)
+  # Per node, the same surplus entries (one node: none, every source is local).
+  node_heap = None
+  if node is not None:
+    node_heap = [[] for _ in range(max(node) + 1)]
+    for entry in sur_heap:
+      node_heap[node[entry[2]]].append(entry)
+    for h in node_heap:
+      heapq.heapify(h)
   stuck = [False] * n
 
   def push(s):
     ver[s] += 1
     if load[s] > target:
       heapq.heappush(sur_heap, (target - load[s], ver[s], s))
+      if node_heap is not None:
+        heapq.heappush(node_heap[node[s]], (target - load[s], ver[s], s))
     elif load[s] < target and not stuck[s]:
       heapq.heappush(def_heap, (load[s] - target, ver[s], s))
 
@@ -220,33 +241,45 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     # inside, only sources outside it (so the loop ends as soon as everyone is within ε).
     floor_ = 0.0 if cap_d > tol else tol
     best_e, best = 0.0, None  # best E; (source, candidate, x, y, got)
-    popped = []
     # The source with the largest surplus gives, its best candidate by E; the next sources only
     # when it has none that fits. Draining the heaviest source first moves fewer, larger pieces
     # than taking the best E over many sources, which sends a long document's pieces (and its
-    # K/V prefix) to server after server.
-    while sur_heap and best is None and len(popped) < max_sources:
-      entry = heapq.heappop(sur_heap)
-      s = entry[2]
-      if entry[1] != ver[s]:
-        continue
-      popped.append(entry)
-      sur = -entry[0]
-      if sur <= floor_:
+    # K/V prefix) to server after server. With nodes, d's own node's sources come first.
+    # Allowing smaller local sources too would move more, smaller pieces and send a long
+    # document's prefix to more servers: fewer bytes across nodes in all, a busier hot spot.
+    tried = 0
+    offered = set()
+    for heap in ((node_heap[node[d]], sur_heap) if node_heap is not None else (sur_heap,)):
+      popped = []
+      while heap and best is None and tried < max_sources:
+        entry = heapq.heappop(heap)
+        s = entry[2]
+        if entry[1] != ver[s]:
+          continue
+        popped.append(entry)
+        sur = -entry[0]
+        # A source on d's node gives only a move as large as the flat rule's would be.
+        if sur <= floor_ or (heap is not sur_heap and sur < min(cap_d, max_sur)):
+          break
+        if s in offered:  # tried on d's node
+          continue
+        offered.add(s)
+        tried += 1
+        cap = min(sur, cap_d)
+        for c in cands[s]:
+          if c[3] <= cap:
+            if c[4] > best_e:
+              best_e, best = c[4], (s, c, c[1], c[2], c[3])
+            continue
+          if c[7] <= best_e:  # no sub-range of this piece beats the best
+            continue
+          e, x, y, got = score(c[1], c[2], cap)
+          if e > best_e:
+            best_e, best = e, (s, c, x, y, got)
+      for entry in popped:
+        heapq.heappush(heap, entry)
+      if best is not None:
         break
-      cap = min(sur, cap_d)
-      for c in cands[s]:
-        if c[3] <= cap:
-          if c[4] > best_e:
-            best_e, best = c[4], (s, c, c[1], c[2], c[3])
-          continue
-        if c[7] <= best_e:  # no sub-range of this piece beats the best
-          continue
-        e, x, y, got = score(c[1], c[2], cap)
-        if e > best_e:
-          best_e, best = e, (s, c, x, y, got)
-    for entry in popped:
-      heapq.heappush(sur_heap, entry)
     if best is None:
       stuck[d] = True
       stuck_max = max(stuck_max, cap_d)
@@ -287,6 +320,18 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   load_after = np.bincount(tasks.server, weights=tasks.area(), minlength=n)
   return tasks, BalanceStats(epsilon=epsilon, moves=moves, load_before=load_before,
                              load_after=load_after)
+
+
+def _node_ids(nodes, n: int) -> list[int] | None:
+  """Dense node numbers of `nodes` as a list (None when every server is on one node)."""
+  if nodes is None:
+    return None
+  arr = np.asarray(nodes)
+  if arr.shape != (n,) or not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"nodes: one integer node per server ({n}), got shape {arr.shape} "
+                     f"dtype {arr.dtype}")
+  uniq, dense = np.unique(arr, return_inverse=True)
+  return None if uniq.size <= 1 else dense.tolist()
 
 
 def _clip(v: float, lo: float, hi: float) -> float:

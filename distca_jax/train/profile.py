@@ -225,12 +225,14 @@ def attention_loads(ctx: Any, layout, shape, attention_config, tensor_parallel: 
     return before, sum(np.asarray(p.stats.load_after, np.float64) for p in plans)
   if not plan_after:
     return before, None
+  from distca_jax.dispatch.host import planner_nodes
   from distca_jax.schedule.cost import CommModel
   from distca_jax.schedule.plan import make_plan
 
   comm = CommModel.for_model(shape, tensor_parallel=tensor_parallel)
   plan = make_plan(layout, comm, epsilon=attention_config.epsilon,
-                   min_imbalance=attention_config.min_imbalance_for(pipelined=False))
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=False),
+                   nodes=planner_nodes(attention_config, layout))
   return before, np.asarray(plan.stats.load_after, np.float64)
 
 
