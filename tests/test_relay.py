@@ -275,7 +275,8 @@ def test_pruning_changes_no_plan(seed, monkeypatch):
 
 
 def test_bench_hotspot_table(capsys):
-  """bench_scheduler.py --hotspot on a small mesh: one row per distribution and relay setting."""
+  """bench_scheduler.py --hotspot on a small mesh: one row per distribution, planner and relay
+  setting."""
   from helpers import launch_script
 
   bench = launch_script("bench_scheduler")
@@ -283,6 +284,7 @@ def test_bench_hotspot_table(capsys):
               "--batches", "1", "--repeats", "1", "--fanouts", "2", "4"])
   rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith("| pretrain")
           or l.startswith("| long")]
-  assert [(r[1].strip(), r[2].strip()) for r in rows] == [
-      (d, s) for d in ("pretrain", "long") for s in ("off", "fanout 2", "fanout 4")]
+  assert [tuple(c.strip() for c in r[1:4]) for r in rows] == [
+      (d, p, s) for d in ("pretrain", "long") for p in ("flat", "nodes")
+      for s in ("off", "fanout 2", "fanout 4")]
   assert all(r[-2].strip().endswith("%") for r in rows)

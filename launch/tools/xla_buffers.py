@@ -29,7 +29,7 @@ _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
 _NO_ALLOC = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant", "partition-id",
              "replica-id", "copy-done", "all-to-all-done", "all-gather-done", "all-reduce-done",
-             "collective-permute-done", "async-done", "send-done", "recv-done"}
+             "collective-permute-done", "async-done", "send-done", "recv-done", "opt-barrier"}
 
 
 def _nbytes(type_text: str) -> int:
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
       peak, at, top = peak_buffers(f.read())
-    print(f"{path.name}: peak {peak / 2**30:.2f} GiB live at {at[:140]}")
+    print(f"{path.name}: peak {peak / 2**30:.3f} GiB live at {at[:140]}")
     for nbytes, name, op in top[:args.top]:
       print(f"  {nbytes / 2**30:8.3f} GiB  {name[:36]:36s} {op[:140]}")
   return 0
