@@ -76,41 +76,49 @@ class WlbShape:
 
 
 def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
-                window: int | None = None) -> WlbContext:
+                window: int | None = None, rows=None) -> WlbContext:
   """Host-side task tables and gather indices of a packing (`capacity`, `window`: at least
-  these, several steps padded to one shape)."""
+  these, several steps padded to one shape). `rows`: the ranks whose gather index to fill (a
+  process's; default: all, the others' stay zero): the work follows those ranks' K/V rows, while
+  the shapes and task tables, small and the same on every process, are global."""
   lay, g = packing.layout, packing.cp
   N, C = lay.num_buffers, lay.buffer_len
   counts = np.bincount(lay.buffer, minlength=N)
   cap = task_bucket(int(counts.max(initial=1)), 32)
   capacity = cap if capacity is None else max(capacity, cap)
-  # Each document's flat rows (rank * C + row) by document position.
-  doc_start = np.cumsum(lay.doc_lens) - lay.doc_lens
-  src = np.zeros(int(lay.doc_lens.sum()), np.int64)
-  src[_ranges(doc_start[lay.doc] + lay.doc_offset, lay.length)] = _ranges(
-      lay.buffer * C + lay.buffer_offset, lay.length)
-  shards_of = np.bincount(lay.doc, minlength=lay.doc_lens.size)
+  num_docs = lay.doc_lens.size
+  shards_of = np.bincount(lay.doc, minlength=num_docs)
   local = shards_of[lay.doc] == 1  # the whole document in this one shard: own rows only
   # Per (rank, split document) the prefix it needs: up to the end of its last shard there.
-  key = lay.buffer * lay.doc_lens.size + lay.doc
+  key = lay.buffer * num_docs + lay.doc
   need_key, inv = np.unique(key[~local], return_inverse=True)
   need = np.zeros(need_key.size, np.int64)
   np.maximum.at(need, inv, (lay.doc_offset + lay.length)[~local])
-  need_rank, need_doc = need_key // lay.doc_lens.size, need_key % lay.doc_lens.size
+  need_rank, need_doc = need_key // num_docs, need_key % num_docs
   per_rank = np.bincount(need_rank, weights=need, minlength=N).astype(np.int64)
   grown = task_bucket(int(per_rank.max(initial=0)), 128) if per_rank.any() else 0
   window = grown if window is None else max(window, grown)
   region = np.cumsum(need) - need - np.repeat(np.cumsum(per_rank) - per_rank, np.bincount(
       need_rank, minlength=N))  # offset of each (rank, document) prefix in its rank's window
-  rows = src[_ranges(doc_start[need_doc], need)]
-  rank_of_row = np.repeat(need_rank, need)
-  src_rank, src_row = rows // C, rows % C
+  # The asked ranks' prefixes, shard by shard: prefix [0, need) of a document is its shards'
+  # rows in position order, cut at `need`.
+  mine = np.flatnonzero(np.isin(need_rank, rows)) if rows is not None else np.arange(need.size)
+  by_doc = np.lexsort((lay.doc_offset, lay.doc))
+  first = np.searchsorted(lay.doc[by_doc], need_doc[mine])
+  reps = shards_of[need_doc[mine]]
+  entry = np.repeat(mine, reps)
+  shard = by_doc[np.repeat(first, reps) + np.arange(entry.size) - np.repeat(np.cumsum(reps) - reps, reps)]
+  keep = lay.doc_offset[shard] < need[entry]
+  entry, shard = entry[keep], shard[keep]
+  size = np.minimum(lay.length[shard], need[entry] - lay.doc_offset[shard])
+  src = _ranges(lay.buffer[shard] * C + lay.buffer_offset[shard], size)
+  rank_of_row = np.repeat(need_rank[entry], size)
+  src_rank, src_row = src // C, src % C
   if (src_rank // g != rank_of_row // g).any():
     raise ValueError("wlb context: a document's shards span two CP groups")
   shift = (rank_of_row - src_rank) % g
   kv_index = np.zeros((N, max(window, 1)), np.int32)
-  col = _ranges(region, need)
-  kv_index[rank_of_row, col] = shift * C + src_row
+  kv_index[rank_of_row, _ranges(region[entry] + lay.doc_offset[shard], size)] = shift * C + src_row
   # Task tables: one task per shard over its document's whole prefix.
   order = np.argsort(lay.buffer, kind="stable")
   slot = np.empty(lay.num_shards, np.int64)
@@ -128,33 +136,38 @@ def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
   return WlbContext(**arrays, kv_index=kv_index, group=g if window else 1, window=window)
 
 
-def repack_batch(batch: Batch, layout: Layout) -> Batch:
+def repack_batch(batch: Batch, layout: Layout, rows=None) -> Batch:
   """`batch`'s documents laid out as `layout` says (same documents and lengths): every token
-  keeps its document position and its next-token target, padding carries no loss."""
+  keeps its document position and its next-token target, padding carries no loss. `rows`: fill
+  only these buffers of the new layout (default: all; the others stay zero, never written), as
+  one process of a multi-process job needs; their tokens come from wherever they sit in
+  `batch`, which may itself hold only some rows (`Batch.take` reads the others from its stream).
+  Raises ValueError if the layout is of other documents or `batch` is not packed in document
+  order (its sources' batches are)."""
   old = batch.layout
   if not np.array_equal(old.doc_lens, layout.doc_lens):
     raise ValueError("repack_batch: the layout is of other documents")
-  lens = old.doc_lens
+  lens = np.asarray(old.doc_lens, np.int64)
   doc_start = np.cumsum(lens) - lens
-  total = int(lens.sum())
-  doc_tokens = np.zeros(total, np.int32)  # the documents' tokens, concatenated in order
-  doc_tokens[_ranges(doc_start[old.doc] + old.doc_offset, old.length)] = batch.tokens.reshape(-1)[
-      _ranges(old.buffer * old.buffer_len + old.buffer_offset, old.length)]
+  # In document order, the flat position of a token in `batch` is its position in the stream.
+  if not np.array_equal(old.buffer * old.buffer_len + old.buffer_offset,
+                        doc_start[old.doc] + old.doc_offset):
+    raise ValueError("repack_batch: the batch is not packed in document order")
   N, C = layout.num_buffers, layout.buffer_len
-  rows = _ranges(layout.buffer * C + layout.buffer_offset, layout.length)
-  pos = _ranges(layout.doc_offset, layout.length)
-  doc = np.repeat(layout.doc, layout.length)
-  flat = doc_start[doc] + pos
-  has_next = pos + 1 < lens[doc]
+  held = np.arange(N) if rows is None else np.unique(np.asarray(rows, np.int64))
+  mine = np.isin(layout.buffer, held)
+  length = layout.length[mine]
+  dst = _ranges(layout.buffer[mine] * C + layout.buffer_offset[mine], length)
+  doc = np.repeat(layout.doc[mine], length)
+  got = batch.take(doc_start[doc] + _ranges(layout.doc_offset[mine], length))
   out = {"tokens": np.zeros(N * C, np.int32), "targets": np.zeros(N * C, np.int32),
          "loss_mask": np.zeros(N * C, np.float32), "positions": np.zeros(N * C, np.int32),
          "segment_ids": np.full(N * C, PAD_SEGMENT, np.int32)}
-  out["tokens"][rows] = doc_tokens[flat]
-  out["targets"][rows] = np.where(has_next, doc_tokens[np.minimum(flat + 1, total - 1)], 0)
-  out["loss_mask"][rows] = has_next
-  out["segment_ids"][rows] = doc
-  out["positions"][rows] = pos
-  return Batch(**{k: v.reshape(N, C) for k, v in out.items()}, layout=layout)
+  for k in ("tokens", "targets", "loss_mask", "positions"):
+    out[k][dst] = got[k]
+  out["segment_ids"][dst] = doc
+  return Batch(**{k: v.reshape(N, C) for k, v in out.items()}, layout=layout,
+               rows=None if rows is None else held, stream=batch.stream)
 
 
 def wlb_cost(model_shape, tensor_parallel: int) -> wlb.WlbCost:
@@ -185,17 +198,19 @@ def pack_step(data_config, doc_lens, num_ranks: int, cost: wlb.WlbCost) -> wlb.W
                            token_cap=data_config.wlb_token_cap)
 
 
-def host_step(data_config, batch: Batch, cost: wlb.WlbCost, shapes=None):
+def host_step(data_config, batch: Batch, cost: wlb.WlbCost, shapes=None, rows=None):
   """(re-packed batch, WlbContext, WlbPacking) of one step. `shapes`: the run's
-  `dispatch.StepShapes`, whose capacities only grow, so steps compile rarely."""
+  `dispatch.StepShapes`, whose capacities only grow, so steps compile rarely. `rows`: the
+  re-packed buffers to fill (a process's devices'; default: all). The packing is global: it
+  needs only the documents' lengths."""
   packing = pack_step(data_config, batch.layout.doc_lens, batch.layout.num_buffers, cost)
-  ctx = wlb_context(packing)
+  ctx = wlb_context(packing, rows=rows)
   if shapes is not None:
     need = WlbShape(capacity=int(ctx.q_start.shape[1]), window=ctx.window)
     grown = shapes.fit(f"wlb{ctx.group}@{packing.layout.buffer_len}", need)
     if grown != need:
-      ctx = wlb_context(packing, grown.capacity, grown.window)
-  return repack_batch(batch, packing.layout), ctx, packing
+      ctx = wlb_context(packing, grown.capacity, grown.window, rows)
+  return repack_batch(batch, packing.layout, rows), ctx, packing
 
 
 def make_wlb_attention(mesh: Mesh, backend: str = "auto") -> Callable:
@@ -259,9 +274,11 @@ def _ratio(x: np.ndarray) -> float:
   return float(np.max(x)) / m if m > 0 else 1.0
 
 
-def host_item(config, batch: Batch, model_shape, tensor_parallel: int, shapes=None):
+def host_item(config, batch: Batch, model_shape, tensor_parallel: int, shapes=None, rows=None):
   """The training loop's host work for one `data.packing=wlb` step: (re-packed batch, its
-  `WlbStep`, (attention area per rank, None)); the area is the packing's, what its step runs."""
+  `WlbStep`, (attention area per rank, None)); the area is the packing's, what its step runs.
+  `rows`: the re-packed buffers this process feeds (default: all)."""
   before = wlb.WlbPacking(batch.layout, batch.layout.num_buffers, 1).area
-  wb, ctx, packing = host_step(config.data, batch, wlb_cost(model_shape, tensor_parallel), shapes)
+  wb, ctx, packing = host_step(config.data, batch, wlb_cost(model_shape, tensor_parallel), shapes,
+                               rows)
   return wb, WlbStep(ctx, packing, _ratio(before)), (packing.area, None)

@@ -213,9 +213,9 @@ def step_host_path(args):
         f"{platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}")
   k = args.local_devices
   print("| dist | devices | host ms (wall: batch + plan_step), all rows | host ms, a process of "
-        f"{k or '-'} devices | of it schedule ms | imbalance before -> after "
-        "| Q rows sent: padded / real | K/V rows sent: padded / real |")
-  print("|---|---|---|---|---|---|---|---|")
+        f"{k or '-'} devices | of it schedule ms | WLB baseline host ms, all rows / a process "
+        "| imbalance before -> after | Q rows sent: padded / real | K/V rows sent: padded / real |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for dist in args.dist:
     for n in args.step_devices:
       config, shape, source = _trainer_source(dist, n, t)
@@ -240,12 +240,30 @@ def step_host_path(args):
       pad_kv = sum(n * (n - 1) * d.send_kv_idx.shape[-1] for d in ctx.dispatch)
       real_q = sum(int(d.send_q_count.sum()) for d in ctx.dispatch)
       real_kv = sum(int(d.send_kv_count.sum()) for d in ctx.dispatch)
+      wlb_all = wlb_host_ms(config, shape, source, None) if n <= args.all_rows_upto else None
+      wlb_local = wlb_host_ms(config, shape, source, np.arange(k)) if k and k < n else None
       before, after = ctx.imbalance()
       ratio = lambda a, b: f"{a / b:.1f}x" if b else "-"
       ms = lambda x: "-" if x is None else f"{x:.0f}"
-      print(f"| {dist} | {n} | {ms(wall)} | {ms(local)} | {sched:.0f} | {before:.2f} -> {after:.2f} | "
+      print(f"| {dist} | {n} | {ms(wall)} | {ms(local)} | {sched:.0f} | {ms(wlb_all)} / {ms(wlb_local)} "
+            f"| {before:.2f} -> {after:.2f} | "
             f"{pad_q:,} / {real_q:,} ({ratio(pad_q, real_q)}) | "
             f"{pad_kv:,} / {real_kv:,} ({ratio(pad_kv, real_kv)}) |", flush=True)
+
+
+def wlb_host_ms(config, shape, source, rows) -> float:
+  """Wall ms of the WLB-LLM baseline's host step (`data.packing=wlb`, CP groups of 8 or all): the
+  batch of `rows` (None: all), its packing, its re-packed rows."""
+  import dataclasses
+
+  from distca_jax import wlb_attention
+
+  n = config.mesh.data
+  config = dataclasses.replace(config, data=dataclasses.replace(config.data, packing="wlb",
+                                                                wlb_cp=min(8, n)))
+  t0 = time.perf_counter()
+  wlb_attention.host_item(config, source.batch(0, rows), shape, 8, rows=rows)
+  return (time.perf_counter() - t0) * 1e3
 
 
 def pair_usage(args):

@@ -83,20 +83,23 @@ def colocated_two():
   return tmp
 
 
-@pytest.mark.parametrize("impl", ["colocated", "distca"])
+@pytest.mark.parametrize("impl", ["colocated", "distca", "wlb"])
 def test_two_processes_match_one_process(tmp_path, impl, request):
-  """distca: the exchange crosses processes, and each process checks only its own rows' plans."""
+  """distca: the exchange crosses processes, and each process checks only its own rows' plans.
+  wlb: each process re-packs only the buffers it feeds, its tokens read from the stream."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
   enable_compile_cache(_cache_dir())
-  args = [*ARGS, f"attention.impl={impl}"]
+  extra = ["attention.impl=colocated", "data.packing=wlb"] if impl == "wlb" else [
+      f"attention.impl={impl}"]
+  args = [*ARGS, *extra]
   one = loop.run(small_config(*args, f"train.out_dir={tmp_path / 'one'}"), devices=jax.devices()[:8],
                  log=lambda *a: None)
   if impl == "colocated":
     base = request.getfixturevalue("colocated_two")
   else:
     base = tmp_path
-    proc = _two_processes(base, "two", f"attention.impl={impl}")
+    proc = _two_processes(base, "two", *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Gloo's connection messages stay out of the job's output (process 0's log has them).
     assert "[Gloo]" not in proc.stdout and "[Gloo]" in (base / "two_logs" / "process_0.log").read_text()

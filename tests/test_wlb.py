@@ -246,3 +246,36 @@ def test_static_price_counts_every_buffer_row():
   # Under static shapes a tighter cap wastes fewer rows: the auto choice at 1.03125 beats 1.5.
   tight, loose = (wlb.best_packing(lens, n, t, static, token_cap=c) for c in (1.03125, 1.5))
   assert static.step_ms(tight) < static.step_ms(loose)
+
+
+@pytest.mark.parametrize("dist, rows", [("pretrain", [1, 2]), ("prolong", [0, 5, 7])])
+def test_a_process_re_packs_only_its_rows(dist, rows):
+  """`repack_batch` of a batch holding some rows only (one process's, tokens of the others from
+  its stream) fills exactly the asked rows of the new layout, as the whole batch's re-packing
+  does; the others stay zero. A batch not packed in document order is refused. `wlb_context`
+  for those rows fills their gather index as the whole one does."""
+  from distca_jax.data.sources import synthetic_from_config
+
+  n, t = 8, 1024
+  cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={t}", f"data.distribution={dist}")
+  source = synthetic_from_config(cfg.data, 512, n)
+  whole = source.batch(3)
+  packing = wlb.wlb_pack(whole.layout.doc_lens, n, t, cp=4, token_cap=1.5)
+  want = wlb_attention.repack_batch(whole, packing.layout)
+  got = wlb_attention.repack_batch(source.batch(3, rows), packing.layout, rows)
+  others = np.setdiff1d(np.arange(n), rows)
+  assert np.array_equal(got.rows, rows)
+  for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids"):
+    np.testing.assert_array_equal(getattr(got, k)[rows], getattr(want, k)[rows], err_msg=k)
+  assert not got.tokens[others].any() and not got.loss_mask[others].any()
+  # The tokens really moved: some of the asked rows' tokens sat in other rows before.
+  assert not np.array_equal(want.tokens[rows], whole.tokens[rows])
+  with pytest.raises(ValueError, match="not packed in document order"):
+    wlb_attention.repack_batch(want, packing.layout)
+  # Its context: the same shapes and task tables, the gather index of its ranks only.
+  full, part = wlb_attention.wlb_context(packing), wlb_attention.wlb_context(packing, rows=rows)
+  assert (part.group, part.window) == (full.group, full.window) and full.window > 0
+  for k in ("q_start", "q_len", "kv_start", "kv_len"):
+    np.testing.assert_array_equal(getattr(part, k), getattr(full, k), err_msg=k)
+  np.testing.assert_array_equal(part.kv_index[rows], full.kv_index[rows])
+  assert not part.kv_index[others].any() and full.kv_index[others].any()

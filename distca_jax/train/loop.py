@@ -305,8 +305,9 @@ def _host_item(job: Job, step: int):
   if c.data.packing == "wlb":  # the WLB-LLM baseline: the step's documents re-packed
     from distca_jax import wlb_attention
 
-    return (*wlb_attention.host_item(c, job.source.batch(step), shape, job.mesh.shape["tensor"],
-                                     shapes), dict(shapes.sizes))
+    # This process's buffers of the in-order batch give the stream its re-packed rows read from.
+    return (*wlb_attention.host_item(c, job.source.batch(step, rows), shape,
+                                     job.mesh.shape["tensor"], shapes, rows), dict(shapes.sizes))
   batch = job.source.batch(step, rows)  # only this process's buffers: its host work is its rows'
   ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=shapes)
   loads = profile_lib.attention_loads(ctx, batch.layout, shape, c.attention,
