@@ -83,15 +83,19 @@ def colocated_two():
   return tmp
 
 
-@pytest.mark.parametrize("impl", ["colocated", "distca", "wlb"])
+@pytest.mark.parametrize("impl", ["colocated", "distca", "wlb", "pipeline"])
 def test_two_processes_match_one_process(tmp_path, impl, request):
   """distca: the exchange crosses processes, and each process checks only its own rows' plans.
-  wlb: each process re-packs only the buffers it feeds, its tokens read from the stream."""
+  wlb: each process re-packs only the buffers it feeds, its tokens read from the stream.
+  pipeline (CAD in a 2-stage pipeline): each process builds only its data ranks' micro-batches."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 CPU devices (tests/conftest.py sets them)")
   enable_compile_cache(_cache_dir())
-  extra = ["attention.impl=colocated", "data.packing=wlb"] if impl == "wlb" else [
-      f"attention.impl={impl}"]
+  extra = {"wlb": ["attention.impl=colocated", "data.packing=wlb"],
+           "pipeline": ["attention.impl=distca", "attention.pingpong=false", "mesh.pipe=2",
+                        "mesh.data=4", "model.layers=2", "train.microbatches=2", "model.remat=full"]}.get(
+                            impl, [f"attention.impl={impl}"])
+  data = 4 if impl == "pipeline" else 8
   args = [*ARGS, *extra]
   one = loop.run(small_config(*args, f"train.out_dir={tmp_path / 'one'}"), devices=jax.devices()[:8],
                  log=lambda *a: None)
@@ -105,7 +109,7 @@ def test_two_processes_match_one_process(tmp_path, impl, request):
     assert "[Gloo]" not in proc.stdout and "[Gloo]" in (base / "two_logs" / "process_0.log").read_text()
   out = base / "two"
   two = json.loads((out / "summary.json").read_text())
-  assert two["devices"] == 8 and two["mesh_shape"]["data"] == 8
+  assert two["devices"] == 8 and two["mesh_shape"]["data"] == data
   # Same global batch, same parameters; only the reduction order of the collectives differs.
   np.testing.assert_allclose(two["losses"], one.losses, rtol=1e-5)
   # Every process grows the same step capacities at the same step (same global plans).
@@ -113,7 +117,7 @@ def test_two_processes_match_one_process(tmp_path, impl, request):
   # Both processes run on this host: the gate's node map (host names gathered from every
   # process) is one node.
   config = json.loads((out / "config.json").read_text())
-  assert config["attention"]["gate_nodes"] == [0] * 8
+  assert config["attention"]["gate_nodes"] == [0] * data
   # Process 1 ran the same steps but wrote no files and printed no per-step lines.
   log1 = (base / "two_logs" / "process_1.log").read_text()
   assert "step 1:" not in log1 and "loss " in log1

@@ -299,7 +299,10 @@ def _host_item(job: Job, step: int):
     from distca_jax.train import pipeline
 
     m = c.train.microbatches
-    mbs = [job.source.batch(step * m + i) for i in range(m)]
+    # Tokens are sharded over `data` only: a process reads its data ranks' buffers of each
+    # micro-batch (every stage of them), never the whole batch.
+    data_rows = None if rows is None else np.unique(rows % job.mesh.shape["data"])
+    mbs = [job.source.batch(step * m + i, data_rows) for i in range(m)]
     ctx = pipeline.host_context(c.attention, mbs, job.mesh.shape["pipe"], shape, rows, shapes)
     return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
   if c.data.packing == "wlb":  # the WLB-LLM baseline: the step's documents re-packed
