@@ -116,6 +116,22 @@ def describe_gate_nodes(attention_config) -> str:
           f"them {attention_config.gate_network_byte_cost:g} NVLink bytes")
 
 
+# Beyond one node's data ranks the tiled exchange's padding outgrows what balancing gains.
+TILED_DATA_RANKS = 8
+
+
+def describe_exchange(attention_config, data_ranks: int) -> str:
+  """A line for the run's log when the exchange's transport will keep most steps colocated: the
+  tiled all_to_all on more than one node's data ranks ("" otherwise)."""
+  if attention_config.exchange != "tiled" or data_ranks <= TILED_DATA_RANKS:
+    return ""
+  return (f"attention.exchange=tiled on {data_ranks} data ranks: every (device, server) pair is "
+          "padded to the largest one's rows, bytes that grow with the data ranks, and the gate "
+          "keeps a step colocated where they cost more than balancing gains; "
+          "attention.exchange=shifted pads each shift to its own largest, ragged (GPU) sends "
+          "only the rows that move (docs/PERFORMANCE.md, \"Dispatch at scale\")")
+
+
 def _costs(attention_config):
   """`attention_config` (default: `AttentionConfig()`) with its attention cost resolved."""
   if attention_config is None:

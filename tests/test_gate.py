@@ -501,3 +501,13 @@ def test_exchange_padding_report(capsys):
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| all |")]
   tiled, pair, shift = (float(x.strip().rstrip("x")) for x in rows[0].split("|")[2:5])
   assert tiled >= pair >= shift >= 1.0 and tiled > 1.0
+
+
+def test_the_log_says_when_the_tiled_exchange_will_keep_steps_colocated():
+  cfg = small_config("attention.impl=distca")
+  tiled = cfg.attention
+  shifted = dataclasses.replace(tiled, exchange="shifted")
+  assert gate_lib.describe_exchange(tiled, 8) == ""  # one node's data ranks
+  assert gate_lib.describe_exchange(shifted, 64) == ""
+  note = gate_lib.describe_exchange(tiled, 64)
+  assert note.startswith("attention.exchange=tiled on 64 data ranks") and "shifted" in note

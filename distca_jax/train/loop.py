@@ -190,6 +190,10 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   if config.attention.impl == "distca" and config.attention.gate and main:
     log("CAD gate: attention cost " + gate_lib.describe_gate_cost(config.attention, trainer.kernel)
         + gate_lib.describe_gate_nodes(trainer.config.attention))
+  if config.attention.impl == "distca" and main:
+    note = gate_lib.describe_exchange(config.attention, mesh.shape["data"])
+    if note:
+      log(note)
   config = trainer.config  # with the gate's attention cost of the kernel the run takes
   source = make_source(config, mesh.shape["data"])
   if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
