@@ -7,7 +7,7 @@ The planner's target: one step of 512 devices × 128K tokens of Pretrain planned
 core, compute imbalance ≤ 1.05 at ε = 0.05. Time is CPU time of this process (`process_time`,
 so other processes on a shared machine do not inflate it; numpy is pinned to one thread), median
 and best over `--repeats` runs per batch, of `planner.balance` (the schedule) and separately of
-the byte accounting (`planner.traffic`). Bytes are per device per layer, fwd+bwd, for one
+the byte accounting (`traffic.traffic`). Bytes are per device per layer, fwd+bwd, for one
 tensor-parallel rank's heads (llama3_8b, TP = 8). "time imbalance": max / mean over servers of the
 predicted kernel time (cost.AnalyticKernel: 300 TFLOP/s, 128-row tiles), the plan's quality in
 time rather than FLOPs. `--arrays-devices` also times building the
@@ -62,7 +62,8 @@ from distca_jax.models.presets import PRESETS  # noqa: E402
 from distca_jax.schedule.baselines import colocated, per_document_cp, wlb_packing  # noqa: E402
 from distca_jax.schedule.cost import AnalyticKernel, CommModel  # noqa: E402
 from distca_jax.schedule.plan import make_plan  # noqa: E402
-from distca_jax.schedule.planner import balance, traffic  # noqa: E402
+from distca_jax.schedule.planner import balance  # noqa: E402
+from distca_jax.schedule.traffic import traffic  # noqa: E402
 
 
 def _cpu_ms(fn, repeats):
@@ -273,7 +274,7 @@ def pair_usage(args):
   rows it sends or receives) is its cost relative to a transport that sends only what moves."""
   from distca_jax import dispatch, gate
   from distca_jax.schedule.items import exchange_capacity
-  from distca_jax.schedule.planner import pair_rows
+  from distca_jax.schedule.traffic import pair_rows
 
   t = args.tokens
   print(f"# (device, server) pairs of the exchange, {t} tokens/device, llama3_8b, ping-pong on, batch 0")
@@ -338,7 +339,7 @@ def hotspot(args):
   time), the bytes that cross nodes (`--node-size` devices a node) in all and at the busiest
   device's network link, and the share of K/V rows sent in round 2. Means over `--batches`
   batches."""
-  from distca_jax.schedule.planner import kv_requests, pair_rows
+  from distca_jax.schedule.traffic import kv_requests, pair_rows
   from distca_jax.schedule.relay import Relay
 
   comm = CommModel.for_model(PRESETS["llama3_8b"], tensor_parallel=args.tp)

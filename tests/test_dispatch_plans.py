@@ -15,7 +15,7 @@ from distca_jax.data.sources import synthetic_from_config
 from distca_jax.dispatch.format import META_FIELDS
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.pingpong import split_pingpong
-from distca_jax.schedule.planner import pair_rows
+from distca_jax.schedule.traffic import pair_rows
 from distca_jax.train.step import Trainer
 from helpers import global_plan, layout_batch, plan_for_layout, small_config
 
@@ -277,7 +277,7 @@ def _relay_case(n=8, T=256, fanout=2, seed=8):
   from distca_jax import gate as gate_lib
   from distca_jax.models.presets import resolve
   from distca_jax.schedule.plan import make_plan
-  from distca_jax.schedule.planner import kv_requests
+  from distca_jax.schedule.traffic import kv_requests
   from distca_jax.schedule.relay import Relay
 
   cfg = small_config(f"mesh.data={n}", f"data.tokens_per_device={T}", "attention.impl=distca")

@@ -13,7 +13,8 @@ from distca_jax.data.packing import pack
 from distca_jax.schedule import planner
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.items import Tasks, initial_tasks
-from distca_jax.schedule.planner import balance, kv_requests, pair_rows, traffic
+from distca_jax.schedule.planner import balance
+from distca_jax.schedule.traffic import kv_requests, pair_rows, traffic
 from distca_jax.schedule.relay import Relay
 
 COMM = CommModel(heads=4, kv_heads=1, head_dim=16)

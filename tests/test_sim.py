@@ -422,7 +422,7 @@ def test_tiled_exchange_pads_every_pair_to_the_largest(lens):
   """`traffic(tiled=True)`: every off-diagonal pair carries the capacity bucket of the largest
   pair, so no pair moves fewer bytes than the rows it really sends; no exchange if nothing moves."""
   from distca_jax.schedule.items import initial_tasks, row_bucket
-  from distca_jax.schedule.planner import traffic
+  from distca_jax.schedule.traffic import traffic
 
   layout = pack(lens, N, T)
   tasks, _ = balance(layout, COMM, 0.05)
@@ -455,7 +455,7 @@ def test_exchanges_bytes_ordered_ragged_shifted_tiled(lens, fanout):
   """On a sampled batch, per (device, server) pair and round: ragged carries the rows that move
   (the planner's `traffic`), shifted pads each pair to its shift's capacity, tiled to the
   largest pair's, so ragged <= shifted <= tiled pair by pair, and strictly in total."""
-  from distca_jax.schedule.planner import traffic
+  from distca_jax.schedule.traffic import traffic
   from distca_jax.schedule.relay import Relay
   from distca_jax.sim.transport import exchange_rounds
 

@@ -19,7 +19,7 @@ from distca_jax.data.packing import Layout
 from distca_jax.schedule.capacities import Capacities, bucketed, requirements
 from distca_jax.schedule.items import Tasks
 from distca_jax.schedule.plan import cumsum_in_groups, fill_ranges
-from distca_jax.schedule.planner import kv_requests, pair_rows
+from distca_jax.schedule.traffic import kv_requests, pair_rows
 
 ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "send_kv_idx",
                 "send_kv_valid", "server_kv_idx", "server_kv_valid", "server_kv_inv",

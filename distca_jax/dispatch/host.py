@@ -24,7 +24,7 @@ from distca_jax.dispatch.format import DispatchPlan, build_dispatch
 from distca_jax.schedule.capacities import Capacities, StepShapes, bucketed, largest, requirements
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
-from distca_jax.schedule.planner import kv_requests, traffic
+from distca_jax.schedule.traffic import kv_requests, traffic
 from distca_jax.schedule.relay import Relay
 
 

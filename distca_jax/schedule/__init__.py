@@ -11,7 +11,8 @@ from distca_jax.schedule.capacities import Capacities, StepShapes, requirements
 from distca_jax.schedule.cost import AnalyticKernel, CommModel, TimeTable
 from distca_jax.schedule.items import GRANULE, Tasks, initial_tasks, validate_layout
 from distca_jax.schedule.plan import CapacityError, Plan, colocated_plan, make_plan
-from distca_jax.schedule.planner import balance, kv_requests, traffic
+from distca_jax.schedule.planner import balance
+from distca_jax.schedule.traffic import kv_requests, traffic
 from distca_jax.schedule.pingpong import pingpong_layouts, split_pingpong
 
 __all__ = [

@@ -26,7 +26,7 @@ import numpy as np
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel, range_area
 from distca_jax.schedule.items import initial_tasks
-from distca_jax.schedule.planner import traffic
+from distca_jax.schedule.traffic import traffic
 from distca_jax.schedule.wlb import WlbCost, WlbPacking, adaptive_pack, wlb_pack
 
 

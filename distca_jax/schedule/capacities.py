@@ -17,7 +17,7 @@ import numpy as np
 
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.items import Tasks, buffer_bucket, exchange_capacity, row_bucket, task_bucket
-from distca_jax.schedule.planner import KVRequests, kv_requests, pair_rows
+from distca_jax.schedule.traffic import KVRequests, kv_requests, pair_rows
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from distca_jax.data.packing import Layout
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.capacities import Capacities, bucketed, requirements
 from distca_jax.schedule.items import Tasks, initial_tasks, validate_layout
-from distca_jax.schedule.planner import BalanceStats, Traffic, balance, traffic
+from distca_jax.schedule.planner import BalanceStats, balance
+from distca_jax.schedule.traffic import Traffic, traffic
 
 PLAN_FORMAT = "distca-plan-v1"
 

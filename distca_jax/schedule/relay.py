@@ -1,7 +1,7 @@
 """Relayed K/V: a shard many servers need is scattered in slices, and the servers pass the slices on.
 
 A server with a task of document g past one of its layout shards needs that shard's K/V rows
-(`planner.kv_requests`). Sent directly, a shard of a long document goes from its one holder to
+(`traffic.kv_requests`). Sent directly, a shard of a long document goes from its one holder to
 every such server, which on a large mesh can be a good part of the mesh: the holder sends m
 copies, many times the mean device's bytes. With a `Relay` a shard that three or more other
 servers need goes in two rounds (docs/METHOD.md, "The scheduler"), as a broadcast by scatter and

@@ -55,7 +55,7 @@ from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
-from distca_jax.schedule.planner import traffic
+from distca_jax.schedule.traffic import traffic
 from distca_jax.sim.config import SimConfig
 from distca_jax.sim.engine import Point, Simulator, SystemResult
 

@@ -3,12 +3,12 @@
 The dispatch packs every row a device sends into one buffer grouped by server and moves it with
 one of three transports (`distca_jax/dispatch/exchange.py`, `attention.exchange`):
 
-  ragged   only the rows that move travel (`planner.traffic`'s count);
+  ragged   only the rows that move travel (`traffic.traffic`'s count);
   shifted  one `ppermute` per shift k that carries rows: every device d sends device d + k mod N
            that shift's capacity (the largest block of the shift, bucketed), moving or not, as
            `capacities.requirements` and `capacities.bucketed` size it;
   tiled    every (device, server) pair carries the largest pair's capacity bucket
-           (`planner.traffic(tiled=True)`).
+           (`traffic.traffic(tiled=True)`).
 
 With relayed K/V (`schedule/relay.py`) the exchange has a second, sequential round: the relays
 forward the K/V rows they received in the first. The simulator prices each round as its own
@@ -28,7 +28,7 @@ from distca_jax.data.packing import Layout
 from distca_jax.schedule.capacities import bucketed, requirements
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.items import Tasks, exchange_capacity
-from distca_jax.schedule.planner import kv_requests, pair_rows
+from distca_jax.schedule.traffic import kv_requests, pair_rows
 from distca_jax.schedule.relay import Relay
 
 EXCHANGES = ("ragged", "shifted", "tiled")

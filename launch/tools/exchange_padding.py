@@ -25,7 +25,7 @@ def main(argv=None) -> int:
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
-  from distca_jax.schedule.planner import pair_rows
+  from distca_jax.schedule.traffic import pair_rows
 
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--devices", type=int, default=gate.FIT_DEVICES)
