@@ -22,24 +22,11 @@ exchange ((N - 1) blocks of the common capacity) against the busiest device's re
 transport sending only the moving rows would be bound by). `--hotspot` shows the busiest device's
 K/V bytes with the two-round relayed exchange (`schedule/relay.py`) off and on, and the bytes
 that cross nodes, planned without and with the nodes (`balance(nodes=...)`), on Pretrain,
-ProLong and two synthetic batches (`hotspot_batch`), and exits:
+ProLong and two synthetic batches (`doclens.stress_lengths`), and exits:
 
   python launch/bench_scheduler.py --hotspot [pretrain prolong short long] [--devices 512]
       [--fanouts 4 8 16 32] [--node-size 8]
-
-`--exchange N ...` measures the packed exchange on the trainer's step plans (`dispatch.plan_step`,
-ping-pong on, gate off) of Pretrain, ProLong and short-document-heavy batches at N devices: rows
-each transport carries over the rows that move (query and K/V separately; `ragged` carries
-exactly the moving rows, `shifted` every shift at its largest block, `tiled` every pair at the
-largest pair's), and the packed send + receive buffers over the busiest sender's plus the
-busiest receiver's moving rows. At the `--exchange-compile` counts it also compiles the query
-and K/V exchanges on that many simulated CPU devices and reads the buffers XLA allocates
-(`memory_analysis`) for the packed `shifted` transport and the `tiled` one, against the same
-moving rows (XLA's CPU analysis leaves the shifted K/V exchange's ppermute buffers uncounted, so
-read its shifted columns as lower bounds); and exits:
-
-  python launch/bench_scheduler.py --exchange 8 16 32 64 [--batches 3] [--exchange-tokens 65536]
-      [--exchange-compile 8 16]
+The packed exchange's rows and buffers: `launch/bench_exchange.py`.
 """
 
 from __future__ import annotations
@@ -56,7 +43,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from distca_jax.data.doclens import LengthSampler, load_lengths  # noqa: E402
+from distca_jax.data.doclens import STRESS_DISTS, LengthSampler, load_lengths, stress_lengths  # noqa: E402
 from distca_jax.data.packing import pack  # noqa: E402
 from distca_jax.models.presets import PRESETS  # noqa: E402
 from distca_jax.schedule.baselines import colocated, per_document_cp, wlb_packing  # noqa: E402
@@ -96,15 +83,6 @@ def main(argv=None):
   ap.add_argument("--pairs", type=int, nargs="*", default=[],
                   help="device counts at which to show how the moving rows use the exchange's "
                        "(device, server) pairs (then exit)")
-  ap.add_argument("--exchange", type=int, nargs="*", default=None, metavar="N",
-                  help="the packed exchange at these device counts (e.g. 8 16 32 64): rows each "
-                       "transport carries over the rows that move, and the buffers over the "
-                       "busiest device's moving rows, on the trainer's step plans")
-  ap.add_argument("--exchange-tokens", type=int, default=65536,
-                  help="tokens per device for --exchange")
-  ap.add_argument("--exchange-compile", type=int, nargs="*", default=[8, 16],
-                  help="device counts at which --exchange also compiles the query exchange on "
-                       "simulated CPU devices and reads its buffers from XLA's memory analysis")
   ap.add_argument("--hotspot", nargs="*", default=None, metavar="DIST",
                   help="the busiest device's bytes with relayed K/V off and on, on these "
                        "distributions (default: pretrain prolong short long; then exit)")
@@ -114,8 +92,6 @@ def main(argv=None):
                   help="--hotspot: devices a node (the node-aware planner's nodes, and which "
                        "bytes cross the network)")
   args = ap.parse_args(argv)
-  if args.exchange is not None:
-    return exchange_table(args)
   if args.hotspot is not None:
     return hotspot(args)
   if args.step_devices:
@@ -302,33 +278,6 @@ def pair_usage(args):
 
 
 
-HOTSPOT_DISTS = ("pretrain", "prolong", "short", "long")
-
-
-def hotspot_batch(dist: str, n: int, t: int, step: int) -> np.ndarray:
-  """Document lengths of one batch of n x t tokens: Pretrain and ProLong as the trainer samples
-  them (elongated x t / 64K), `short` (short-document-heavy: lognormal, median 500 tokens) or
-  `long` (six documents of 64K-512K tokens, then Pretrain)."""
-  total = n * t
-  if dist in ("pretrain", "prolong"):
-    sampler = LengthSampler(load_lengths(dist), full_context_replacement=(dist == "prolong"),
-                            elongate_factor=max(1, t // 65536))
-    return sampler.sample(total, step)
-  rng = np.random.default_rng([7, step])
-  if dist == "short":
-    lens = np.maximum(1, rng.lognormal(np.log(500), 1.0, size=total // 200)).astype(np.int64)
-  elif dist == "long":
-    lens = np.concatenate([rng.integers(65536, 524288, size=6),
-                           LengthSampler(load_lengths("pretrain")).sample(total, step)])
-  else:
-    raise ValueError(f"--hotspot: unknown distribution {dist!r} (one of {HOTSPOT_DISTS})")
-  ends = np.cumsum(lens)
-  k = int(np.searchsorted(ends, total)) + 1
-  lens = lens[:k].copy()
-  lens[-1] -= int(ends[k - 1] - total)
-  return lens[lens > 0]
-
-
 def hotspot(args):
   """Per distribution, planner (`flat`: nodes unknown; `nodes`: `balance(nodes=...)`, a
   destination takes from its own node's sources first) and K/V relay: plan time (`balance`, CPU
@@ -354,8 +303,8 @@ def hotspot(args):
         "| busiest / mean | busiest GB | round 1 + round 2 busiest GB | across nodes GB "
         "| busiest network GB | K/V rows in round 2 |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  for dist in args.hotspot or HOTSPOT_DISTS:
-    layouts = [pack(hotspot_batch(dist, n, t, b), n, t) for b in range(args.batches)]
+  for dist in args.hotspot or STRESS_DISTS:
+    layouts = [pack(stress_lengths(dist, n, t, b), n, t) for b in range(args.batches)]
     for planner, nodes in (("flat", None), ("nodes", node)):
       plans = []
       for lay in layouts:
@@ -384,140 +333,6 @@ def hotspot(args):
               f"| {r[:, 6].mean():.2f} | {r[:, 7].mean():.0f} | {r[:, 8].mean():.2f} "
               f"| {100 * r[:, 9].mean():.0f}% |", flush=True)
 
-
-EXCHANGE_DISTS = ("pretrain", "prolong", "short")
-
-
-def _step_contexts(dist: str, n: int, t: int, batches: int):
-  """The trainer's CAD host contexts (`dispatch.plan_step`: ping-pong on, gate off) of `batches`
-  sampled batches, each at its own buckets."""
-  from distca_jax import dispatch
-  from distca_jax.config import load_config
-  from distca_jax.data.sources import make_batch
-  from distca_jax.models.presets import resolve
-
-  config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
-                              "attention.impl=distca", "attention.gate=false",
-                              "attention.min_imbalance=1", f"mesh.data={n}"])
-  shape = resolve(config.model)
-  out = []
-  for step in range(batches):
-    lens = hotspot_batch(dist, n, t, step)
-    tokens = np.zeros(int(lens.sum()), np.int32)
-    out.append(dispatch.plan_step(config.attention, make_batch(lens, tokens, n, t), shape))
-  return config, shape, out
-
-
-def _carried(d, name: str) -> dict[str, float]:
-  """Rows each transport carries for one plan's query ("q") or K/V ("kv") exchange, the rows that
-  move, and the packed buffers against the busiest sender's and receiver's moving rows."""
-  from distca_jax.schedule.items import buffer_bucket, exchange_capacity
-
-  count = np.asarray(getattr(d, f"send_{name}_count"), np.int64)
-  n = count.shape[0]
-  moved = int(count.sum())
-  k = np.arange(n)
-  shifts = [buffer_bucket(int(count[k, (k + s) % n].max())) for s in range(1, n)]
-  buffers = getattr(d, f"send_{name}_idx").shape[-1] + getattr(d, f"recv_{name}")
-  busiest = int(count.sum(1).max() + count.sum(0).max())
-  return {"moved": moved, "ragged": moved, "shifted": n * sum(shifts),
-          "tiled": n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
-          "buffers": buffers, "busiest": busiest}
-
-
-def _compiled_buffers(plan, n: int, modes, row_heads: int = 8,
-                      head_dim: int = 128) -> dict[tuple[str, str], int]:
-  """XLA's buffers (bytes per device) for the query and the K/V exchange of `plan` (rows of
-  `row_heads` x `head_dim` bf16) on `n` devices, per transport in `modes`: {(name, mode): bytes}.
-  Query: temporaries plus the output less the local rows it passes on. K/V: temporaries (the send
-  and receive buffers and the rows gathered from; the output is the kernel's K/V buffer, which
-  every transport fills alike)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import Mesh, PartitionSpec as P
-
-  from distca_jax.dispatch import exchange as ex
-
-  t = plan.return_idx.shape[-1]
-  row = row_heads * head_dim * 2
-  mesh = Mesh(np.array(jax.devices()[:n]).reshape(n, 1, 1), ("data", "pipe", "tensor"))
-  x = jax.ShapeDtypeStruct((n, t, row_heads, head_dim), jnp.bfloat16)
-  out = {}
-  for name, mover in (("q", ex._rows_to_servers), ("kv", ex._kv_to_servers)):
-    for mode in modes:
-      def local(x, p, mover=mover, mode=mode):
-        p = jax.tree.map(lambda a: a[0], p)
-        return mover(x[0], p, mode)[None]
-
-      f = jax.shard_map(local, mesh=mesh, in_specs=(P(("pipe", "data")), P(("pipe", "data"))),
-                        out_specs=P(("pipe", "data")), check_vma=False)
-      m = jax.jit(f).lower(x, plan).compile().memory_analysis()
-      kept = m.output_size_in_bytes - t * row if name == "q" else 0
-      out[(name, mode)] = int(m.temp_size_in_bytes + kept)
-  return out
-
-
-def exchange_table(args):
-  """Prints the packed exchange's table (module docstring, `--exchange`)."""
-  import dataclasses
-
-  flags = os.environ.get("XLA_FLAGS", "")
-  want = max(args.exchange_compile or [0])
-  if want and "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  modes = ("shifted", "tiled")  # jax.lax.ragged_all_to_all does not run on the CPU
-  t = args.exchange_tokens
-  print(f"# packed exchange, llama3_8b, {t} tokens per device, ping-pong on, gate off, "
-        f"{args.batches} batches per row; carried / moved rows per transport (mean over plans, "
-        f"worst in brackets); buffers: send + receive rows over the busiest sender's + receiver's "
-        f"moving rows")
-  print("| devices | dist | Q moved | Q ragged | Q shifted | Q tiled | K/V moved | K/V ragged | "
-        "K/V shifted | K/V tiled | Q buffers / busiest | K/V buffers / busiest |")
-  # "busiest": the step's busiest sender's plus busiest receiver's moving rows, over its plans.
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-  compiled_rows = []
-  for n in args.exchange:
-    for dist in EXCHANGE_DISTS:
-      config, shape, ctxs = _step_contexts(dist, n, t, args.batches)
-      steps = [c.dispatch for c in ctxs if c.cad]
-      plans = [d for ds in steps for d in ds]
-      if not plans:
-        print(f"| {n} | {dist} | nothing moves | | | | | | | | | |")
-        continue
-      cells = []
-      for name in ("q", "kv"):
-        rows = [_carried(d, name) for d in plans if _carried(d, name)["moved"]]
-        ratio = lambda key: [r[key] / r["moved"] for r in rows]
-        # A step holds one set of buffers for its plans (Ping and Pong): sized for the busier.
-        per_step = [[_carried(d, name) for d in ds] for ds in steps]
-        buffers = [r[0]["buffers"] / max(x["busiest"] for x in r) for r in per_step
-                   if max(x["busiest"] for x in r)]
-        cells.append((int(np.mean([r["moved"] for r in rows])),
-                      *((np.mean(ratio(k)), np.max(ratio(k))) for k in ("ragged", "shifted", "tiled")),
-                      (np.mean(buffers), np.max(buffers))))
-      fmt = lambda m: f"{m[0]:.2f}x ({m[1]:.2f}x)"
-      (qm, *qr, qb), (km, *kr, kb) = cells
-      print(f"| {n} | {dist} | {qm} | " + " | ".join(fmt(x) for x in qr) + f" | {km} | "
-            + " | ".join(fmt(x) for x in kr) + f" | {fmt(qb)} | {fmt(kb)} |", flush=True)
-      if n in (args.exchange_compile or []):
-        d = max(plans, key=lambda d: int(np.asarray(d.send_q_count).sum()))
-        got = _compiled_buffers(d, n, modes)
-        busy = {name: _carried(d, name)["busiest"] * 8 * 128 * 2 for name in ("q", "kv")}
-        compiled_rows.append((n, dist, busy, got))
-  if compiled_rows:
-    print()
-    print("# compiled exchanges (the plan moving the most query rows), 8 heads x 128 bf16 rows, "
-          "XLA CPU buffers per device (_compiled_buffers) over the busiest sender's + receiver's "
-          "moving rows")
-    print("| devices | dist | busiest moving Q / K/V (MB) | "
-          + " | ".join(f"{name} {mode} / busiest" for name in ("Q", "K/V") for mode in modes) + " |")
-    print("|---|---|---|" + "---|" * (2 * len(modes)))
-    for n, dist, busy, got in compiled_rows:
-      cells = [f"{got[(name, mode)] / busy[name]:.2f}x" for name in ("q", "kv") for mode in modes]
-      print(f"| {n} | {dist} | {busy['q'] / 1e6:.1f} / {busy['kv'] / 1e6:.1f} | "
-            + " | ".join(cells) + " |", flush=True)
-  return 0
 
 if __name__ == "__main__":
   main()

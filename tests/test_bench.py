@@ -79,13 +79,12 @@ def test_scheduler_bench_modes(capsys):
   assert {l.split("|")[3].strip() for l in rows} == {"ping", "pong"}
 
 
-def test_scheduler_bench_exchange_table(capsys):
-  """bench_scheduler.py --exchange at 4 devices: a row per distribution, `ragged` carrying
+def test_exchange_bench_table(capsys):
+  """bench_exchange.py at 4 devices: a row per distribution, `ragged` carrying
   exactly the moving rows and `tiled` more, and the compiled exchanges' buffers per transport
   (the CPU's: shifted and tiled, query and K/V)."""
-  bench = launch_script("bench_scheduler")
-  bench.main(["--exchange", "4", "--exchange-compile", "4", "--batches", "1",
-              "--exchange-tokens", "8192"])
+  bench = launch_script("bench_exchange")
+  bench.main(["4", "--compile", "4", "--batches", "1", "--tokens", "8192"])
   out = capsys.readouterr().out.splitlines()
   rows = [[c.strip() for c in l.split("|")[1:-1]] for l in out if l.startswith("| 4 |")]
   carried, compiled = rows[:3], rows[3:]

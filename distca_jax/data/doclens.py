@@ -119,3 +119,31 @@ class LengthSampler:
     out = scaled[:n].copy()
     out[-1] -= int(ends[n - 1]) - total_tokens
     return out
+
+
+STRESS_DISTS = ("pretrain", "prolong", "short", "long")
+
+
+def stress_lengths(dist: str, n: int, t: int, step: int) -> np.ndarray:
+  """Document lengths of one batch of n x t tokens, for the benchmarks that stress the planner and
+  the exchange: Pretrain and ProLong as the trainer samples them (elongated x t / 64K), `short`
+  (short-document-heavy: lognormal, median 500 tokens) or `long` (six documents of 64K-512K
+  tokens, then Pretrain). Seeded by `step`."""
+  total = n * t
+  if dist in ("pretrain", "prolong"):
+    sampler = LengthSampler(load_lengths(dist), full_context_replacement=(dist == "prolong"),
+                            elongate_factor=max(1, t // 65536))
+    return sampler.sample(total, step)
+  rng = np.random.default_rng([7, step])
+  if dist == "short":
+    lens = np.maximum(1, rng.lognormal(np.log(500), 1.0, size=total // 200)).astype(np.int64)
+  elif dist == "long":
+    lens = np.concatenate([rng.integers(65536, 524288, size=6),
+                           LengthSampler(load_lengths("pretrain")).sample(total, step)])
+  else:
+    raise ValueError(f"unknown distribution {dist!r} (one of {STRESS_DISTS})")
+  ends = np.cumsum(lens)
+  k = int(np.searchsorted(ends, total)) + 1
+  lens = lens[:k].copy()
+  lens[-1] -= int(ends[k - 1] - total)
+  return lens[lens > 0]
