@@ -271,9 +271,11 @@ def test_bad_nodes_raise():
     balance(layout, COMM, 0.1, nodes=[0, 1])
   with pytest.raises(ValueError, match="nodes"):
     balance(layout, COMM, 0.1, nodes=[0.5, 1, 1, 2])
-  # One node (all equal) is the flat planner.
-  flat, one = balance(layout, COMM, 0.1)[0], balance(layout, COMM, 0.1, nodes=[3] * 4)[0]
-  assert all((getattr(flat, f) == getattr(one, f)).all() for f in ("server", "q_lo", "q_hi"))
+  # One node (all equal), or a node per server, is the flat planner.
+  flat = balance(layout, COMM, 0.1)[0]
+  for nodes in ([3] * 4, [5, 1, 0, 2]):
+    same = balance(layout, COMM, 0.1, nodes=nodes)[0]
+    assert all((getattr(flat, f) == getattr(same, f)).all() for f in ("server", "q_lo", "q_hi"))
 
 
 @pytest.mark.parametrize("n,t,size", [(8, 1024, 512), (4, 2048, 128), (3, 384, 1)])

@@ -322,7 +322,8 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
 
 
 def _node_ids(nodes, n: int) -> list[int] | None:
-  """Dense node numbers of `nodes` as a list (None when every server is on one node)."""
+  """Dense node numbers of `nodes` as a list (None when no node holds two servers, or one holds
+  them all: then no source is nearer than another)."""
   if nodes is None:
     return None
   arr = np.asarray(nodes)
@@ -330,7 +331,7 @@ def _node_ids(nodes, n: int) -> list[int] | None:
     raise ValueError(f"nodes: one integer node per server ({n}), got shape {arr.shape} "
                      f"dtype {arr.dtype}")
   uniq, dense = np.unique(arr, return_inverse=True)
-  return None if uniq.size <= 1 else dense.tolist()
+  return None if uniq.size <= 1 or uniq.size == n else dense.tolist()
 
 
 def _clip(v: float, lo: float, hi: float) -> float:

@@ -287,7 +287,7 @@ class Simulator:
     per = []
     shards = 0
     for k, lay in enumerate(halves):
-      plan = make_plan(lay, self.comm, cfg.epsilon)
+      plan = make_plan(lay, self.comm, cfg.epsilon, nodes=self.node)
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)

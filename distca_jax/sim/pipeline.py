@@ -223,7 +223,8 @@ class PipelineSimulator(Simulator):
         parts[s] = mbs[m].halves[h]
       lay, base = side_by_side(parts, dp, mbs[pairs[0][1]].halves[h].buffer_len)
       lays.append((lay, base))
-      plan = make_plan(lay, comm, cfg.epsilon, min_imbalance=cfg.min_imbalance)
+      plan = make_plan(lay, comm, cfg.epsilon, min_imbalance=cfg.min_imbalance,
+                       nodes=self.node[:lay.num_buffers])
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)
