@@ -205,6 +205,7 @@ class StepContext:
   forward_ctx: Any    # attention context, leaves stacked [num_ticks, S * data, ...]
   backward_ctx: Any
   plans: tuple = ()   # the scheduler's plans (distca), forward ticks then backward ticks
+  rows: np.ndarray | None = None  # the rows (stage-major) this process feeds; None: all
 
   @property
   def cad(self) -> bool:
@@ -267,14 +268,22 @@ def host_context(attention_config, microbatches: list[Batch], stages: int, shape
   stack = lambda items: jax.tree.map(lambda *xs: np.stack(xs), *items)
   n = schedule.num_ticks
   return StepContext(schedule=schedule, microbatches=tuple(microbatches), forward=fwd, backward=bwd,
-                     forward_ctx=stack(ctxs[:n]), backward_ctx=stack(ctxs[n:]), plans=tuple(plans))
+                     forward_ctx=stack(ctxs[:n]), backward_ctx=stack(ctxs[n:]), plans=tuple(plans),
+                     rows=None if devices is None else np.unique(np.asarray(devices, np.int64)))
 
 
 def device_arrays(ctx: StepContext) -> dict[str, np.ndarray]:
   """Per-micro-batch token arrays [M, data, T] and per-tick positions [ticks, S, data, T]."""
   mbs = ctx.microbatches
   S, N = ctx.schedule.stages, mbs[0].layout.num_buffers
-  rows = lambda lay: lay.positions().reshape(S, N, -1)
+
+  def rows(lay):  # the process's rows only (the others zero, never written): its own work
+    if ctx.rows is None:
+      return lay.positions().reshape(S, N, -1)
+    out = np.zeros((S * N, lay.buffer_len), np.int32)
+    out[ctx.rows] = lay.positions(ctx.rows)
+    return out.reshape(S, N, -1)
+
   return {
       "tokens": np.stack([b.tokens for b in mbs]),
       "targets": np.stack([b.targets for b in mbs]),
