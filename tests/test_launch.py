@@ -51,7 +51,8 @@ def test_tool_starts(script):
   assert (proc.stdout + proc.stderr).strip()
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in LAUNCH.iterdir()
+@pytest.mark.parametrize("script", sorted(p.relative_to(LAUNCH).as_posix()
+                                          for p in [*LAUNCH.iterdir(), *LAUNCH.glob("tools/*")]
                                           if p.suffix in (".sh", ".sbatch")))
 def test_shell_script_parses(script):
   proc = subprocess.run(["bash", "-n", str(LAUNCH / script)], capture_output=True, text=True,

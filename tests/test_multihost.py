@@ -1,4 +1,4 @@
-"""Multi-process training on one host: `launch/multihost_local.sh 2 4` (2 jax.distributed
+"""Multi-process training on one host: `launch/tools/multihost_local.sh 2 4` (2 jax.distributed
 processes x 4 CPU devices, collectives over gloo) trains exactly like 1 process x 8 devices; a
 SIGTERM to the launcher stops both processes after the same step with a checkpoint that resumes
 bit for bit; a dead process ends the job within seconds; an unreachable coordinator ends the run
@@ -55,7 +55,7 @@ def _env():
 
 
 def _launcher(out: Path, logs: Path, *args: str) -> list[str]:
-  return ["bash", str(ROOT / "launch" / "multihost_local.sh"), "2", "4", *ARGS, *args,
+  return ["bash", str(ROOT / "launch" / "tools" / "multihost_local.sh"), "2", "4", *ARGS, *args,
           f"train.out_dir={out}", f"train.compile_cache_dir={_cache_dir()}"]
 
 

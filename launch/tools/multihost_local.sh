@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs launch/train.py as N_PROC jax.distributed processes on this host.
 #
-#   launch/multihost_local.sh N_PROC DEVICES_PER_PROC [train.py args...]
-#   launch/multihost_local.sh 2 4 train.steps=5 train.out_dir=runs/mh
+#   launch/tools/multihost_local.sh N_PROC DEVICES_PER_PROC [train.py args...]
+#   launch/tools/multihost_local.sh 2 4 train.steps=5 train.out_dir=runs/mh
 #
 # Process i gets --coordinator 127.0.0.1:PORT --num-processes N_PROC --process-id i and
 # train.cpu_devices=DEVICES_PER_PROC, so N_PROC x DEVICES_PER_PROC simulated CPU devices form one
@@ -25,7 +25,7 @@ fi
 N_PROC=$1
 DEVICES=$2
 shift 2
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+LAUNCH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
 GRACE="${DISTCA_KILL_GRACE_S:-10}"
 PORT="${DISTCA_COORDINATOR_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
@@ -52,10 +52,10 @@ for ((i = 0; i < N_PROC; i++)); do
   if [[ $i -eq 0 ]]; then
     # Gloo's connection messages (printed by every process at its first collectives) go to
     # process_0.log instead of the terminal; stdbuf makes the C++ side write whole lines.
-    setsid stdbuf -oL "$PYTHON" "$HERE/train.py" "${args[@]}" > >(route_gloo "$LOG_DIR/process_0.log") &
+    setsid stdbuf -oL "$PYTHON" "$LAUNCH/train.py" "${args[@]}" > >(route_gloo "$LOG_DIR/process_0.log") &
   else
     # Only process 0 draws the progress bar and prints; the others log to files.
-    setsid "$PYTHON" "$HERE/train.py" "${args[@]}" train.progress=false >"$LOG_DIR/process_$i.log" 2>&1 &
+    setsid "$PYTHON" "$LAUNCH/train.py" "${args[@]}" train.progress=false >"$LOG_DIR/process_$i.log" 2>&1 &
   fi
   pids+=($!)
 done
