@@ -443,14 +443,14 @@ def test_relayed_kv_in_a_pipelined_step_matches_reference():
   pipe, data, M = 2, 4, 2
   cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"model.layers={pipe}",
                      "attention.impl=distca", "attention.pingpong=false", f"train.microbatches={M}",
-                     "attention.kernel=reference", "data.tokens_per_device=512",
+                     "attention.kernel=reference", "data.tokens_per_device=256",
                      "attention.epsilon=0.05", "model.remat=full", "attention.kv_relay_fanout=1")
   trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:pipe * data]))
   state = trainer.init_state(0)
   rng = np.random.default_rng(0)
-  lens = np.r_[1024, np.full(64, 16)]  # one document over data ranks 0 and 1, short ones after
+  lens = np.r_[512, np.full(32, 16)]  # one document over data ranks 0 and 1, short ones after
   mbs = [make_batch(lens, rng.integers(0, trainer.shape.vocab_size, lens.sum()).astype(np.int32),
-                    data, 512) for _ in range(M)]
+                    data, 256) for _ in range(M)]
   ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
   arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
   assert int(np.asarray(dctx["forward"].send_kv2_valid).sum()) > 0
