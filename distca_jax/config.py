@@ -167,8 +167,10 @@ class AttentionConfig:
   # Relayed K/V (`schedule/relay.py`): a layout shard that three or more other servers need is
   # cut into at most this many slices, each sent once by its holder to one of those servers,
   # which forwards it to the others in a second K/V exchange round, so no device sends one long
-  # document's K/V prefix to most of the pool. 0: off, every piece sent by its holder.
-  kv_relay_fanout: NonNegInt = 0
+  # document's K/V prefix to most of the pool. 0: off, every piece sent by its holder. auto: 16
+  # when the servers span more than one node (`gate_nodes`) and the exchange is not `tiled`
+  # (whose second round pads every pair to its largest forward), off otherwise.
+  kv_relay_fanout: NonNegInt | Literal["auto"] = "auto"
 
   def min_imbalance_for(self, pipelined: bool) -> float:
     """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""

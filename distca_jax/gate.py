@@ -35,6 +35,7 @@ from distca_jax.data.packing import Layout
 from distca_jax.models.presets import ModelShape
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.cost import CommModel
+from distca_jax.schedule.relay import relay_for
 
 FIT_DATA = Path(__file__).with_name("gate_fit.json")
 
@@ -112,8 +113,12 @@ def describe_gate_nodes(attention_config) -> str:
   counts = counts[counts > 0]
   if counts.size < 2:
     return ""
+  fanout = attention_config.kv_relay_fanout
+  relay = relay_for(fanout, attention_config.exchange, nodes)
   return (f"; {counts.size} nodes ({', '.join(map(str, counts))} data ranks), a byte between "
-          f"them {attention_config.gate_network_byte_cost:g} NVLink bytes")
+          f"them {attention_config.gate_network_byte_cost:g} NVLink bytes; K/V relay "
+          + (f"fanout {relay.fanout}" if relay else "off")
+          + (" (kv_relay_fanout=auto)" if fanout == "auto" else ""))
 
 
 # Beyond one node's data ranks the tiled exchange's padding outgrows what balancing gains.

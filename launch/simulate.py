@@ -27,9 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
+from distca_jax.schedule.relay import AUTO_FANOUT
 from distca_jax.schema import ConfigError, check_writable_dir, describe, to_yaml
 from distca_jax.sim.config import SimConfig, load_sim_config
 from distca_jax.sim import SYSTEMS, make_simulator, points, summarize
+
+
+def _relay_note(fanout) -> str:
+  if fanout == "auto":
+    return (f", K/V relay auto ({AUTO_FANOUT} slices in a second round where the servers span "
+            "nodes, none on tiled)")
+  return f", K/V relayed with fanout {fanout} in a second round" if fanout else ", no K/V relay"
 
 
 def main(argv=None) -> int:
@@ -97,14 +105,14 @@ def main(argv=None) -> int:
       rows.append({"model": p.model, "gpus": p.gpus, "tp": cfg.tensor_parallel, "pp": pp,
                    "microbatches": cfg.microbatches_for(pp), "bubble": getattr(sim, "bubble", 0.0),
                    "tokens_per_rank": p.tokens_per_rank, "distribution": Path(p.distribution).stem,
-                   "system": name, **{k: s[k] for k in s}, "appendix_a_bound": sim.appendix_a_s})
+                   "system": name, **{k: s[k] for k in s}, "appendix_a_bound": sim.appendix_a_s,
+                   "kv_relay_fanout": sim.relay.fanout if sim.relay else 0})
     speedups.append((p, summary))
   if bar:
     bar.close()
 
   print(f"CAD's exchange modelled as {cfg.exchange!r} ({_EXCHANGE_NOTE[cfg.exchange]})"
-        + (f", K/V relayed with fanout {cfg.kv_relay_fanout} in a second round"
-           if cfg.kv_relay_fanout else ", no K/V relay")
+        + _relay_note(cfg.kv_relay_fanout)
         + (f"; CAD overheads {cfg.cad_fixed_overhead} of linear time + {cfg.cad_ms_per_gb} ms/GB"
            if cfg.cad_fixed_overhead or cfg.cad_ms_per_gb else "; no CAD overhead terms (ideal)"))
   _print_table(rows)
@@ -114,7 +122,6 @@ def main(argv=None) -> int:
       print(line)
   for r in rows:
     r["exchange"] = cfg.exchange
-    r["kv_relay_fanout"] = cfg.kv_relay_fanout
   with open(out_dir / "sim.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()

@@ -373,6 +373,35 @@ def test_relays_on_the_host_path(exchange):
   assert (with_round2 > gate_lib.exchange_bytes(cfg.attention, shape, on.plans, plain)).any()
 
 
+@pytest.mark.parametrize("exchange", ["tiled", "shifted", "ragged"])
+def test_relays_by_default_where_the_servers_span_nodes(exchange):
+  """attention.kv_relay_fanout=auto (the default) relays with AUTO_FANOUT slices when the
+  servers span more than one node and the transport carries only moving rows; on one node, or
+  on tiled (whose second round pads every pair), the step is the direct exchange's."""
+  from distca_jax.dispatch.host import relay_of
+  from distca_jax.models.presets import resolve
+  from distca_jax.schedule.relay import AUTO_FANOUT
+
+  n = 8
+  base = [f"mesh.data={n}", "data.tokens_per_device=256", "attention.impl=distca",
+          "attention.pingpong=false", "attention.gate=false", f"attention.exchange={exchange}"]
+  batch = layout_batch("wide_prefix", n, seed=n, T=256)
+  shape = resolve(small_config(*base).model)
+  assert small_config(*base).attention.kv_relay_fanout == "auto"
+  plan = lambda *extra: dispatch.plan_step(small_config(*base, *extra).attention, batch, shape)
+  one_node = plan(f"attention.gate_nodes=[{','.join(['0'] * n)}]")
+  two_nodes = plan("attention.gate_nodes=[0,0,0,0,1,1,1,1]")
+  assert one_node.capacities.recv_kv2 == plan().capacities.recv_kv2 == 0
+  if exchange == "tiled":
+    assert two_nodes.capacities.recv_kv2 == 0
+  else:
+    assert relay_of(small_config(*base, "attention.gate_nodes=[0,0,0,0,1,1,1,1]")
+                    .attention).fanout == AUTO_FANOUT
+    assert two_nodes.capacities.recv_kv2 > 0
+    assert (two_nodes.plans[0].traffic.kv_rows_out.max()
+            < one_node.plans[0].traffic.kv_rows_out.max())
+
+
 @pytest.mark.parametrize("dist, n", [("pretrain", 8), ("prolong", 16)])
 def test_a_process_plans_from_its_rows_alone(dist, n):
   """A process's step from the batch of its own buffers (`source.batch(step, rows)`) equals, on

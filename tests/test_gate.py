@@ -414,11 +414,16 @@ def test_trainer_records_the_nodes_of_its_data_ranks():
     with_gate_nodes(small_config("attention.gate_nodes=[0,1]"), mesh)
   # Host names by process: ranks numbered by the first rank on each host.
   assert mesh_lib.nodes_of([0, 0, 1, 1, 2, 3], ["b", "b", "a", "a"]) == (0, 0, 0, 0, 1, 1)
-  # The run's log names the nodes when there are several.
+  # The run's log names the nodes when there are several, and whether K/V is relayed.
   assert gate_lib.describe_gate_nodes(with_gate_nodes(cfg, mesh).attention) == ""
-  assert gate_lib.describe_gate_nodes(dataclasses.replace(
-      mine.attention, gate_nodes=(0, 1, 1, 1), gate_network_byte_cost=2.5)) == (
-          "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes")
+  two = dataclasses.replace(mine.attention, gate_nodes=(0, 1, 1, 1), gate_network_byte_cost=2.5)
+  assert gate_lib.describe_gate_nodes(two) == (
+      "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes; K/V relay off "
+      "(kv_relay_fanout=auto)")  # the default exchange, tiled
+  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="shifted")).endswith(
+      "; K/V relay fanout 16 (kv_relay_fanout=auto)")
+  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
+      "; K/V relay fanout 4")
 
 
 def test_fit_gate_expect_plans_as_the_trainer(capsys):

@@ -16,6 +16,7 @@ from distca_jax.schedule.baselines import colocated, per_document_cp, wlb_packin
 from distca_jax.schedule.cost import AnalyticKernel, CommModel, range_area
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.planner import balance
+from distca_jax.schedule.relay import AUTO_FANOUT
 from distca_jax.schedule.wlb import wlb_pack
 from distca_jax.sim.config import load_sim_config
 from distca_jax.sim.engine import Point, Simulator
@@ -89,7 +90,7 @@ def test_config_overrides_and_errors(tmp_path):
 
 
 def test_simulator_pingpong_costs_bytes_not_balance():
-  base = ["gpus=[64]", "batches=1"]
+  base = ["gpus=[64]", "batches=1", "kv_relay_fanout=0"]  # the direct exchange's pieces
   one = Simulator(load_sim_config(None, base + ["pingpong=false"]), Point("llama3_8b", 64, 131072, "pretrain"))
   two = Simulator(load_sim_config(None, base), Point("llama3_8b", 64, 131072, "pretrain"))
   r1, r2 = one.batch(0)[0]["cad"], two.batch(0)[0]["cad"]
@@ -516,14 +517,23 @@ def test_simulator_exchange_and_relay_config():
   `exchange` and `kv_relay_fanout` are config errors naming the field."""
   base = ["gpus=[128]", "batches=1"]
   point = Point("llama3_8b", 128, 131072, "pretrain")
-  cad = {ex: Simulator(load_sim_config(None, base + [f"exchange={ex}"]), point).batch(0)[0]["cad"]
+  cad = {ex: Simulator(load_sim_config(None, base + [f"exchange={ex}", "kv_relay_fanout=0"]),
+                       point).batch(0)[0]["cad"]
          for ex in ("ragged", "shifted", "tiled")}
   assert cad["ragged"].bytes_per_layer < cad["shifted"].bytes_per_layer < cad["tiled"].bytes_per_layer
   assert cad["ragged"].comm_ms <= cad["shifted"].comm_ms <= cad["tiled"].comm_ms
-  assert load_sim_config(None, base).kv_relay_fanout == 0
-  assert Simulator(load_sim_config(None, base), point).relay is None
+  assert Simulator(load_sim_config(None, base + ["kv_relay_fanout=0"]), point).relay is None
   relay = Simulator(load_sim_config(None, base + ["kv_relay_fanout=4"]), point).relay
   assert relay.fanout == 4
+  # auto, the default: on where the ranks span nodes (TP 8 on 8-GPU nodes: a rank a node) and
+  # the transport carries only moving rows; off on tiled and on one node.
+  relay_of = lambda *over, p=point: Simulator(load_sim_config(None, base + list(over)), p).relay
+  assert load_sim_config(None, base).kv_relay_fanout == "auto"
+  assert relay_of().fanout == relay_of("exchange=shifted").fanout == AUTO_FANOUT
+  assert relay_of("exchange=tiled") is None
+  one_node = Point("llama3_8b", 64, 131072, "pretrain")
+  assert relay_of("gpus=[64]", "hardware.gpus_per_node=64", p=one_node) is None
+  assert relay_of("gpus=[64]", "hardware.gpus_per_node=32", p=one_node).fanout == AUTO_FANOUT
   for bad in ("exchange=padded", "kv_relay_fanout=-1", "kv_relay_fanout=1.5",
               "kv_relay_fanout=many"):
     with pytest.raises(ConfigError, match=bad.split("=")[0]):

@@ -25,7 +25,7 @@ from distca_jax.schedule.capacities import Capacities, StepShapes, bucketed, lar
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
 from distca_jax.schedule.traffic import kv_requests, traffic
-from distca_jax.schedule.relay import Relay
+from distca_jax.schedule.relay import Relay, relay_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,9 +182,10 @@ def planner_nodes(attention_config, layout: Layout):
 
 
 def relay_of(attention_config) -> Relay | None:
-  """The K/V relay `attention.kv_relay_fanout` asks for (None: off)."""
-  fanout = attention_config.kv_relay_fanout
-  return Relay(fanout) if fanout else None
+  """The K/V relay `attention.kv_relay_fanout` asks for on the servers' nodes
+  (`attention.gate_nodes`; None: off)."""
+  return relay_for(attention_config.kv_relay_fanout, attention_config.exchange,
+                   attention_config.gate_nodes)
 
 
 def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):

@@ -49,6 +49,23 @@ class Relay:
       raise ValueError(f"Relay.fanout: must be >= 1, got {self.fanout}")
 
 
+# The slices a shard is cut into where relays are on by default (`kv_relay_fanout=auto`).
+AUTO_FANOUT = 16
+
+
+def relay_for(fanout: int | str, exchange: str, nodes) -> Relay | None:
+  """The relay a `kv_relay_fanout` setting asks for (None: off): a number (0: off), or "auto":
+  `AUTO_FANOUT` slices when the servers span more than one node (`nodes`, one entry per server;
+  None: one node) and the transport carries only the rows each pair moves (`ragged`,
+  `shifted`). Within a node a shard's copies are at most the node's size and cross NVLink; on
+  `tiled` the second round pads every pair to its largest forward and costs more than it saves
+  (docs/METHOD.md, "Relayed K/V")."""
+  if fanout != "auto":
+    return Relay(int(fanout)) if fanout else None
+  spans_nodes = nodes is not None and len(set(np.asarray(nodes).tolist())) > 1
+  return Relay(AUTO_FANOUT) if spans_nodes and exchange != "tiled" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Routed:
   """K/V pieces after routing, each a sub-range of an input piece: `parent` (the input piece it

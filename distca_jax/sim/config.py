@@ -106,10 +106,12 @@ class SimConfig:
   # that move travel; `shifted`, one ppermute per shift, every device sending that shift's
   # bucketed capacity; `tiled`, every (device, server) pair padded to the largest pair's bucket.
   exchange: Literal["ragged", "shifted", "tiled"] = "ragged"
-  # Relayed K/V (schedule/relay.py): a shard many servers need goes to about sqrt(m) of them,
-  # which forward it to at most this many others each, in a second exchange round after the
-  # first. 0: off (every server receives its K/V rows from their holder).
-  kv_relay_fanout: NonNegInt = 0
+  # Relayed K/V (schedule/relay.py, attention.kv_relay_fanout): a shard three or more servers
+  # need is cut into at most this many slices, each sent once to a server that forwards it, in
+  # a second exchange round after the first. 0: off (every server receives its K/V rows from
+  # their holder); auto, as training: 16 when the servers span more than one node and the
+  # exchange is not `tiled`.
+  kv_relay_fanout: NonNegInt | Literal["auto"] = "auto"
   # CAD's costs the model otherwise leaves out: a fixed part, as a fraction of each rank's linear
   # time (the ping-pong split's smaller matmuls, the exchange's calls), and ms per GB a rank sends
   # and receives (the rows that move, per layer: laying them out on the servers and the exchange

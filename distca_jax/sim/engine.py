@@ -59,7 +59,7 @@ from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
 from distca_jax.schedule.wlb import WlbCost
 from distca_jax.schedule.traffic import traffic
-from distca_jax.schedule.relay import Relay
+from distca_jax.schedule.relay import relay_for
 from distca_jax.sim.config import SimConfig
 from distca_jax.sim.transport import exchange_rounds
 
@@ -142,7 +142,7 @@ class Simulator:
         elongate_factor=elong, full_context_replacement=(point.distribution == "prolong"),
         seed=cfg.seed)
     self.node = np.arange(self.ranks) * tp // h.gpus_per_node
-    self.relay = Relay(cfg.kv_relay_fanout) if cfg.kv_relay_fanout else None
+    self.relay = relay_for(cfg.kv_relay_fanout, cfg.exchange, self.node)
     # Appendix A: shards in flight with communication hidden, s <= 2 (t B - h_q) / h_kv - 1,
     # t = forward time per token of the non-attention layers (one layer, one GPU's share),
     # B = network bandwidth per GPU, h_q / h_kv = bytes per token of Q / of K and V on one GPU.

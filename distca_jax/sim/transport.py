@@ -12,9 +12,9 @@ one of three transports (`distca_jax/dispatch/exchange.py`, `attention.exchange`
 
 With relayed K/V (`schedule/relay.py`) the exchange has a second, sequential round: the relays
 forward the K/V rows they received in the first. The simulator prices each round as its own
-exchange (same transport), one after the other. The dispatch has no relay round yet, so the
-second round's padded capacities are taken as the first round's are computed (largest pair, or
-largest block per shift, bucketed by `items.exchange_capacity`).
+exchange (same transport), one after the other; the second round is padded as the dispatch
+pads it, like the first (largest pair, or largest block per shift, bucketed by
+`items.exchange_capacity`).
 
 Every byte count here comes from the planner's functions (`pair_rows`, `requirements`,
 `bucketed`); the only arithmetic added is laying capacities out on the pairs they pad.
