@@ -167,7 +167,7 @@ class AttentionConfig:
   # Relayed K/V (`schedule/relay.py`): a layout shard that three or more other servers need is
   # cut into at most this many slices, each sent once by its holder to one of those servers,
   # which forwards it to the others in a second K/V exchange round, so no device sends one long
-  # document's K/V prefix to most of the pool. 0: off, every piece sent by its holder. auto: 16
+  # document's K/V prefix to most of the pool. 0: off, every piece sent by its holder. auto: 8
   # when the servers span more than one node (`gate_nodes`) and the exchange is not `tiled`
   # (whose second round pads every pair to its largest forward), off otherwise.
   kv_relay_fanout: NonNegInt | Literal["auto"] = "auto"

@@ -421,7 +421,7 @@ def test_trainer_records_the_nodes_of_its_data_ranks():
       "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes; K/V relay off "
       "(kv_relay_fanout=auto)")  # the default exchange, tiled
   assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="shifted")).endswith(
-      "; K/V relay fanout 16 (kv_relay_fanout=auto)")
+      "; K/V relay fanout 8 (kv_relay_fanout=auto)")
   assert gate_lib.describe_gate_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
       "; K/V relay fanout 4")
 

@@ -50,7 +50,7 @@ class Relay:
 
 
 # The slices a shard is cut into where relays are on by default (`kv_relay_fanout=auto`).
-AUTO_FANOUT = 16
+AUTO_FANOUT = 8
 
 
 def relay_for(fanout: int | str, exchange: str, nodes) -> Relay | None:

@@ -109,7 +109,7 @@ class SimConfig:
   # Relayed K/V (schedule/relay.py, attention.kv_relay_fanout): a shard three or more servers
   # need is cut into at most this many slices, each sent once to a server that forwards it, in
   # a second exchange round after the first. 0: off (every server receives its K/V rows from
-  # their holder); auto, as training: 16 when the servers span more than one node and the
+  # their holder); auto, as training: 8 when the servers span more than one node and the
   # exchange is not `tiled`.
   kv_relay_fanout: NonNegInt | Literal["auto"] = "auto"
   # CAD's costs the model otherwise leaves out: a fixed part, as a fraction of each rank's linear
