@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from distca_jax import kernels
-from distca_jax.data.packing import Layout
+from distca_jax.data.packing import Layout, index_in_runs
 from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
 from distca_jax.schedule.items import task_bucket
@@ -99,7 +99,7 @@ def colocated_context(layout: Layout, capacity: int | None = None, window: int |
     window = colocated_window(need, group or N, T)
   elif need > window:
     raise ValueError(f"colocated window {window} is shorter than the {need} rows a document needs")
-  slot = np.arange(layout.num_shards) - np.repeat(np.cumsum(counts) - counts, counts)
+  slot = index_in_runs(counts)
   arrays = {name: np.zeros((N, capacity), np.int32) for name in ("q_start", "q_len", "kv_start", "kv_len")}
   arrays["q_start"][layout.buffer, slot] = layout.buffer_offset
   arrays["q_len"][layout.buffer, slot] = layout.length

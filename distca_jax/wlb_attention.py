@@ -29,7 +29,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from distca_jax import kernels
 from distca_jax.colocated import local_task_attention, stream_arrays
-from distca_jax.data.packing import PAD_SEGMENT, Layout, _ranges
+from distca_jax.data.packing import PAD_SEGMENT, Layout, index_in_runs, ranges
 from distca_jax.data.sources import Batch
 from distca_jax.kernels import TaskTable
 from distca_jax.schedule import wlb
@@ -107,22 +107,22 @@ def wlb_context(packing: wlb.WlbPacking, capacity: int | None = None,
   first = np.searchsorted(lay.doc[by_doc], need_doc[mine])
   reps = shards_of[need_doc[mine]]
   entry = np.repeat(mine, reps)
-  shard = by_doc[np.repeat(first, reps) + np.arange(entry.size) - np.repeat(np.cumsum(reps) - reps, reps)]
+  shard = by_doc[ranges(first, reps)]
   keep = lay.doc_offset[shard] < need[entry]
   entry, shard = entry[keep], shard[keep]
   size = np.minimum(lay.length[shard], need[entry] - lay.doc_offset[shard])
-  src = _ranges(lay.buffer[shard] * C + lay.buffer_offset[shard], size)
+  src = ranges(lay.buffer[shard] * C + lay.buffer_offset[shard], size)
   rank_of_row = np.repeat(need_rank[entry], size)
   src_rank, src_row = src // C, src % C
   if (src_rank // g != rank_of_row // g).any():
     raise ValueError("wlb context: a document's shards span two CP groups")
   shift = (rank_of_row - src_rank) % g
   kv_index = np.zeros((N, max(window, 1)), np.int32)
-  kv_index[rank_of_row, _ranges(region[entry] + lay.doc_offset[shard], size)] = shift * C + src_row
+  kv_index[rank_of_row, ranges(region[entry] + lay.doc_offset[shard], size)] = shift * C + src_row
   # Task tables: one task per shard over its document's whole prefix.
   order = np.argsort(lay.buffer, kind="stable")
   slot = np.empty(lay.num_shards, np.int64)
-  slot[order] = np.arange(lay.num_shards) - np.repeat(np.cumsum(counts) - counts, counts)
+  slot[order] = index_in_runs(counts)
   kv_start = lay.buffer_offset.copy()  # a whole document: its own rows
   if (~local).any():
     where = np.searchsorted(need_key, key[~local])
@@ -157,9 +157,9 @@ def repack_batch(batch: Batch, layout: Layout, rows=None) -> Batch:
   held = np.arange(N) if rows is None else np.unique(np.asarray(rows, np.int64))
   mine = np.isin(layout.buffer, held)
   length = layout.length[mine]
-  dst = _ranges(layout.buffer[mine] * C + layout.buffer_offset[mine], length)
+  dst = ranges(layout.buffer[mine] * C + layout.buffer_offset[mine], length)
   doc = np.repeat(layout.doc[mine], length)
-  got = batch.take(doc_start[doc] + _ranges(layout.doc_offset[mine], length))
+  got = batch.take(doc_start[doc] + ranges(layout.doc_offset[mine], length))
   out = {"tokens": np.zeros(N * C, np.int32), "targets": np.zeros(N * C, np.int32),
          "loss_mask": np.zeros(N * C, np.float32), "positions": np.zeros(N * C, np.int32),
          "segment_ids": np.full(N * C, PAD_SEGMENT, np.int32)}

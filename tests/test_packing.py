@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from distca_jax.data.doclens import FULL_CONTEXT_TOKENS, LengthSampler, load_lengths
-from distca_jax.data.packing import PAD_SEGMENT, pack
+from distca_jax.data.packing import PAD_SEGMENT, index_in_runs, pack, ranges
 from distca_jax.data.sources import SyntheticSource, make_batch, packed_batch
 
 FAST = settings(max_examples=60, deadline=None)
@@ -306,3 +306,16 @@ def test_synthetic_source_builds_the_rows_asked_for():
   assert not part.tokens[[0, 2, 3, 5]].any() and whole.tokens[[0, 2, 3, 5]].any()
   with pytest.raises(ValueError, match="outside"):
     src.batch(2, [6])
+
+
+def test_ranges_and_index_in_runs_match_loops():
+  """`ranges` and `index_in_runs`, the vectorised helpers the host paths share, equal their
+  Python loops on random runs, empty runs and no runs included."""
+  rng = np.random.default_rng(0)
+  for size in (0, 1, 7, 50):
+    counts = rng.integers(0, 5, size)
+    starts = rng.integers(-3, 100, size)
+    want_idx = [k for c in counts for k in range(c)]
+    want_ranges = [s + k for s, c in zip(starts, counts) for k in range(c)]
+    np.testing.assert_array_equal(index_in_runs(counts), np.array(want_idx, np.int64))
+    np.testing.assert_array_equal(ranges(starts, counts), np.array(want_ranges, np.int64))

@@ -40,7 +40,7 @@ import numpy as np
 
 from distca_jax.schema import ConfigError
 
-from .packing import _ranges
+from .packing import ranges
 from .sources import Batch, packed_batch
 
 FORMAT = "distca-corpus"
@@ -368,7 +368,7 @@ class CorpusSource:
   def token_indices(self, step: int) -> np.ndarray:
     """[N*T] int64 positions in the token file of the tokens of batch `step`, in order."""
     doc, doc_offset, length, _ = self.pieces(step)
-    return _ranges(self.corpus.offsets[doc] + doc_offset, length)
+    return ranges(self.corpus.offsets[doc] + doc_offset, length)
 
   def batch(self, step: int, rows=None) -> Batch:
     """Global batch `step`, packed into N buffers of T tokens (no padding); its buffers `rows`

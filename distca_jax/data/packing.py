@@ -61,7 +61,7 @@ class Layout:
     (default: all, in order)."""
     rows, starts, shards = self._rows(rows)
     out = np.full((rows.size, self.buffer_len), PAD_SEGMENT, np.int32)
-    out.reshape(-1)[_ranges(starts, self.length[shards])] = np.repeat(self.doc[shards],
+    out.reshape(-1)[ranges(starts, self.length[shards])] = np.repeat(self.doc[shards],
                                                                      self.length[shards])
     return out
 
@@ -71,7 +71,7 @@ class Layout:
     rows, starts, shards = self._rows(rows)
     out = np.zeros((rows.size, self.buffer_len), np.int32)
     length = self.length[shards]
-    idx = _ranges(starts, length)
+    idx = ranges(starts, length)
     out.reshape(-1)[idx] = idx - np.repeat(starts - self.doc_offset[shards], length)
     return out
 
@@ -99,13 +99,16 @@ class Layout:
             np.where(real, flat - starts[s] + self.doc_offset[s], 0))
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def index_in_runs(counts: np.ndarray) -> np.ndarray:
+  """Each element's index within its run, for runs of `counts` elements laid end to end:
+  [2, 3] -> [0, 1, 0, 1, 2]."""
+  counts = np.asarray(counts, np.int64)
+  return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   """Concatenation of arange(s, s + l) for each pair, without a Python loop."""
-  total = int(lengths.sum())
-  if total == 0:
-    return np.zeros(0, np.int64)
-  offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-  return np.repeat(starts, lengths) + np.arange(total) - offsets
+  return np.repeat(np.asarray(starts, np.int64), lengths) + index_in_runs(lengths)
 
 
 def pack(doc_lens, num_buffers: int, buffer_len: int) -> Layout:
@@ -129,7 +132,7 @@ def pack(doc_lens, num_buffers: int, buffer_len: int) -> Layout:
   last_b = (doc_end - 1) // buffer_len
   per_doc = np.where(doc_lens > 0, last_b - first_b + 1, 0)
   doc = np.repeat(np.arange(doc_lens.size), per_doc)
-  k = np.arange(doc.size) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+  k = index_in_runs(per_doc)
   buffer = first_b[doc] + k
   lo = np.maximum(doc_start[doc], buffer * buffer_len)
   hi = np.minimum(doc_end[doc], (buffer + 1) * buffer_len)

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from distca_jax.data.packing import PAD_SEGMENT, Layout
+from distca_jax.data.packing import PAD_SEGMENT, Layout, index_in_runs
 from distca_jax.data.sources import Batch
 from distca_jax.dispatch.format import (DispatchPlan, PlanMismatchError, exchange_offsets,
                                         rows_selector)
@@ -363,9 +363,8 @@ def check_outputs_come_from_their_tokens(s: Scope) -> None:
 
 def _expand(start, length):
   """Rows of ranges [start, start + length): (range of each row, row, offset in its range)."""
-  owner = np.repeat(np.arange(length.size), length)
-  offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
-  return owner, np.repeat(start, length) + offset, offset
+  offset = index_in_runs(length)
+  return np.repeat(np.arange(length.size), length), np.repeat(start, length) + offset, offset
 
 
 def check_tasks_cover_one_document(s: Scope) -> None:

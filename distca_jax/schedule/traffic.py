@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from distca_jax.data.packing import Layout
+from distca_jax.data.packing import Layout, ranges
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.items import Tasks, exchange_capacity
 from distca_jax.schedule.relay import Relay, route
@@ -72,8 +72,7 @@ def kv_requests(tasks: Tasks, layout: Layout, relay: Relay | None = None) -> KVR
   count = np.bincount(s_doc, minlength=num_docs)
   reps = count[pair_doc]
   piece_pair = np.repeat(np.arange(pair_doc.size), reps)
-  within = np.arange(piece_pair.size) - np.repeat(np.cumsum(reps) - reps, reps)
-  shard = s_order[first[pair_doc][piece_pair] + within]
+  shard = s_order[ranges(first[pair_doc], reps)]
   d_off = sh_doc_off[shard]
   need = pair_need[piece_pair]
   keep = d_off < need
