@@ -383,7 +383,7 @@ def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
 RELAY_CASES = [
     # devices, tokens per device, exchange, ping-pong, memory mode, fanout
     (4, 512, "tiled", False, "keep", 1),
-    (8, 512, "tiled", True, "resend", 2),
+    (8, 384, "tiled", True, "resend", 2),
     (8, 256, "shifted", False, "resend", 2),
     (4, 512, "shifted", True, "keep", 1),
 ]
