@@ -243,8 +243,12 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
   out = []
   for s in sorted(col.keys() & cad.keys()):
     c, d = col[s], cad[s]
-    if c["compiled"] or d["compiled"] or d.get("cad") != 1.0 or "exchange_q_rows" not in d:
+    if c["compiled"] or d["compiled"] or d.get("cad") != 1.0:
       continue
+    if "exchange_q_rows" not in d:  # another transport's capacities (train/metrics.exchange_rows)
+      raise SystemExit(f"{distca_log}: step {s} ran CAD without the tiled exchange's capacities "
+                       "(exchange_q_rows): --logs fits the gate's exchange costs on "
+                       "attention.exchange=tiled runs")
     kv2 = d.get("exchange_kv2_rows")
     caps = Capacities(c=int(d["exchange_q_rows"]), ckv=int(d["exchange_kv_rows"]),
                       ckv2=None if kv2 is None else int(kv2))

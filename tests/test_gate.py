@@ -516,3 +516,32 @@ def test_the_log_says_when_the_tiled_exchange_will_keep_steps_colocated():
   assert gate_lib.describe_exchange(shifted, 64) == ""
   note = gate_lib.describe_exchange(tiled, 64)
   assert note.startswith("attention.exchange=tiled on 64 data ranks") and "shifted" in note
+
+
+def test_step_logs_name_each_transports_capacities(tmp_path):
+  """A CAD step's log line carries its exchange's capacities in that transport's terms (tiled
+  blocks, shifted rows over all shifts, ragged send buffers; the relayed round's only while the
+  run has one); gate_report reads each as the step's shape, and fit_gate --logs, whose exchange
+  cost is the tiled one's, refuses another transport's log rather than fit it at zero bytes."""
+  caps = Capacities(send_q=4096, send_kv=2048, send_kv2=512, c=1024, ckv=768, ckv2=256,
+                    shift_q=(128, 0, 256), shift_kv=(64, 64, 0), shift_kv2=(0, 32, 0))
+  assert metrics.exchange_rows(caps, "tiled") == {
+      "exchange_q_rows": 1024, "exchange_kv_rows": 768, "exchange_kv2_rows": 256}
+  assert metrics.exchange_rows(caps, "shifted") == {
+      "exchange_shift_q_rows": 384, "exchange_shift_kv_rows": 128, "exchange_shift_kv2_rows": 32}
+  assert metrics.exchange_rows(caps, "ragged") == {
+      "exchange_send_q_rows": 4096, "exchange_send_kv_rows": 2048, "exchange_send_kv2_rows": 512}
+  assert metrics.exchange_rows(dataclasses.replace(caps, ckv2=0), "tiled") == {
+      "exchange_q_rows": 1024, "exchange_kv_rows": 768}
+  report = launch_script("tools/gate_report")
+  fields = lambda d: {k: float(v) for k, v in d.items()}
+  assert report.exchange_shape({**fields(metrics.exchange_rows(caps, "shifted")),
+                                "nano_batches": 2.0}) == (384, 128, 32, 2)
+  assert report.exchange_shape(fields(metrics.exchange_rows(caps, "ragged"))) == (4096, 2048, 512, 0)
+  line = lambda n, extra="": f"step {n}: loss=1 step_s=2 compile_count=1{extra}"
+  (tmp_path / "c.log").write_text("\n".join([line(1), line(2)]))
+  shifted = " cad=1 " + " ".join(f"{k}={v}" for k, v in metrics.exchange_rows(caps, "shifted").items())
+  (tmp_path / "d.log").write_text("\n".join([line(1, shifted), line(2, shifted)]))
+  fit_gate = launch_script("fit_gate")
+  with pytest.raises(SystemExit, match="attention.exchange=tiled"):
+    fit_gate.from_train_logs(tmp_path / "c.log", tmp_path / "d.log", 2, fit_gate.SETUP)

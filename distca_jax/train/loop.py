@@ -379,11 +379,8 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
   if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
     record["cad_predicted_saving"] = ctx.predicted_saving
     record["nano_batches"] = len(ctx.batches)  # streams: 2 with ping-pong
-    # Rows per exchanged block (query, K/V): the run's capacities, what the exchange sends.
-    record["exchange_q_rows"] = ctx.capacities.c
-    record["exchange_kv_rows"] = ctx.capacities.ckv
-    if ctx.capacities.ckv2:  # relayed K/V's second round (attention.kv_relay_fanout)
-      record["exchange_kv2_rows"] = ctx.capacities.ckv2
+    # The run's exchange capacities, what the exchange sends.
+    record.update(metrics_lib.exchange_rows(ctx.capacities, job.config.attention.exchange))
   if load_after is not None:
     p.imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
     record["attention_imbalance_after"] = p.imbalances_after[-1]

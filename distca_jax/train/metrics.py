@@ -52,6 +52,26 @@ def with_kernel_gate_cost(config, shape: ModelShape):
   return dataclasses.replace(config, attention=attention), kernel
 
 
+def exchange_rows(caps, exchange: str) -> dict[str, int]:
+  """A CAD step's exchange capacities for its log line, in its transport's terms (each names the
+  step's compiled shape): `tiled`, rows per padded (device, server) block (`exchange_q_rows`,
+  `exchange_kv_rows`); `shifted`, the rows a device sends over all shifts
+  (`exchange_shift_q_rows`, ...); `ragged`, the rows of the packed send buffer
+  (`exchange_send_q_rows`, ...). The relayed K/V round's key (`..._kv2_rows`) only while the
+  run has that round."""
+  if exchange == "tiled":
+    prefix, q, kv, kv2 = "exchange", caps.c, caps.ckv, caps.ckv2
+  elif exchange == "shifted":
+    prefix, q, kv, kv2 = ("exchange_shift", sum(caps.shift_q), sum(caps.shift_kv),
+                          sum(caps.shift_kv2))
+  else:
+    prefix, q, kv, kv2 = "exchange_send", caps.send_q, caps.send_kv, caps.send_kv2
+  out = {f"{prefix}_q_rows": int(q or 0), f"{prefix}_kv_rows": int(kv or 0)}
+  if kv2:
+    out[f"{prefix}_kv2_rows"] = int(kv2)
+  return out
+
+
 def step_flops(shape: ModelShape, layout: Layout) -> float:
   """Model FLOPs of one training step: matmuls over every real token plus causal attention of
   every document (whole-document areas, however the documents are split)."""

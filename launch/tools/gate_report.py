@@ -10,7 +10,8 @@ the gate gave CAD and over those it kept colocated, and how often each happened;
 steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one,
 overall and, where the CAD steps ran at more than one exchange shape (the logged capacities
 `exchange_q_rows`, `exchange_kv_rows`, the relayed round's `exchange_kv2_rows` when the run
-has one, and `nano_batches`, which only grow over a run), per shape:
+has one, or the shifted and ragged exchanges' `exchange_shift_*` / `exchange_send_*`, and
+`nano_batches`, which only grow over a run), per shape:
 a cost the gate's model misses that grows with the padded blocks shows there; and
 how long the two runs' losses agree (same batches, same initialisation: the same function, until
 bf16 rounding, which the optimizer carries on, sets them apart).
@@ -24,9 +25,18 @@ import numpy as np
 
 from distca_jax.gate import read_step_log as read
 
-# The logged exchange shape of a CAD step (its capacities: each value compiles the step once).
-# A log without the relayed K/V round has no exchange_kv2_rows: read as 0.
-SHAPE = ("exchange_q_rows", "exchange_kv_rows", "exchange_kv2_rows", "nano_batches")
+# The logged exchange shape of a CAD step (its capacities: each value compiles the step once),
+# under its transport's prefix (`distca_jax.train.metrics.exchange_rows`: tiled, shifted,
+# ragged). A log without the relayed K/V round has no ..._kv2_rows: read as 0.
+EXCHANGE_PREFIXES = ("exchange", "exchange_shift", "exchange_send")
+
+
+def exchange_shape(values: dict) -> tuple[int, int, int, int]:
+  """(query rows, K/V rows, relayed K/V rows, nano-batches) of a logged CAD step."""
+  prefix = next((p for p in EXCHANGE_PREFIXES if f"{p}_q_rows" in values), "exchange")
+  return (*(int(values.get(f"{prefix}_{k}_rows", 0)) for k in ("q", "kv", "kv2")),
+          int(values.get("nano_batches", 0)))
+
 # Logged losses carry four significant digits.
 LOSS_TOLERANCE = 1e-3
 
@@ -61,7 +71,7 @@ def main(argv=None) -> int:
           f"{pairs[:, 1].mean():+.1%}; error RMS {np.sqrt(np.mean(err ** 2)):.1%}, at most "
           f"{np.abs(err).max():.1%}; same sign on {int(np.sum(np.sign(pairs[:, 0]) == np.sign(pairs[:, 1])))} "
           f"of {len(pairs)}")
-  shape_of = [tuple(int(cad[s].get(k, 0)) for k in SHAPE) for s in cad_steps]
+  shape_of = [exchange_shape(cad[s]) for s in cad_steps]
   if len(set(shape_of)) > 1:
     print("\n| query rows | K/V rows | relayed K/V rows | nano-batches | CAD steps | predicted | "
           "measured | predicted - measured |\n|---|---|---|---|---|---|---|---|")
