@@ -15,9 +15,9 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from distca_jax.schema import (ConfigError, Fraction, NonNegFloat, NonNegInt, OutputDir,
-                               PositiveFloat, PositiveInt, Probability, Range, Seed, check, load,
-                               parse_override, read_yaml_mapping, to_yaml)
+from distca_jax.schema import (ConfigError, Fraction, NonNegFloat, NonNegInt, NonNegStepCount,
+                               OutputDir, PositiveFloat, PositiveInt, Probability, Range, Seed,
+                               StepCount, check, load, parse_override, read_yaml_mapping, to_yaml)
 from distca_jax.schema import to_dict as _to_dict
 
 __all__ = ["Config", "ConfigError", "load_config", "parse_override", "read_yaml_mapping", "to_dict",
@@ -186,8 +186,8 @@ class OptimConfig:
   # Bounded: near float32's maximum the schedule's float32 arithmetic overflows to NaN.
   lr: Annotated[float, Range(gt=0, le=1e30, why="an AdamW learning rate")] = 3e-3
   min_lr_ratio: Fraction = 0.1
-  warmup_steps: NonNegInt = 5
-  decay_steps: PositiveInt | None = None  # None: the run's length
+  warmup_steps: NonNegStepCount = 5
+  decay_steps: StepCount | None = None  # None: the run's length
   b1: Probability = 0.9
   b2: Probability = 0.95
   weight_decay: NonNegFloat = 0.1
@@ -199,7 +199,7 @@ class OptimConfig:
 class TrainConfig:
   """The run: its length, logging, outputs, simulated CPU devices, time limits and profiling."""
 
-  steps: PositiveInt = 30
+  steps: StepCount = 30
   seed: Seed = 0
   # Micro-batches per step per data rank, each one buffer of data.tokens_per_device tokens.
   # With mesh.pipe > 1 they flow through the pipeline (distca_jax/pipeline.py); must be 1 otherwise.
@@ -219,7 +219,7 @@ class TrainConfig:
   max_seconds: NonNegFloat | None = None
   # Stop once this many steps are done in total (a planned interruption; the learning-rate
   # schedule still spans train.steps, so a resumed run continues exactly). None: no stop.
-  stop_at_step: PositiveInt | None = None
+  stop_at_step: StepCount | None = None
   # Seconds to wait for the jax.distributed coordinator and the other processes at start-up.
   init_timeout_s: PositiveInt = 300
   # Seconds without a heartbeat after which jax.distributed declares a process dead and ends the
@@ -229,8 +229,8 @@ class TrainConfig:
   # at step `profile_start` (1-based, after warm-up) into <out_dir>/trace, a per-phase breakdown
   # and per-device attention load in <out_dir>/profile.json and attention_load.png.
   profile: bool = False
-  profile_start: PositiveInt = 3
-  profile_steps: PositiveInt = 2
+  profile_start: StepCount = 3
+  profile_steps: StepCount = 2
   # Steady-state steps (after compilation) left out of the profile's step-time statistics.
   profile_warmup: NonNegInt = 1
   # Plan each colocated step with the CAD scheduler on the host (prefetch thread) to report the
@@ -245,13 +245,13 @@ class TrainConfig:
 class CheckpointConfig:
   """Orbax checkpoints, every `every` steps and where the run ends. `every=0` turns them off."""
 
-  every: NonNegInt = 500
+  every: NonNegStepCount = 500
   keep: PositiveInt = 3
   dir: OutputDir | None = None  # None: <train.out_dir>/checkpoints
   # Resume from the directory's newest good checkpoint (unreadable or non-finite ones skipped).
   resume: bool = True
   # Resume from this step's checkpoint instead (an error if it has none).
-  step: PositiveInt | None = None
+  step: StepCount | None = None
 
 
 @dataclasses.dataclass(frozen=True)

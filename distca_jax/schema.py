@@ -127,6 +127,9 @@ NonNegFloat = Annotated[float, Range(ge=0)]
 Probability = Annotated[float, Range(ge=0, lt=1)]  # Adam's betas, a tolerance
 Fraction = Annotated[float, Range(ge=0, le=1)]
 Seed = Annotated[int, Range(ge=0, lt=2**32, why="a uint32 seed")]
+# Step numbers and counts: the optimizer counts steps in int32 on the device.
+StepCount = Annotated[int, Range(ge=1, lt=2**31, why="an int32 step count")]
+NonNegStepCount = Annotated[int, Range(ge=0, lt=2**31, why="an int32 step count")]
 OutputDir = Annotated[str, WRITABLE_DIR]
 # A sweep axis: a non-empty list, or one value.
 Axis = Annotated[tuple[T, ...], NON_EMPTY, ONE_OR_LIST]

@@ -29,30 +29,29 @@ def _bench(tmp_path, *args: str, tokens: int = 512) -> tuple[list[dict], str]:
   return json.loads(out.read_text()), proc.stdout
 
 
-@pytest.mark.parametrize("batch", ["pretrain", "skewed"])
-def test_cad_suite(tmp_path, batch):
+def test_cad_suite(tmp_path):
   """Colocated, distca, the WLB-LLM-style baseline and (skewed) the single-stream ablation on a
-  sampled and a skewed batch, one process per batch (each variant compiles its own step, so the
-  two run on two test workers): every row ran, the distca rows report the batch's own imbalance
-  before scheduling (colocated's) and the streams they ran, the baseline re-packs without CAD,
-  and every variant computes the same loss."""
-  rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", batch,
+  sampled and a skewed batch in one process: every row ran, the distca rows report the batch's
+  own imbalance before scheduling (colocated's) and the streams they ran, the baseline re-packs
+  without CAD, and every variant computes the same loss."""
+  rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", "pretrain", "skewed",
                    "--pingpong-ablation", "skewed", "mesh.data=2", "model.layers=1",
                    "attention.gate=false")  # skewed at 512 tokens: [512] + 4 x [128]
-  by = {r["variant"]: r for r in rows}
-  assert all(r["batch"] == batch for r in rows), rows
-  assert set(by) == {"colocated", "distca", "wlb"} | ({"distca-single"} if batch == "skewed"
-                                                      else set())
-  colocated = by["colocated"]
-  for name, r in by.items():
-    if name == "colocated":
-      continue
-    if name == "wlb":  # documents re-packed, attention colocated
-      assert r["cad_ran"] is False, name
-    else:
-      assert r["cad_ran"] and r["streams"] == (1 if name == "distca-single" else 2), name
-    assert r["imbalance"][0] == pytest.approx(colocated["imbalance"][0], rel=1e-9), name
-    assert r["loss"] == pytest.approx(colocated["loss"], rel=1e-3), name
+  assert {r["batch"] for r in rows} == {"pretrain", "skewed"}, rows
+  for batch in ("pretrain", "skewed"):
+    by = {r["variant"]: r for r in rows if r["batch"] == batch}
+    assert set(by) == {"colocated", "distca", "wlb"} | ({"distca-single"} if batch == "skewed"
+                                                        else set()), batch
+    colocated = by["colocated"]
+    for name, r in by.items():
+      if name == "colocated":
+        continue
+      if name == "wlb":  # documents re-packed, attention colocated
+        assert r["cad_ran"] is False, name
+      else:
+        assert r["cad_ran"] and r["streams"] == (1 if name == "distca-single" else 2), name
+      assert r["imbalance"][0] == pytest.approx(colocated["imbalance"][0], rel=1e-9), name
+      assert r["loss"] == pytest.approx(colocated["loss"], rel=1e-3), name
 
 
 def test_pipeline_suite(tmp_path):

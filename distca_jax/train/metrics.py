@@ -52,6 +52,10 @@ def with_kernel_gate_cost(config, shape: ModelShape):
   return dataclasses.replace(config, attention=attention), kernel
 
 
+# Each transport's prefix of the exchange capacities in a CAD step's log line.
+EXCHANGE_PREFIXES = {"tiled": "exchange", "shifted": "exchange_shift", "ragged": "exchange_send"}
+
+
 def exchange_rows(caps, exchange: str) -> dict[str, int]:
   """A CAD step's exchange capacities for its log line, in its transport's terms (each names the
   step's compiled shape): `tiled`, rows per padded (device, server) block (`exchange_q_rows`,
@@ -60,12 +64,12 @@ def exchange_rows(caps, exchange: str) -> dict[str, int]:
   (`exchange_send_q_rows`, ...). The relayed K/V round's key (`..._kv2_rows`) only while the
   run has that round."""
   if exchange == "tiled":
-    prefix, q, kv, kv2 = "exchange", caps.c, caps.ckv, caps.ckv2
+    q, kv, kv2 = caps.c, caps.ckv, caps.ckv2
   elif exchange == "shifted":
-    prefix, q, kv, kv2 = ("exchange_shift", sum(caps.shift_q), sum(caps.shift_kv),
-                          sum(caps.shift_kv2))
+    q, kv, kv2 = sum(caps.shift_q), sum(caps.shift_kv), sum(caps.shift_kv2)
   else:
-    prefix, q, kv, kv2 = "exchange_send", caps.send_q, caps.send_kv, caps.send_kv2
+    q, kv, kv2 = caps.send_q, caps.send_kv, caps.send_kv2
+  prefix = EXCHANGE_PREFIXES[exchange]
   out = {f"{prefix}_q_rows": int(q or 0), f"{prefix}_kv_rows": int(kv or 0)}
   if kv2:
     out[f"{prefix}_kv2_rows"] = int(kv2)

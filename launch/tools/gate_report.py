@@ -24,16 +24,14 @@ import sys
 import numpy as np
 
 from distca_jax.gate import read_step_log as read
-
-# The logged exchange shape of a CAD step (its capacities: each value compiles the step once),
-# under its transport's prefix (`distca_jax.train.metrics.exchange_rows`: tiled, shifted,
-# ragged). A log without the relayed K/V round has no ..._kv2_rows: read as 0.
-EXCHANGE_PREFIXES = ("exchange", "exchange_shift", "exchange_send")
+from distca_jax.train.metrics import EXCHANGE_PREFIXES
 
 
 def exchange_shape(values: dict) -> tuple[int, int, int, int]:
-  """(query rows, K/V rows, relayed K/V rows, nano-batches) of a logged CAD step."""
-  prefix = next((p for p in EXCHANGE_PREFIXES if f"{p}_q_rows" in values), "exchange")
+  """(query rows, K/V rows, relayed K/V rows, nano-batches) of a logged CAD step: its exchange
+  capacities under its transport's prefix (each value compiles the step once). A log without the
+  relayed K/V round has no ..._kv2_rows: read as 0."""
+  prefix = next((p for p in EXCHANGE_PREFIXES.values() if f"{p}_q_rows" in values), "exchange")
   return (*(int(values.get(f"{prefix}_{k}_rows", 0)) for k in ("q", "kv", "kv2")),
           int(values.get("nano_batches", 0)))
 
