@@ -325,19 +325,20 @@ def test_every_numeric_field_declares_its_range(schema):
     ("optim.clip_norm=0", "optim.clip_norm", "> 0"),
     ("optim.weight_decay=-5", "optim.weight_decay", ">= 0"),
     ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio", "[0, 1]"),
-    ("optim.warmup_steps=-1", "optim.warmup_steps", ">= 0"),
-    ("optim.decay_steps=0", "optim.decay_steps", ">= 1"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps", "[0, 2**31)"),
+    ("optim.decay_steps=0", "optim.decay_steps", "[1, 2**31)"),
+    ("optim.warmup_steps=2147483648", "optim.warmup_steps", "an int32 step count"),
     ("train.log_every=0", "train.log_every", ">= 1"),
     ("train.cpu_devices=-3", "train.cpu_devices", ">= 0"),
-    ("train.stop_at_step=0", "train.stop_at_step", ">= 1"),
+    ("train.stop_at_step=0", "train.stop_at_step", "[1, 2**31)"),
     ("train.max_seconds=-1", "train.max_seconds", ">= 0"),
     ("train.max_seconds=.nan", "train.max_seconds", "finite"),
     ("train.init_timeout_s=0", "train.init_timeout_s", ">= 1"),
     ("train.seed=-1", "train.seed", "[0, 2**32)"),
     ("train.seed=4294967296", "train.seed", "[0, 2**32)"),
     ("train.peak_tflops=0", "train.peak_tflops", "> 0"),
-    ("train.profile_start=0", "train.profile_start", ">= 1"),
-    ("train.profile_steps=0", "train.profile_steps", ">= 1"),
+    ("train.profile_start=0", "train.profile_start", "[1, 2**31)"),
+    ("train.profile_steps=0", "train.profile_steps", "[1, 2**31)"),
     ("train.profile_warmup=-1", "train.profile_warmup", ">= 0"),
     ("data.seed=-1", "data.seed", "[0, 2**32)"),
     ("data.length_scale=.nan", "data.length_scale", "finite"),
@@ -349,7 +350,7 @@ def test_every_numeric_field_declares_its_range(schema):
     ("model.rope_theta=0", "model.rope_theta", "> 0"),
     ("model.hidden=0", "model.hidden", ">= 1"),
     ("mesh.data=-2", "mesh.data", "-1"),
-    ("checkpoint.every=-1", "checkpoint.every", ">= 0"),
+    ("checkpoint.every=-1", "checkpoint.every", "[0, 2**31)"),
     ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
     ("attention.epsilon=.nan", "attention.epsilon", "finite"),
     ("attention.gate_exchange_flops_per_byte=-1", "attention.gate_exchange_flops_per_byte", ">= 0"),
@@ -505,7 +506,7 @@ def test_help_lists_every_field(script, schema):
     assert path in lines, path
   if script == "train":
     assert "one of colocated, distca" in lines["attention.impl"]
-    assert "[30]" in lines["train.steps"] and "int >= 1" in lines["train.steps"]
+    assert "[30]" in lines["train.steps"] and "int in [1, 2**31)" in lines["train.steps"]
     assert "checkpoint.every" in text and "resume" in text
 
 
