@@ -127,13 +127,17 @@ def test_half_written_step_is_ignored(tmp_path):
     reader.maybe_save(10, _state())
   reader.close()
 
-  # A writer removes the leftovers at start-up and can save those steps again.
+  # A writer removes the leftovers and can save those steps again. (Orbax removes its tmp
+  # directories in the background, awaited by the first save: the listing is read after saving.)
   with Checkpointer(tmp_path, save_every=2, keep=5) as writer:
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4"]
+    assert writer.all_steps() == [2, 4]
     assert writer.maybe_save(6, _state(6), {"data_step": 6})
     assert writer.maybe_save(8, _state(8), {"data_step": 8})
     writer.wait()
     assert writer.latest_step() == 8
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "6", "8"]
+  with Checkpointer(tmp_path, save_every=2, keep=5, read_only=True) as again:
+    assert again.restore(step=8, abstract_state=_abstract(_state()))[1] == {"data_step": 8}
 
 
 _KILLED_SAVE = textwrap.dedent("""

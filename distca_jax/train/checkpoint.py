@@ -124,8 +124,8 @@ class Checkpointer:
       created, and leftovers of interrupted saves are not removed (the writer does that).
 
   On opening (unless read_only), process 0 removes what interrupted saves of an earlier run left:
-  tmp directories, and step directories without a commit marker; so the next run can save those
-  steps again. Use as a context manager, or call `close()`: it waits for the last save.
+  step directories without a commit marker, and tmp directories (orbax, in the background,
+  finished before the first save starts); so the next run can save those steps again. Use as a context manager, or call `close()`: it waits for the last save.
   """
 
   def __init__(self, directory: str | Path, save_every: int, keep: int, async_save: bool = True,
