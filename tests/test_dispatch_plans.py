@@ -15,7 +15,7 @@ from distca_jax.data.sources import synthetic_from_config
 from distca_jax.dispatch.format import META_FIELDS
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.pingpong import split_pingpong
-from distca_jax.schedule.traffic import pair_rows
+from distca_jax.schedule.traffic import kv_requests, pair_rows
 from distca_jax.train.step import Trainer
 from helpers import global_plan, layout_batch, plan_for_layout, small_config
 
@@ -159,6 +159,26 @@ def test_plan_for_another_batch_is_refused():
   with pytest.raises(dispatch.PlanMismatchError, match="query rows on servers"):
     dispatch.validate_plan(dataclasses.replace(plan_a, local_q_valid=twice_valid,
                                                local_q_idx=twice_idx), a.layout)
+
+
+def test_build_dispatch_refuses_a_kv_row_gathered_twice():
+  """The K/V inverse is written as the gather's ranges turned around: K/V requests that gather one
+  row of a server into two slots (a piece of its own rows listed twice, at another document
+  position) have no inverse and are refused, as the same requests once are not."""
+  batch, plan = global_plan(4, "pretrain")
+  kv = kv_requests(plan.tasks, batch.layout)
+  caps = plan.capacities.without_shifts()
+  dispatch.build_dispatch(plan.tasks, batch.layout, caps, kv=kv)
+  own = np.flatnonzero((kv.piece_src == kv.pair_server[kv.piece_pair]) & (kv.piece_rows > 1))
+  assert own.size, "want a server reading rows of its own buffer"
+  k = own[0]
+  pieces = {f: getattr(kv, f) for f in ("piece_pair", "piece_src", "piece_src_off",
+                                        "piece_doc_off", "piece_rows", "piece_via")}
+  extra = {f: np.r_[a, a[k]] for f, a in pieces.items()}
+  extra["piece_doc_off"][-1] += 1  # another slot, overlapping rows
+  twice = dataclasses.replace(kv, **extra)
+  with pytest.raises(dispatch.PlanMismatchError, match="two server slots"):
+    dispatch.build_dispatch(plan.tasks, batch.layout, caps, kv=twice)
 
 
 def test_validate_plan_checks_the_given_devices_rows():

@@ -259,9 +259,14 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   server_kv_valid = np.zeros(n * skv, bool)
   pair = kv.piece_pair[korder]
   w = mine[kdst]
-  fill_ranges(server_kv_idx, server_kv_valid,
-              (kdst * skv + pair_base[pair] + kv.piece_doc_off[korder])[w],
-              kv_row[w], rows[w])
+  slot = (pair_base[pair] + kv.piece_doc_off[korder])[w]
+  fill_ranges(server_kv_idx, server_kv_valid, (kdst * skv)[w] + slot, kv_row[w], rows[w])
+  # Its inverse, the same ranges the other way (the backward gathers K/V gradients by it).
+  held = tkv + rkv + rkv2
+  _refuse_overlaps(kdst[w], kv_row[w], rows[w])
+  kv_inv = np.zeros(n * held, np.int32)
+  kv_inv_valid = np.zeros(n * held, bool)
+  fill_ranges(kv_inv, kv_inv_valid, (kdst * held + kv_row)[w], slot, rows[w])
 
   # Task tables: per server, in order of their query rows.
   tpair = np.searchsorted(kv.pair_server * num_docs + kv.pair_doc, server * num_docs + doc)
@@ -279,15 +284,12 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   tab["kv_start"][flat] = pair_base[tpair[torder]]
   tab["kv_len"][flat] = qhi[torder]
 
-  server_kv_idx = server_kv_idx.reshape(n, skv)
-  server_kv_valid = server_kv_valid.reshape(n, skv)
-  kv_inv, kv_inv_valid = _kv_inverse(server_kv_idx, server_kv_valid, tkv + rkv + rkv2, devices)
   return DispatchPlan(
       local_q_idx=local_q_idx.reshape(n, t), local_q_valid=local_q_valid.reshape(n, t),
       send_q_idx=send_q_idx.reshape(n, sq), send_q_valid=send_q_valid.reshape(n, sq),
       send_kv_idx=send_kv_idx.reshape(n, skvs), send_kv_valid=send_kv_valid.reshape(n, skvs),
-      server_kv_idx=server_kv_idx, server_kv_valid=server_kv_valid,
-      server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid,
+      server_kv_idx=server_kv_idx.reshape(n, skv), server_kv_valid=server_kv_valid.reshape(n, skv),
+      server_kv_inv=kv_inv.reshape(n, held), server_kv_inv_valid=kv_inv_valid.reshape(n, held),
       **{k: v.reshape(n, ctask) for k, v in tab.items()},
       return_idx=return_idx.reshape(n, t), return_valid=return_valid.reshape(n, t),
       send_kv2_idx=send_kv2_idx.reshape(n, skvs2), send_kv2_valid=send_kv2_valid.reshape(n, skvs2),
@@ -338,24 +340,15 @@ def _check_fits(q_pairs: np.ndarray, kv_pairs: np.ndarray, kv2_pairs: np.ndarray
                               f"more than the tiled exchange's block capacity {block}")
 
 
-def _kv_inverse(server_kv_idx: np.ndarray, server_kv_valid: np.ndarray, rows: int,
-                servers=None) -> tuple[np.ndarray, np.ndarray]:
-  """For each of a server's `rows` K/V rows, the slot of its gathered K/V buffer holding it
-  (`server_kv_idx`'s inverse), and whether one does; for `servers` only (default: all, the
-  others' rows stay zero). Raises if a row fills two slots."""
-  N = server_kv_idx.shape[0]
-  sel = rows_selector(N, servers)
-  d, j = np.nonzero(server_kv_valid[sel])
-  d = np.arange(N)[sel][d]
-  target = server_kv_idx[d, j]
-  inv = np.zeros((N, rows), np.int32)
-  valid = np.zeros((N, rows), bool)
-  inv[d, target] = j
-  # Slots (d, j) are distinct, so a row written from two slots keeps only the last one.
-  if (inv[d, target] != j).any():
+def _refuse_overlaps(server: np.ndarray, start: np.ndarray, length: np.ndarray) -> None:
+  """Raises PlanMismatchError when two of the row ranges [start, start + length) a server
+  gathers overlap: a K/V row in two slots has no single inverse."""
+  keep = length > 0
+  server, start, length = server[keep], start[keep], length[keep]
+  order = np.lexsort((start, server))
+  server, start, end = server[order], start[order], (start + length)[order]
+  if ((server[1:] == server[:-1]) & (start[1:] < end[:-1])).any():
     raise PlanMismatchError("plan gathers one K/V row into two server slots")
-  valid[d, target] = True
-  return inv, valid
 
 
 def rows_selector(n: int, devices):
