@@ -69,7 +69,8 @@ def test_scheduler_bench_modes(capsys):
   bench.main(["--devices", "16", "--tokens", "16384", "--batches", "1", "--repeats", "1",
               "--arrays-devices", "4", "--dist", "prolong"])
   assert "make_plan with dispatch arrays, 4 devices x 16384 tokens" in capsys.readouterr().out
-  bench.main(["--tokens", "16384", "--step-devices", "4", "--local-devices", "2"])
+  bench.main(["--tokens", "16384", "--step-devices", "4", "--local-devices", "2",
+              "--step-batches", "1"])
   out = capsys.readouterr().out.splitlines()  # pretrain's batch here the gate would run colocated
   assert [l.split("|")[1].strip() for l in out if l.startswith("| pretrain | 4 |")
           or l.startswith("| prolong | 4 |")] == ["pretrain", "prolong"]
