@@ -13,12 +13,21 @@ exchanges on that many simulated CPU devices and reads the buffers XLA allocates
 moving rows (XLA's CPU analysis leaves the shifted K/V exchange's ppermute buffers uncounted, so
 read its shifted columns as lower bounds). The targets: rows carried <= 1.25x the rows moved,
 buffers <= 1.5x the busiest device's moving rows.
+
+  python launch/bench_exchange.py --gpu-mock --compile 8 16 32 [--batches 1]   (one GPU)
+
+compiles instead for a mocked GPU cluster of each `--compile` count (`jax_mock_gpu_topology`:
+XLA's GPU compiler and buffer assignment for that many GPUs, nothing run), so the buffers are
+the GPU's, `ragged` included. Each count runs in its own process: the mocked topology is fixed
+when JAX starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -27,13 +36,45 @@ from distca_jax.data.doclens import stress_lengths
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("devices", type=int, nargs="+", help="device counts, e.g. 8 16 32 64")
+  ap.add_argument("devices", type=int, nargs="*", help="device counts, e.g. 8 16 32 64")
   ap.add_argument("--batches", type=int, default=3, help="sampled batches per device count")
   ap.add_argument("--tokens", type=int, default=65536, help="tokens per device")
   ap.add_argument("--compile", type=int, nargs="*", default=[8, 16],
                   help="device counts at which to compile the exchanges on simulated CPU devices "
                        "and read their buffers from XLA's memory analysis")
-  return exchange_table(ap.parse_args(argv))
+  ap.add_argument("--gpu-mock", action="store_true",
+                  help="compile for a mocked GPU cluster of each --compile count instead (one GPU "
+                       "needed), with ragged among the transports")
+  ap.add_argument("--timeout", type=int, default=300, help="seconds per mocked cluster")
+  args = ap.parse_args(argv)
+  if args.gpu_mock:
+    return _mocked_clusters(args)
+  if not args.devices:
+    ap.error("give the device counts")
+  return exchange_table(args)
+
+
+# The mocked cluster is N hosts of one GPU, the only layout one real GPU can mock. Its compiler
+# would otherwise share autotuning among the mocked hosts and wait for them forever
+# (openxla/xla#28959); the exchanges have nothing to autotune.
+MOCK_XLA_FLAGS = "--xla_gpu_shard_autotuning=false"
+
+
+def _mocked_clusters(args) -> int:
+  """`exchange_table` for each `--compile` count in a process of its own whose JAX mocks a
+  cluster of that many GPUs."""
+  rc = 0
+  for n in args.compile or []:
+    env = dict(os.environ, DISTCA_MOCK_GPUS=str(n), DISTCA_MOCK_TIMEOUT=str(args.timeout),
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {MOCK_XLA_FLAGS}".strip())
+    cmd = [sys.executable, "-P", os.path.abspath(__file__), str(n), "--compile", str(n),
+           "--batches", str(args.batches), "--tokens", str(args.tokens)]
+    try:
+      rc |= subprocess.run(cmd, env=env, timeout=args.timeout).returncode
+    except subprocess.TimeoutExpired:
+      print(f"| {n} | mocked cluster: not compiled in {args.timeout} s |", flush=True)
+      rc = 1
+  return rc
 
 
 EXCHANGE_DISTS = ("pretrain", "prolong", "short")
@@ -114,10 +155,22 @@ def exchange_table(args):
 
   flags = os.environ.get("XLA_FLAGS", "")
   want = max(args.compile or [0])
-  if want and "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  modes = ("shifted", "tiled")  # jax.lax.ragged_all_to_all does not run on the CPU
+  mocked = os.environ.get("DISTCA_MOCK_GPUS")
+  if mocked:  # a process of `_mocked_clusters`
+    import faulthandler
+
+    import jax
+
+    # Where a compile that will not finish waits, printed before the parent stops it.
+    faulthandler.dump_traceback_later(max(1, int(os.environ["DISTCA_MOCK_TIMEOUT"]) - 5))
+
+    jax.config.update("jax_mock_gpu_topology", f"1x{mocked}x1")
+    modes = ("ragged", "shifted", "tiled")
+  else:
+    if want and "xla_force_host_platform_device_count" not in flags:
+      os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
+      os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    modes = ("shifted", "tiled")  # jax.lax.ragged_all_to_all does not run on the CPU
   t = args.tokens
   print(f"# packed exchange, llama3_8b, {t} tokens per device, ping-pong on, gate off, "
         f"{args.batches} batches per row; carried / moved rows per transport (mean over plans, "
@@ -158,8 +211,9 @@ def exchange_table(args):
         compiled_rows.append((n, dist, busy, got))
   if compiled_rows:
     print()
+    where = f"GPU (a mocked cluster of {mocked})" if mocked else "CPU"
     print("# compiled exchanges (the plan moving the most query rows), 8 heads x 128 bf16 rows, "
-          "XLA CPU buffers per device (_compiled_buffers) over the busiest sender's + receiver's "
+          f"XLA {where} buffers per device (_compiled_buffers) over the busiest sender's + receiver's "
           "moving rows")
     print("| devices | dist | busiest moving Q / K/V (MB) | "
           + " | ".join(f"{name} {mode} / busiest" for name in ("Q", "K/V") for mode in modes) + " |")
