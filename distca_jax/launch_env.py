@@ -99,7 +99,8 @@ def run_training(config, args, **run_kwargs):
   summary) for a run SIGTERM or SIGINT stopped (it saved a checkpoint and its summary);
   (3, None) if the distributed start failed; (2, None) on a ConfigError the run raised, a
   `checkpoint.step` with no checkpoint or a directory of another model's checkpoints; (1, None)
-  when a step became non-finite or a checkpoint could not be read or saved. The reason is one
+  when a step became non-finite, the processes planned different steps, or a checkpoint could
+  not be read or saved. The reason is one
   line on stderr."""
   from distca_jax.config import ConfigError
 
@@ -127,7 +128,7 @@ def run_training(config, args, **run_kwargs):
   except CheckpointError as e:  # unreadable, or a save failed
     print(f"checkpoint error: {e}", file=sys.stderr)
     return 1, None
-  except loop.NonFiniteError as e:
+  except (loop.NonFiniteError, loop.PlanDisagreementError) as e:
     print(f"training stopped: {e}", file=sys.stderr)
     return 1, None
   # Only after a run every process finished: a failed process must not wait at the barrier.

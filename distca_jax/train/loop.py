@@ -23,7 +23,9 @@ or optimizer moments stops the run (`NonFiniteError`, naming the step, the quant
 bad leaf) with the last good checkpoint as the newest.
 
 Multi-process. Every process runs this loop on the same global batch (each supplies the shards
-its devices hold); metrics are replicated scalars, so every process reads the same values. Only
+its devices hold) and plans it alike; before each step they check that they did (`agreement`),
+and all stop with `PlanDisagreementError` where one planned otherwise. Metrics are replicated
+scalars, so every process reads the same values. Only
 process 0 writes files (config.json, summary.json, TensorBoard, profile); all processes take part
 in checkpoint saves (each writes its own shards).
 """
@@ -48,18 +50,20 @@ from distca_jax.compile_cache import enable_compile_cache
 from distca_jax.config import Config, ConfigError, to_dict
 from distca_jax.schedule.capacities import StepShapes
 from distca_jax.models.presets import resolve
+from distca_jax.train import agreement
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train import profile as profile_lib
 from distca_jax.train import rundir
 from distca_jax.train import stopping
 from distca_jax.train.checkpoint import Checkpointer, space_problem, state_bytes
+from distca_jax.train.agreement import PlanDisagreementError
 from distca_jax.train.finite import NonFiniteError, check_step
 from distca_jax.train.resume import restore_any_layout, resume
 from distca_jax.train.step import Trainer
 from distca_jax.train.summary import (StepReporter, Summary, format_summary, peak_memory,
                                       write_profile)
 
-__all__ = ["NonFiniteError", "Summary", "format_summary", "make_source", "restore_any_layout", "run"]
+__all__ = ["NonFiniteError", "PlanDisagreementError", "Summary", "format_summary", "make_source", "restore_any_layout", "run"]
 
 
 def make_source(config: Config, num_buffers: int):
@@ -74,7 +78,7 @@ def make_source(config: Config, num_buffers: int):
 
 
 class Prefetcher:
-  """Produces (step, batch, attention context) on a background thread, `depth` steps ahead."""
+  """Produces (step, *`make_item(step)`) on a background thread, `depth` steps ahead."""
 
   def __init__(self, make_item, first_step: int, last_step: int, depth: int = 2):
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -295,8 +299,16 @@ def _train(job: Job, state, signals: stopping.StopSignals, log) -> Progress:
 
 
 def _host_item(job: Job, step: int):
-  """(batch, attention context, (load before, load after), capacities) of `step`: the host's
-  work, on the prefetch thread."""
+  """(batch, attention context, (load before, load after), capacities, digest) of `step`: the
+  host's work, on the prefetch thread. The digest (None with one process) is what the processes
+  compare before the step runs (`agreement.check_agreement`)."""
+  batch, ctx, loads, sizes = _host_work(job, step)
+  digest = agreement.step_digest(step, sizes, batch, ctx) if jax.process_count() > 1 else None
+  return batch, ctx, loads, sizes, digest
+
+
+def _host_work(job: Job, step: int):
+  """(batch, attention context, (load before, load after), capacities) of `step`."""
   c, trainer, shape, shapes = job.config, job.trainer, job.trainer.shape, job.shapes
   rows = mesh_lib.local_rows(job.mesh)  # each process checks the plans of the rows it feeds
   if trainer.pipeline is not None:
@@ -328,8 +340,10 @@ def _run_step(job: Job, p: Progress, prefetch: Prefetcher) -> tuple[int, dict[st
   (before anything of it can be saved), and its record for the log."""
   c, trainer = job.config, job.trainer
   t_wait = time.perf_counter()
-  step, batch, ctx, (load_before, load_after), p.step_sizes = prefetch.get()
+  step, batch, ctx, (load_before, load_after), p.step_sizes, digest = prefetch.get()
   p.host_wait += time.perf_counter() - t_wait if step > job.start_step else 0.0
+  if digest is not None:  # several processes: they must have planned the same step
+    agreement.check_agreement(step, digest)
   if c.train.profile and job.main and step + 1 == c.train.profile_start:
     (job.out_dir / "trace").mkdir(parents=True, exist_ok=True)
     jax.profiler.start_trace(str(job.out_dir / "trace"), profiler_options=profile_lib.trace_options())
