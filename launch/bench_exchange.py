@@ -8,11 +8,11 @@ rows each transport carries over the rows that move (query and K/V separately; `
 exactly the moving rows, `shifted` every shift at its largest block, `tiled` every pair at the
 largest pair's), and the packed send + receive buffers over the busiest sender's plus the
 busiest receiver's moving rows. At the `--compile` counts it also compiles the query and K/V
-exchanges on that many simulated CPU devices and reads the buffers XLA allocates
-(`memory_analysis`) for the packed `shifted` transport and the `tiled` one, against the same
-moving rows (XLA's CPU analysis leaves the shifted K/V exchange's ppermute buffers uncounted, so
-read its shifted columns as lower bounds). The targets: rows carried <= 1.25x the rows moved,
-buffers <= 1.5x the busiest device's moving rows.
+exchanges of the plan moving the most query rows (planned for each transport) on that many
+simulated CPU devices and reads the buffers XLA allocates (`memory_analysis`) for the packed
+`shifted` transport and the `tiled` one, against the same moving rows: the transport alone, and
+with the row gathers around it. The targets: rows carried <= 1.25x the rows moved, buffers <=
+1.5x the busiest device's moving rows.
 
   python launch/bench_exchange.py --gpu-mock --compile 8 16 32 [--batches 1]   (one GPU)
 
@@ -80,9 +80,10 @@ def _mocked_clusters(args) -> int:
 EXCHANGE_DISTS = ("pretrain", "prolong", "short")
 
 
-def _step_contexts(dist: str, n: int, t: int, batches: int):
+def _step_contexts(dist: str, n: int, t: int, batches: int, exchange: str = "tiled"):
   """The trainer's CAD host contexts (`dispatch.plan_step`: ping-pong on, gate off) of `batches`
-  sampled batches, each at its own buckets."""
+  sampled batches, each at its own buckets, planned for `exchange` (the plans are the same for
+  every transport but for the static sizes each one's exchange takes: tiled blocks, shifts)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import make_batch
@@ -90,7 +91,8 @@ def _step_contexts(dist: str, n: int, t: int, batches: int):
 
   config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
                               "attention.impl=distca", "attention.gate=false",
-                              "attention.min_imbalance=1", f"mesh.data={n}"])
+                              "attention.min_imbalance=1", f"mesh.data={n}",
+                              f"attention.exchange={exchange}"])
   shape = resolve(config.model)
   out = []
   for step in range(batches):
@@ -117,35 +119,46 @@ def _carried(d, name: str) -> dict[str, float]:
           "buffers": buffers, "busiest": busiest}
 
 
-def _compiled_buffers(plan, n: int, modes, row_heads: int = 8,
-                      head_dim: int = 128) -> dict[tuple[str, str], int]:
-  """XLA's buffers (bytes per device) for the query and the K/V exchange of `plan` (rows of
-  `row_heads` x `head_dim` bf16) on `n` devices, per transport in `modes`: {(name, mode): bytes}.
-  Query: temporaries plus the output less the local rows it passes on. K/V: temporaries (the send
-  and receive buffers and the rows gathered from; the output is the kernel's K/V buffer, which
-  every transport fills alike)."""
+def _compiled_buffers(plans: dict, n: int, row_heads: int = 8,
+                      head_dim: int = 128) -> dict[tuple[str, str, str], int]:
+  """XLA's buffers (bytes per device) for the query and the K/V exchange of one plan (rows of
+  `row_heads` x `head_dim` bf16) on `n` devices, per transport, `plans`: {transport: the plan as
+  planned for it}:
+  {(name, mode, what): bytes}. what "exchange": the transport alone (`exchange.transport`: the
+  packed send buffer in, the packed receive buffer out, and what it allocates between them);
+  "movers": the exchange with the row gathers around it (`_rows_to_servers`, `_kv_to_servers`):
+  for the query its temporaries and output less the local rows it passes on, for K/V its
+  temporaries (the output is the kernel's K/V buffer, which every transport fills alike)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, PartitionSpec as P
 
   from distca_jax.dispatch import exchange as ex
 
-  t = plan.return_idx.shape[-1]
+  t = next(iter(plans.values())).return_idx.shape[-1]
   row = row_heads * head_dim * 2
   mesh = Mesh(np.array(jax.devices()[:n]).reshape(n, 1, 1), ("data", "pipe", "tensor"))
-  x = jax.ShapeDtypeStruct((n, t, row_heads, head_dim), jnp.bfloat16)
+  rows_spec = P(("pipe", "data"))
+  sharded = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(rows_spec, rows_spec),
+                                            out_specs=rows_spec, check_vma=False))
+  bf16 = lambda rows: jax.ShapeDtypeStruct((n, rows, row_heads, head_dim), jnp.bfloat16)
   out = {}
   for name, mover in (("q", ex._rows_to_servers), ("kv", ex._kv_to_servers)):
-    for mode in modes:
-      def local(x, p, mover=mover, mode=mode):
+    for mode, plan in plans.items():
+      send_rows, recv_rows = getattr(plan, f"send_{name}_idx").shape[-1], getattr(plan, f"recv_{name}")
+      def alone(x, p, name=name, mode=mode, recv_rows=recv_rows):
+        p = jax.tree.map(lambda a: a[0], p)
+        return ex.transport(x[0], recv_rows, ex.Exchange.of(p, name), mode)[None]
+
+      def movers(x, p, mover=mover, mode=mode):
         p = jax.tree.map(lambda a: a[0], p)
         return mover(x[0], p, mode)[None]
 
-      f = jax.shard_map(local, mesh=mesh, in_specs=(P(("pipe", "data")), P(("pipe", "data"))),
-                        out_specs=P(("pipe", "data")), check_vma=False)
-      m = jax.jit(f).lower(x, plan).compile().memory_analysis()
+      m = sharded(alone).lower(bf16(send_rows), plan).compile().memory_analysis()
+      out[(name, mode, "exchange")] = int((send_rows + recv_rows) * row + m.temp_size_in_bytes)
+      m = sharded(movers).lower(bf16(t), plan).compile().memory_analysis()
       kept = m.output_size_in_bytes - t * row if name == "q" else 0
-      out[(name, mode)] = int(m.temp_size_in_bytes + kept)
+      out[(name, mode, "movers")] = int(m.temp_size_in_bytes + kept)
   return out
 
 
@@ -205,23 +218,33 @@ def exchange_table(args):
       print(f"| {n} | {dist} | {qm} | " + " | ".join(fmt(x) for x in qr) + f" | {km} | "
             + " | ".join(fmt(x) for x in kr) + f" | {fmt(qb)} | {fmt(kb)} |", flush=True)
       if n in (args.compile or []):
-        d = max(plans, key=lambda d: int(np.asarray(d.send_q_count).sum()))
-        got = _compiled_buffers(d, n, modes)
-        busy = {name: _carried(d, name)["busiest"] * 8 * 128 * 2 for name in ("q", "kv")}
+        # The plan moving the most query rows, planned for each transport; its step's buffers
+        # are sized for the busier of its plans (Ping and Pong), so is the denominator.
+        i, j = max(((i, j) for i, ds in enumerate(steps) for j in range(len(ds))),
+                   key=lambda ij: int(np.asarray(steps[ij[0]][ij[1]].send_q_count).sum()))
+        others = {mode: _step_contexts(dist, n, t, args.batches, mode)[2] for mode in modes
+                  if mode != "tiled"}
+        step_of = lambda mode: [c.dispatch for c in (others.get(mode) or ctxs) if c.cad][i]
+        got = _compiled_buffers({mode: step_of(mode)[j] for mode in modes}, n)
+        busy = {name: max(_carried(d, name)["busiest"] for d in steps[i]) * 8 * 128 * 2
+                for name in ("q", "kv")}
         compiled_rows.append((n, dist, busy, got))
   if compiled_rows:
     print()
     where = f"GPU (a mocked cluster of {mocked})" if mocked else "CPU"
     print("# compiled exchanges (the plan moving the most query rows), 8 heads x 128 bf16 rows, "
-          f"XLA {where} buffers per device (_compiled_buffers) over the busiest sender's + receiver's "
-          "moving rows")
-    print("| devices | dist | busiest moving Q / K/V (MB) | "
-          + " | ".join(f"{name} {mode} / busiest" for name in ("Q", "K/V") for mode in modes) + " |")
-    print("|---|---|---|" + "---|" * (2 * len(modes)))
+          f"XLA {where} buffers per device over the busiest sender's + receiver's moving rows: the "
+          "transport alone (its send and receive buffers and what it allocates) / with the row "
+          "gathers around it (_compiled_buffers)")
+    print("| devices | dist | exchange | busiest moving MB | "
+          + " | ".join(f"{mode}: alone / with gathers" for mode in modes) + " |")
+    print("|---|---|---|---|" + "---|" * len(modes))
     for n, dist, busy, got in compiled_rows:
-      cells = [f"{got[(name, mode)] / busy[name]:.2f}x" for name in ("q", "kv") for mode in modes]
-      print(f"| {n} | {dist} | {busy['q'] / 1e6:.1f} / {busy['kv'] / 1e6:.1f} | "
-            + " | ".join(cells) + " |", flush=True)
+      for name, label in (("q", "Q"), ("kv", "K/V")):
+        cells = [f"{got[(name, mode, 'exchange')] / busy[name]:.2f}x / "
+                 f"{got[(name, mode, 'movers')] / busy[name]:.2f}x" for mode in modes]
+        print(f"| {n} | {dist} | {label} | {busy[name] / 1e6:.1f} | " + " | ".join(cells) + " |",
+              flush=True)
   return 0
 
 

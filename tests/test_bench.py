@@ -82,7 +82,7 @@ def test_scheduler_bench_modes(capsys):
 def test_exchange_bench_table(capsys):
   """bench_exchange.py at 4 devices: a row per distribution, `ragged` carrying
   exactly the moving rows and `tiled` more, and the compiled exchanges' buffers per transport
-  (the CPU's: shifted and tiled, query and K/V)."""
+  (the CPU's: shifted and tiled, query and K/V, alone and with the row gathers)."""
   bench = launch_script("bench_exchange")
   bench.main(["4", "--compile", "4", "--batches", "1", "--tokens", "8192"])
   out = capsys.readouterr().out.splitlines()
@@ -92,8 +92,15 @@ def test_exchange_bench_table(capsys):
   for r in carried:
     assert r[3] == r[7] == "1.00x (1.00x)"  # ragged: query and K/V
     assert float(r[5].split("x")[0]) > 1 and float(r[9].split("x")[0]) >= 1  # tiled pads
-  assert [r[1] for r in compiled] == ["pretrain", "prolong", "short"]
-  assert all(len(r) == 7 and float(r[4].rstrip("x")) > 1 for r in compiled)  # Q tiled
+  assert [(r[1], r[2]) for r in compiled] == [(d, x) for d in ("pretrain", "prolong", "short")
+                                              for x in ("Q", "K/V")]
+  cell = lambda c: [float(v.strip().rstrip("x")) for v in c.split("/")]  # alone, with gathers
+  for r in compiled:
+    assert len(r) == 6
+    shifted, tiled = cell(r[4]), cell(r[5])
+    # The tiled transport's blocks are every pair padded to the largest: more than the moving rows.
+    assert tiled[0] > 1 and tiled[0] > shifted[0] > 0
+  assert cell(compiled[0][5])[1] > 1  # Q tiled with its gathers
 
 
 def test_bench_kernels_rounds(tmp_path):
