@@ -1,4 +1,4 @@
-"""The check that every process planned the same step.
+"""The checks that every process of a job runs the same config and planned the same step.
 
 In a job of several processes each one plans the whole step on its own host, from the step
 number: the batch's layout (which document lies where), the scheduler's placement of the CA-tasks,
@@ -8,9 +8,10 @@ data file on one node, or floating-point arithmetic that breaks a tie otherwise 
 the processes would compile different programs and wait in a collective forever, or run one
 program on plans that disagree and train on the wrong rows without a sign.
 
-So before a step runs on the devices the processes compare a digest of what they planned (one
-all-gather of 16 bytes a process) and all stop with `PlanDisagreementError`, naming the processes
-that differ from process 0, where they would otherwise hang or go wrong.
+So at the start the processes compare their configs, a digest per section (`check_config`:
+ConfigError naming the sections and the processes that differ), and before each step a digest of
+what they planned (`check_agreement`, one all-gather of 16 bytes a process:
+`PlanDisagreementError`), and all stop where they would otherwise hang or go wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 
 import numpy as np
 
+from distca_jax.config import Config, ConfigError, to_dict
 from distca_jax.data.packing import Layout
 
 
@@ -77,3 +79,43 @@ def check_agreement(step: int, digest: np.ndarray) -> None:
         f"than process 0 (its batch layout, the attention plan or the step's capacities); every "
         f"process must run the same config, package versions and data (compare their "
         f"`--print-config` and `pip freeze`)")
+
+
+# Fields a process may set for itself: what it prints and how it waits for the others, not what it
+# computes or when it stops (a process that stopped at another step would leave the others
+# waiting in a collective).
+PER_PROCESS = {"train": ("progress", "tensorboard", "log_every", "cpu_devices", "compile_cache_dir",
+                         "init_timeout_s", "heartbeat_timeout_s")}
+
+
+def config_digests(config: Config) -> tuple[tuple[str, ...], np.ndarray]:
+  """(section names, [sections, 4] int32 digests) of `config`, less the `PER_PROCESS` fields."""
+  sections = to_dict(config)
+  for section, fields in PER_PROCESS.items():
+    sections[section] = {k: v for k, v in sections[section].items() if k not in fields}
+  names = tuple(sorted(sections))
+  rows = [np.frombuffer(hashlib.blake2b(json.dumps(sections[n], sort_keys=True, default=str)
+                                        .encode(), digest_size=16).digest(), np.int32)
+          for n in names]
+  return names, np.stack(rows)
+
+
+def check_config(config: Config) -> None:
+  """Raises ConfigError on every process if any process's config differs from process 0's in a
+  section (per-process fields aside). A collective when there are several processes."""
+  import jax
+
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+
+  names, mine = config_digests(config)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, *mine.shape)
+  differ = (every != every[0]).any(axis=2)  # [processes, sections]
+  if differ.any():
+    procs = np.nonzero(differ.any(axis=1))[0]
+    sections = [n for n, d in zip(names, differ.any(axis=0)) if d]
+    raise ConfigError(
+        f"process(es) {', '.join(map(str, procs))} run another config than process 0 in "
+        f"{', '.join(sections)}: every process must be given the same config (compare their "
+        f"`--print-config`)")

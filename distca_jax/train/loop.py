@@ -23,8 +23,8 @@ or optimizer moments stops the run (`NonFiniteError`, naming the step, the quant
 bad leaf) with the last good checkpoint as the newest.
 
 Multi-process. Every process runs this loop on the same global batch (each supplies the shards
-its devices hold) and plans it alike; before each step they check that they did (`agreement`),
-and all stop with `PlanDisagreementError` where one planned otherwise. Metrics are replicated
+its devices hold) and plans it alike: at the start they check that they run one config, before
+each step that they planned the same (`agreement`), and all stop naming a process that differs. Metrics are replicated
 scalars, so every process reads the same values. Only
 process 0 writes files (config.json, summary.json, TensorBoard, profile); all processes take part
 in checkpoint saves (each writes its own shards).
@@ -188,6 +188,7 @@ def run(config: Config, *, devices=None, log=print, name: str = "run") -> Summar
 
 def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   """Mesh, trainer, data source, the run's directory and the state: fresh or restored."""
+  agreement.check_config(config)  # several processes: all run this config
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   trainer = Trainer(config, mesh)
   main = jax.process_index() == 0
