@@ -40,8 +40,9 @@ def main(argv=None):
   ap.add_argument("--batches", type=int, default=3, help="sampled batches per device count")
   ap.add_argument("--tokens", type=int, default=65536, help="tokens per device")
   ap.add_argument("--compile", type=int, nargs="*", default=[8, 16],
-                  help="device counts at which to compile the exchanges on simulated CPU devices "
-                       "and read their buffers from XLA's memory analysis")
+                  help="device counts at which to compile the exchanges (on simulated CPU "
+                       "devices, or mocked GPUs with --gpu-mock) and read their buffers from "
+                       "XLA's memory analysis")
   ap.add_argument("--gpu-mock", action="store_true",
                   help="compile for a mocked GPU cluster of each --compile count instead (one GPU "
                        "needed), with ragged among the transports")
