@@ -19,7 +19,8 @@ with the row gathers around it. The targets: rows carried <= 1.25x the rows move
 compiles instead for a mocked GPU cluster of each `--compile` count (`jax_mock_gpu_topology`:
 XLA's GPU compiler and buffer assignment for that many GPUs, nothing run), so the buffers are
 the GPU's, `ragged` included. Each count runs in its own process: the mocked topology is fixed
-when JAX starts.
+when JAX starts. `--step-layers L` also compiles whole training steps there (llama3_8b with L
+layers, colocated and CAD over each transport) and prints their temporaries per device.
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ def main(argv=None):
                   help="compile for a mocked GPU cluster of each --compile count instead (one GPU "
                        "needed), with ragged among the transports")
   ap.add_argument("--timeout", type=int, default=300, help="seconds per mocked cluster")
+  ap.add_argument("--step-layers", type=int, default=0,
+                  help="with --gpu-mock: also compile whole training steps (llama3_8b with this many "
+                       "layers, the first batch of --step-dist) colocated and with CAD over each "
+                       "transport, and read their temporaries")
+  ap.add_argument("--step-dist", default="prolong", help="the distribution of --step-layers' batch")
   args = ap.parse_args(argv)
+  if args.step_layers and not args.gpu_mock:
+    ap.error("--step-layers needs --gpu-mock: XLA's CPU memory analysis does not size a GPU step")
   if args.gpu_mock:
     return _mocked_clusters(args)
   if not args.devices:
@@ -70,6 +78,8 @@ def _mocked_clusters(args) -> int:
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {MOCK_XLA_FLAGS}".strip())
     cmd = [sys.executable, "-P", os.path.abspath(__file__), str(n), "--compile", str(n),
            "--batches", str(args.batches), "--tokens", str(args.tokens)]
+    if args.step_layers:
+      env["DISTCA_MOCK_STEP"] = f"{args.step_layers}:{args.step_dist}"
     try:
       rc |= subprocess.run(cmd, env=env, timeout=args.timeout).returncode
     except subprocess.TimeoutExpired:
@@ -163,6 +173,71 @@ def _compiled_buffers(plans: dict, n: int, row_heads: int = 8,
   return out
 
 
+def _abstract_state(trainer):
+  """The trainer's state as shapes with their shardings (`Trainer.init_state`, not run)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from distca_jax.train.step import TrainState
+
+  replicated = NamedSharding(trainer.mesh, P())
+  params = jax.eval_shape(
+      jax.jit(lambda seed: nnx.state(trainer._build(jax.random.key(seed)), nnx.Param),
+              out_shardings=trainer.param_shardings), jnp.uint32(0))
+  like = lambda sharding: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  opt = optax.tree_map_params(trainer.tx, lambda s, p: like(p.sharding)(s),
+                              jax.eval_shape(trainer.tx.init, params), params,
+                              transform_non_params=like(replicated))
+  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
+                    opt_state=opt)
+
+
+def _compiled_step_bytes(n: int, t: int, dist: str, variants, *overrides: str) -> dict[str, tuple]:
+  """{variant: (temporaries, arguments) bytes per device} of one training step compiled, not run,
+  on the first `n` devices, for the first batch of `dist` (`t` tokens per device); variants:
+  "colocated" or "distca:<transport>" (gate off: CAD runs). `overrides`: the model's config."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+
+  from distca_jax import attention as attention_lib
+  from distca_jax import mesh as mesh_lib
+  from distca_jax.config import load_config
+  from distca_jax.schedule.capacities import StepShapes
+  from distca_jax.train.loop import make_source
+  from distca_jax.train.step import Trainer
+
+  out = {}
+  for variant in variants:
+    impl, _, exchange = variant.partition(":")
+    config = load_config(None, [*overrides, f"data.tokens_per_device={t}", f"mesh.data={n}",
+                                f"attention.impl={impl}", f"attention.exchange={exchange or 'tiled'}",
+                                "attention.gate=false", "attention.min_imbalance=1",
+                                # one node: a mocked cluster has no hosts to ask
+                                "attention.gate_nodes=[" + ",".join(["0"] * n) + "]",
+                                "data.length_scale=1", f"data.distribution={dist}"])
+    trainer = Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:n]))
+    batch = make_source(config, n).batch(0)
+    ctx = attention_lib.host_context(trainer.config.attention, batch, trainer.shape,
+                                     shapes=StepShapes())
+    (arrays, arrays_spec), (plans, plans_spec) = ctx.device_inputs(batch)
+
+    def abstract(tree, spec):
+      if isinstance(spec, dict):
+        return {k: abstract(v, spec[k]) for k, v in tree.items()}
+      sharding = NamedSharding(trainer.mesh, spec)
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                         sharding=sharding), tree)
+
+    m = trainer.lower(_abstract_state(trainer), abstract(arrays, arrays_spec),
+                      abstract(plans, plans_spec)).compile().memory_analysis()
+    out[variant] = (int(m.temp_size_in_bytes), int(m.argument_size_in_bytes))
+  return out
+
+
 def exchange_table(args):
   """Prints the packed exchange's table (module docstring)."""
   import dataclasses
@@ -246,6 +321,21 @@ def exchange_table(args):
                  f"{got[(name, mode, 'movers')] / busy[name]:.2f}x" for mode in modes]
         print(f"| {n} | {dist} | {label} | {busy[name] / 1e6:.1f} | " + " | ".join(cells) + " |",
               flush=True)
+  step = os.environ.get("DISTCA_MOCK_STEP")
+  if mocked and step:
+    layers, dist = step.split(":")
+    variants = ("colocated", *(f"distca:{m}" for m in modes))
+    got = _compiled_step_bytes(int(mocked), t, dist, variants, "model.preset=llama3_8b",
+                               f"model.layers={layers}", "model.remat=full", "mesh.tensor=1")
+    print()
+    print(f"# whole training steps compiled for the mocked cluster of {mocked} GPUs: llama3_8b, "
+          f"{layers} layers, remat full, {t} tokens per device, the first {dist} batch, CAD on "
+          f"(gate off); XLA's temporaries per device, GiB (and over colocated's)")
+    print("| devices | dist | " + " | ".join(variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    base = got["colocated"][0]
+    print(f"| {mocked} | {dist} | " + " | ".join(
+        f"{got[v][0] / 2**30:.2f} ({got[v][0] / base:.2f}x)" for v in variants) + " |", flush=True)
   return 0
 
 

@@ -54,7 +54,8 @@
 #   exchange 1 GPU: the CAD exchange compiled for mocked GPU clusters of X_DEVICES (default
 #          "8 16 32 64") GPUs: XLA's GPU buffers per transport (ragged, shifted, tiled) over the
 #          busiest device's moving rows, X_BATCHES (1) batches, X_TOKENS (65536) tokens per device,
-#          X_TIMEOUT (150 s) a cluster size
+#          X_TIMEOUT (240 s) a cluster size; X_STEP_LAYERS (2; 0: none): also whole training steps
+#          of llama3_8b with that many layers, colocated and CAD per transport (temporaries)
 # Kernels (launch/bench_kernels.py, launch/tools/ab_mosaic.py) and GPU-only tests:
 #   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter; none: skip), then
 #          launch/bench_kernels.py with K_ARGS (none: skip); logs append, so it can run repeatedly
@@ -121,7 +122,8 @@ for suite in "$@"; do
                | sed "s/^/[$impl] /" | tee -a "$OUT/ragged.log"
            done ;;
     exchange) CUDA_VISIBLE_DEVICES=0 python3 -P launch/bench_exchange.py --gpu-mock --compile ${X_DEVICES:-8 16 32 64} \
-           --batches ${X_BATCHES:-1} --tokens ${X_TOKENS:-65536} --timeout ${X_TIMEOUT:-150} 2>&1 \
+           --batches ${X_BATCHES:-1} --tokens ${X_TOKENS:-65536} --timeout ${X_TIMEOUT:-240} \
+           --step-layers ${X_STEP_LAYERS:-2} 2>&1 \
            | grep -v -i warn | tee -a "$OUT/exchange.log" ;;
     kernels) export CUDA_VISIBLE_DEVICES=0 JAX_PLATFORMS=cuda
            [ "${K_TESTS:-}" = none ] || timeout -k 10 ${K_TEST_TIMEOUT:-240} python3 -P -m pytest -q -rf --tb=line --disable-warnings -p no:cacheprovider \

@@ -103,6 +103,21 @@ def test_exchange_bench_table(capsys):
   assert cell(compiled[0][5])[1] > 1  # Q tiled with its gathers
 
 
+def test_exchange_bench_compiles_whole_steps():
+  """The step compile of `bench_exchange.py --step-layers` (run for mocked GPU clusters) on 4 CPU
+  devices: the state, batch and plans as shapes only, one compiled step per variant; CAD's steps
+  take the dispatch plans as arguments besides colocated's. Off a mocked GPU the option is
+  refused (the CPU's analysis does not size a GPU step)."""
+  bench = launch_script("bench_exchange")
+  got = bench._compiled_step_bytes(4, 1024, "pretrain", ("colocated", "distca:tiled", "distca:shifted"),
+                                   "model.preset=tiny", "model.layers=1", "model.remat=full")
+  assert set(got) == {"colocated", "distca:tiled", "distca:shifted"}
+  assert all(temp > 0 for temp, _ in got.values())
+  assert got["distca:tiled"][1] > got["colocated"][1] and got["distca:shifted"][1] > got["colocated"][1]
+  with pytest.raises(SystemExit):
+    bench.main(["4", "--step-layers", "1"])
+
+
 def test_bench_kernels_rounds(tmp_path):
   """bench_kernels.py on the CPU (the reference and Pallas backends; no cuDNN here, so no dense
   baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table."""
