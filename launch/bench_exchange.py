@@ -173,35 +173,11 @@ def _compiled_buffers(plans: dict, n: int, row_heads: int = 8,
   return out
 
 
-def _abstract_state(trainer):
-  """The trainer's state as shapes with their shardings (`Trainer.init_state`, not run)."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from distca_jax.train.step import TrainState
-
-  replicated = NamedSharding(trainer.mesh, P())
-  params = jax.eval_shape(
-      jax.jit(lambda seed: nnx.state(trainer._build(jax.random.key(seed)), nnx.Param),
-              out_shardings=trainer.param_shardings), jnp.uint32(0))
-  like = lambda sharding: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-  opt = optax.tree_map_params(trainer.tx, lambda s, p: like(p.sharding)(s),
-                              jax.eval_shape(trainer.tx.init, params), params,
-                              transform_non_params=like(replicated))
-  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
-                    opt_state=opt)
-
-
 def _compiled_step_bytes(n: int, t: int, dist: str, variants, *overrides: str) -> dict[str, tuple]:
   """{variant: (temporaries, arguments) bytes per device} of one training step compiled, not run,
   on the first `n` devices, for the first batch of `dist` (`t` tokens per device); variants:
   "colocated" or "distca:<transport>" (gate off: CAD runs). `overrides`: the model's config."""
   import jax
-  import numpy as np
-  from jax.sharding import NamedSharding
 
   from distca_jax import attention as attention_lib
   from distca_jax import mesh as mesh_lib
@@ -223,25 +199,14 @@ def _compiled_step_bytes(n: int, t: int, dist: str, variants, *overrides: str) -
     batch = make_source(config, n).batch(0)
     ctx = attention_lib.host_context(trainer.config.attention, batch, trainer.shape,
                                      shapes=StepShapes())
-    (arrays, arrays_spec), (plans, plans_spec) = ctx.device_inputs(batch)
-
-    def abstract(tree, spec):
-      if isinstance(spec, dict):
-        return {k: abstract(v, spec[k]) for k, v in tree.items()}
-      sharding = NamedSharding(trainer.mesh, spec)
-      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                         sharding=sharding), tree)
-
-    m = trainer.lower(_abstract_state(trainer), abstract(arrays, arrays_spec),
-                      abstract(plans, plans_spec)).compile().memory_analysis()
+    m = trainer.lower(trainer.abstract_state(), *trainer.abstract_batch(batch, ctx)).compile() \
+        .memory_analysis()
     out[variant] = (int(m.temp_size_in_bytes), int(m.argument_size_in_bytes))
   return out
 
 
 def exchange_table(args):
   """Prints the packed exchange's table (module docstring)."""
-  import dataclasses
-
   flags = os.environ.get("XLA_FLAGS", "")
   want = max(args.compile or [0])
   mocked = os.environ.get("DISTCA_MOCK_GPUS")

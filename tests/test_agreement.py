@@ -1,17 +1,12 @@
 """The processes' checks (`train/agreement.py`): the step digest is what every process computes
 alike for one step and changes with anything that decides the step (batch layout, task
 placement, the gate's choice, capacities); two processes that plan differently stop at the first
-step with the error, instead of hanging or training on mismatched rows; two processes given
-different configs stop before training, naming the section."""
+step with the error, instead of hanging or training on mismatched rows (the two-process runs
+are in tests/test_multihost.py); the config digests name the section that differs."""
 
 import dataclasses
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
-import pytest
 
 from distca_jax import attention as attention_lib
 from distca_jax.data.sources import synthetic_from_config
@@ -21,7 +16,6 @@ from distca_jax.train.agreement import config_digests, step_digest
 from helpers import small_config
 
 N = 4
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _planned(step: int, *overrides: str):
@@ -72,47 +66,3 @@ def test_config_digests_name_the_section_and_leave_per_process_fields_out():
   np.testing.assert_array_equal(d, same)
   _, other = config_digests(small_config("optim.lr=0.1", "train.steps=7"))
   assert [n for n, a, b in zip(names, d, other) if (a != b).any()] == ["optim", "train"]
-
-
-def _two_processes(tmp_path, args_of, cwd_of=lambda i: ROOT):
-  """Two jax.distributed processes of 4 CPU devices running launch/train.py, process i with
-  `args_of(i)` in `cwd_of(i)`: [(exit code, stderr)] once both ended."""
-  from test_multihost import ARGS, _cache_dir, _env, _free_port
-
-  port = _free_port()
-  procs = []
-  for i in range(2):
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--coordinator", f"127.0.0.1:{port}",
-           "--num-processes", "2", "--process-id", str(i), *ARGS, "attention.impl=distca",
-           "train.cpu_devices=4", f"train.out_dir={tmp_path / 'run'}",
-           f"train.compile_cache_dir={_cache_dir()}", *args_of(i)]
-    procs.append(subprocess.Popen(cmd, cwd=cwd_of(i), env=_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
-  try:
-    outs = [p.communicate(timeout=300) for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  return [(p.returncode, out[-2000:] + err[-2000:]) for p, (out, err) in zip(procs, outs)]
-
-
-def test_processes_that_plan_differently_stop_at_the_first_step(tmp_path):
-  """The same config, but each process reads its own file of document lengths (another data
-  file on one node): both exit 1 before the first step runs, naming process 1. Without the
-  check they trained to the end, CAD on plans that disagree."""
-  for i in range(2):
-    (tmp_path / f"p{i}").mkdir()
-    lengths = [40, 300, 90, 700, 25, 128] if i == 0 else [500, 60, 200, 33, 900]
-    (tmp_path / f"p{i}" / "lens.json").write_text(json.dumps(lengths))
-  got = _two_processes(tmp_path, lambda i: ["data.distribution=lens.json", "data.length_scale=1"],
-                       cwd_of=lambda i: tmp_path / f"p{i}")
-  for rc, out in got:
-    assert rc == 1, out
-    assert "training stopped: step 1: process(es) 1 planned a different step" in out, out
-
-
-def test_processes_with_different_configs_stop_before_training(tmp_path):
-  got = _two_processes(tmp_path, lambda i: [f"optim.lr={1e-3 * (i + 1)}"])
-  for rc, out in got:
-    assert rc == 2, out
-    assert "config error: process(es) 1 run another config than process 0 in optim" in out, out

@@ -1,5 +1,6 @@
 """Multi-process training on one host: `launch/tools/multihost_local.sh 2 4` (2 jax.distributed
-processes x 4 CPU devices, collectives over gloo) trains exactly like 1 process x 8 devices; a
+processes x 4 CPU devices, collectives over gloo) trains exactly like 1 process x 8 devices;
+processes given different configs, or planning different steps, stop naming the one that differs; a
 SIGTERM to the launcher stops both processes after the same step with a checkpoint that resumes
 bit for bit; a dead process ends the job within seconds; an unreachable coordinator ends the run
 with a clear message within the configured timeout; the launcher's environment (XLA flags,
@@ -255,3 +256,47 @@ def test_distributed_start_passes_the_heartbeat_timeout(monkeypatch):
   monkeypatch.setattr(mesh_lib, "_wait_for_port", lambda *a: None)
   mesh_lib.initialize_distributed("localhost:1", 2, 0, timeout_s=7, heartbeat_s=11)
   assert seen["heartbeat_timeout_seconds"] == 11 and seen["initialization_timeout"] == 7
+
+
+def _differing_pair(tmp_path, args_of, cwd_of=lambda i: ROOT):
+  """Two jax.distributed processes of 4 CPU devices running launch/train.py with CAD, process i
+  with `args_of(i)` in `cwd_of(i)` (not the launcher, which gives both the same arguments):
+  [(exit code, the end of its output)] once both ended."""
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", "2", "--process-id", str(i), *ARGS, "attention.impl=distca",
+           "train.cpu_devices=4", f"train.out_dir={tmp_path / 'run'}",
+           f"train.compile_cache_dir={_cache_dir()}", *args_of(i)]
+    procs.append(subprocess.Popen(cmd, cwd=cwd_of(i), env=_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+  try:
+    outs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return [(p.returncode, out[-2000:] + err[-2000:]) for p, (out, err) in zip(procs, outs)]
+
+
+def test_processes_that_plan_differently_stop_at_the_first_step(tmp_path):
+  """The same config, but each process reads its own file of document lengths (another data
+  file on one node): both exit 1 before the first step runs, naming process 1
+  (`train/agreement.py`; without the check one process aborts in the step)."""
+  for i in range(2):
+    (tmp_path / f"p{i}").mkdir()
+    lengths = [40, 300, 90, 700, 25, 128] if i == 0 else [500, 60, 200, 33, 900]
+    (tmp_path / f"p{i}" / "lens.json").write_text(json.dumps(lengths))
+  got = _differing_pair(tmp_path, lambda i: ["data.distribution=lens.json", "data.length_scale=1"],
+                       cwd_of=lambda i: tmp_path / f"p{i}")
+  for rc, out in got:
+    assert rc == 1, out
+    assert "training stopped: step 1: process(es) 1 planned a different step" in out, out
+
+
+def test_processes_with_different_configs_stop_before_training(tmp_path):
+  """Configs that differ in a section: both processes exit 2 naming it and process 1."""
+  got = _differing_pair(tmp_path, lambda i: [f"optim.lr={1e-3 * (i + 1)}"])
+  for rc, out in got:
+    assert rc == 2, out
+    assert "config error: process(es) 1 run another config than process 0 in optim" in out, out

@@ -60,22 +60,29 @@ def step_digest(step: int, sizes: dict, batch, ctx) -> np.ndarray:
   return np.frombuffer(h.digest(), np.int32).copy()
 
 
+def _unlike_process_0(mine: np.ndarray) -> np.ndarray | None:
+  """[processes, len(mine)] whether each process's row of `mine` (an int32 [rows, 4] array of
+  digests) differs from process 0's; None with one process. A collective otherwise."""
+  import jax
+
+  if jax.process_count() == 1:
+    return None
+  from jax.experimental import multihost_utils
+
+  every = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.int32)))
+  every = every.reshape(jax.process_count(), *mine.shape)
+  return (every != every[0]).any(axis=-1)
+
+
 def check_agreement(step: int, digest: np.ndarray) -> None:
   """Raises PlanDisagreementError on every process if any process's `digest` of `step` differs
   from process 0's. A collective when there are several processes: every process calls it before
   every step."""
-  import jax
-
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils
-
-  every = np.asarray(multihost_utils.process_allgather(np.asarray(digest, np.int32)))
-  every = every.reshape(jax.process_count(), -1)
-  differ = np.nonzero((every != every[0]).any(axis=1))[0]
-  if differ.size:
+  differ = _unlike_process_0(np.asarray(digest)[None])
+  if differ is not None and differ.any():
+    procs = np.nonzero(differ[:, 0])[0]
     raise PlanDisagreementError(
-        f"step {step + 1}: process(es) {', '.join(map(str, differ))} planned a different step "
+        f"step {step + 1}: process(es) {', '.join(map(str, procs))} planned a different step "
         f"than process 0 (its batch layout, the attention plan or the step's capacities); every "
         f"process must run the same config, package versions and data (compare their "
         f"`--print-config` and `pip freeze`)")
@@ -103,16 +110,9 @@ def config_digests(config: Config) -> tuple[tuple[str, ...], np.ndarray]:
 def check_config(config: Config) -> None:
   """Raises ConfigError on every process if any process's config differs from process 0's in a
   section (per-process fields aside). A collective when there are several processes."""
-  import jax
-
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils
-
   names, mine = config_digests(config)
-  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, *mine.shape)
-  differ = (every != every[0]).any(axis=2)  # [processes, sections]
-  if differ.any():
+  differ = _unlike_process_0(mine)  # [processes, sections]
+  if differ is not None and differ.any():
     procs = np.nonzero(differ.any(axis=1))[0]
     sections = [n for n, d in zip(names, differ.any(axis=0)) if d]
     raise ConfigError(

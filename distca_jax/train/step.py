@@ -126,21 +126,19 @@ class Trainer:
 
   # ------------------------------------------------------------------ state
 
+  def _init_params(self, seed_arr):
+    params = nnx.state(self._build(jax.random.key(seed_arr)), nnx.Param)
+    if self.pipeline is None:
+      return params
+    from distca_jax.train import pipeline
+
+    return pipeline.split_blocks(params, self.shape.layers, self.pipeline.stages)
+
   def init_state(self, seed: int) -> TrainState:
     """Parameters initialised directly in their shardings (never materialised on one device);
     optimizer moments inherit each parameter's sharding."""
-    build = self._build
-
-    def init_params(seed_arr):
-      params = nnx.state(build(jax.random.key(seed_arr)), nnx.Param)
-      if self.pipeline is None:
-        return params
-      from distca_jax.train import pipeline
-
-      return pipeline.split_blocks(params, self.shape.layers, self.pipeline.stages)
-
     seed_arr = jnp.asarray(seed, jnp.uint32)
-    params = jax.jit(init_params, out_shardings=self.param_shardings)(seed_arr)
+    params = jax.jit(self._init_params, out_shardings=self.param_shardings)(seed_arr)
     opt_state = jax.jit(self.tx.init)(params)
     replicated = NamedSharding(self.mesh, P())
     # Scalars of the optimizer (counts) come out on one device: replicate them over the mesh.
@@ -152,6 +150,19 @@ class Trainer:
         opt_state)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     return TrainState(step=step, params=params, opt_state=opt_state)
+
+  def abstract_state(self) -> TrainState:
+    """The state `init_state` makes, as shapes with their shardings and nothing allocated: for
+    compiling the step where its devices cannot run (`lower`, a mocked cluster)."""
+    replicated = NamedSharding(self.mesh, P())
+    params = jax.eval_shape(jax.jit(self._init_params, out_shardings=self.param_shardings),
+                            jnp.uint32(0))
+    like = lambda sharding: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    opt_state = optax.tree_map_params(self.tx, lambda s, p: like(p.sharding)(s),
+                                      jax.eval_shape(self.tx.init, params), params,
+                                      transform_non_params=like(replicated))
+    return TrainState(step=like(replicated)(jax.ShapeDtypeStruct((), jnp.int32)), params=params,
+                      opt_state=opt_state)
 
   @property
   def stages(self) -> int:
@@ -294,12 +305,25 @@ class Trainer:
     """Device arrays for one step: what the host context lays out for it
     (`attention.StepContext.device_inputs`: a CAD context brings its own nano-batches, since
     ping-pong re-packs the batch, and a pipelined one its ticks), placed by their specs."""
+    return self._placed(batch, ctx_host, put_global)
+
+  def abstract_batch(self, batch: Batch, ctx_host: Any):
+    """What `put_batch` places, as shapes with their shardings (nothing placed)."""
+    def shapes(tree, mesh, spec):
+      sharding = NamedSharding(mesh, spec)
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                         sharding=sharding), tree)
+
+    return self._placed(batch, ctx_host, shapes)
+
+  def _placed(self, batch: Batch, ctx_host: Any, place):
+    """(arrays, ctx) of the step, each host tree turned by `place(tree, mesh, spec)`."""
     (arrays, arrays_spec), (ctx, ctx_spec) = ctx_host.device_inputs(batch)
     if isinstance(arrays_spec, dict):  # a spec per array
-      arrays = {k: put_global(v, self.mesh, arrays_spec[k]) for k, v in arrays.items()}
+      arrays = {k: place(v, self.mesh, arrays_spec[k]) for k, v in arrays.items()}
     else:
-      arrays = put_global(arrays, self.mesh, arrays_spec)
-    return arrays, put_global(ctx, self.mesh, ctx_spec)
+      arrays = place(arrays, self.mesh, arrays_spec)
+    return arrays, place(ctx, self.mesh, ctx_spec)
 
 
 def _fixed_remat(config: Config, mesh: Mesh) -> tuple[str | None, str]:
