@@ -6,6 +6,10 @@
                                                     # on/off) vs the WLB-LLM-style baseline
                                                     # (--wlb-cp) on sampled, skewed and uniform
                                                     # batches, with per-device loads
+    python launch/bench_train.py --suite overhead --batches pretrain prolong uniform
+                                                    # 1 device: colocated vs CAD with nothing
+                                                    # to move (ping-pong and single-stream),
+                                                    # each step part's GPU time side by side
     python launch/bench_train.py --suite pp --batches skewed pretrain
                                                     # every device a pipeline stage: colocated vs
                                                     # distca attention in the lock-step pipeline
@@ -74,7 +78,7 @@ def _microbatches(kind: str, M: int, T: int, config, vocab: int):
 
 
 def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None = None,
-                  compile_only: bool = False):
+                  compile_only: bool = False, top_ops: int = 15):
   """`batch`: a Batch, or (pipeline) a list of micro-batches."""
   import jax
   import numpy as np
@@ -139,7 +143,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
 
     xplane = profile_lib.find_xplane(trace_dir)
     if xplane is not None:
-      phases = profile_lib.phase_breakdown(xplane, compiled.as_text())
+      phases = profile_lib.phase_breakdown(xplane, compiled.as_text(), top_ops=top_ops)
       if mesh.size == 1:  # one device: the step's parts (LM head, norms, optimizer, ...)
         mem["parts_ms"] = profile_lib.step_parts(xplane, compiled.as_text())["ms_per_step"]
       mem["phases_ms"] = phases["ms_per_step"]
@@ -244,6 +248,83 @@ def _mfu_suite(args) -> list[dict]:
   return rows
 
 
+# The overhead suite's variants: colocated, and CAD run on every step (gate off) with ping-pong and
+# single-stream. On one device CAD moves nothing, so what it costs over colocated is its machinery.
+OVERHEAD_VARIANTS = (
+    ("colocated", ["attention.impl=colocated"]),
+    ("cad", ["attention.impl=distca", "attention.gate=false", "attention.pingpong=true"]),
+    ("cad-single", ["attention.impl=distca", "attention.gate=false", "attention.pingpong=false"]),
+)
+
+
+def _overhead_suite(args) -> list[dict]:
+  """One device: each batch at each `--tokens`, colocated against CAD (gate off, ping-pong and
+  single-stream), every variant traced; prints the step ratio and each step part's GPU time side
+  by side (`profile.step_parts`), the idle gap (step time less busy time), and the op groups
+  whose time differs most from colocated's."""
+  import jax
+
+  from distca_jax.config import load_config
+  from distca_jax.models.presets import resolve
+  from distca_jax.train import profile as profile_lib
+
+  if len(jax.devices()) != 1:
+    raise SystemExit("--suite overhead runs on one device (CUDA_VISIBLE_DEVICES=0)")
+  trace_root = args.trace_dir or "/tmp/distca_overhead_trace"
+  rows = []
+  for T in args.tokens or [65536]:
+    for kind in args.batches:
+      base = load_config(args.config, ["mesh.data=1", f"data.tokens_per_device={T}"] + args.overrides)
+      batch = _batches(kind, 1, T, base, resolve(base.model).vocab_size)
+      got = {}
+      for name, ov in OVERHEAD_VARIANTS:
+        config = load_config(args.config, ["mesh.data=1", f"data.tokens_per_device={T}"]
+                             + args.overrides + ov)
+        r = _time_variant(config, batch, args.warmup, args.steps, f"{trace_root}/{kind}-{T}-{name}",
+                          top_ops=40)
+        r.update(batch=kind, tokens=T, variant=name)
+        got[name] = r
+        rows.append(r)
+        jax.clear_caches()
+        gc.collect()
+      base_s = got["colocated"]["median_s"]
+      for r in got.values():
+        r["speedup"] = base_s / r["median_s"]
+      _print_overhead(kind, T, got)
+  print("\n| batch | tokens | variant | step ms | vs colocated | busy ms | idle ms | loss |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    busy = sum(r.get("parts_ms", {}).values())
+    print(f"| {r['batch']} | {r['tokens']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | "
+          f"{r['speedup']:.4f} | {busy:.1f} | {r['median_s'] * 1e3 - busy:.1f} | {r['loss']:.4f} |")
+  return rows
+
+
+def _print_overhead(kind: str, T: int, got: dict) -> None:
+  """One batch's step parts (ms) side by side, then the op groups that differ most."""
+  names = list(got)
+  print(f"\n{kind} T={T}: step ms " + "  ".join(
+      f"{n} {got[n]['median_s'] * 1e3:.1f} (x{got['colocated']['median_s'] / got[n]['median_s']:.4f})"
+      for n in names), flush=True)
+  parts = {n: dict(got[n].get("parts_ms", {})) for n in names}
+  for n in names:
+    parts[n]["idle"] = got[n]["median_s"] * 1e3 - sum(got[n].get("parts_ms", {}).values())
+  keys = list(dict.fromkeys(k for n in names for k in parts[n]))
+  print("| part | " + " | ".join(names) + " | " + " | ".join(f"{n} - colocated" for n in names[1:]) + " |")
+  print("|---" * (2 * len(names)) + "|")
+  for k in keys:
+    v = [parts[n].get(k, 0.0) for n in names]
+    print(f"| {k} | " + " | ".join(f"{x:.2f}" for x in v) + " | "
+          + " | ".join(f"{x - v[0]:+.2f}" for x in v[1:]) + " |")
+  ops = {n: got[n].get("top_ops_ms", {}) for n in names}
+  groups = set().union(*ops.values())
+  diff = sorted(groups, key=lambda g: -abs(ops[names[1]].get(g, 0.0) - ops["colocated"].get(g, 0.0)))
+  print("op groups that differ most, ms: " + " / ".join(names))
+  for g in diff[:12]:
+    print(f"  {g}: " + " / ".join(f"{ops[n].get(g, 0.0):.2f}" for n in names))
+  sys.stdout.flush()
+
+
 def _loss_ablation(shape, T: int, reps: int = 5) -> list[dict]:
   """The LM head and loss alone (value and gradients of `chunked_cross_entropy` at the model's
   width and vocabulary, bf16 hidden states, fp32 head): gradient fused into the forward vs
@@ -278,13 +359,14 @@ def _loss_ablation(shape, T: int, reps: int = 5) -> list[dict]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--suite", choices=["mfu", "cad", "pp"], required=True)
+  parser.add_argument("--suite", choices=["mfu", "cad", "pp", "overhead"], required=True)
   parser.add_argument("--microbatches", type=int, default=4, help="pp: micro-batches per step")
   parser.add_argument("--compile-only", action="store_true",
                       help="compile each variant and report XLA's memory analysis, no steps")
   parser.add_argument("--config", default=None)
   parser.add_argument("--batches", nargs="+", default=["pretrain", "prolong", "skewed", "uniform"])
-  parser.add_argument("--tokens", nargs="+", type=int, default=None, help="mfu: tokens per device")
+  parser.add_argument("--tokens", nargs="+", type=int, default=None,
+                      help="mfu, overhead: tokens per device")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--pingpong-ablation", default="pretrain",
@@ -319,7 +401,8 @@ def main(argv=None) -> int:
 
   from distca_jax.launch_env import configure_xla
 
-  if args.trace_dir and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+  traced = args.trace_dir or args.suite == "overhead"
+  if traced and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
     # Kernels inside CUDA graphs are not attributed to their ops (see launch/profile_steps.py).
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
@@ -348,6 +431,8 @@ def main(argv=None) -> int:
   rows = []
   if args.suite == "mfu":
     rows = _mfu_suite(args)
+  elif args.suite == "overhead":
+    rows = _overhead_suite(args)
   elif args.suite == "pp":
     from distca_jax.train import pipeline
 
@@ -464,7 +549,7 @@ def main(argv=None) -> int:
       if "wlb" in times and "distca" in times:  # CAD against the paper's baseline, same batch
         print(f"{kind:9s} distca vs wlb  x{times['wlb'] / times['distca']:.3f} (wlb's step time "
               f"over distca's)", flush=True)
-  if args.suite != "mfu":  # (the mfu suite printed its own table)
+  if args.suite not in ("mfu", "overhead"):  # (those printed their own tables)
     cols = [k for k, v in rows[0].items() if k != "peak_gib" and not isinstance(v, dict)]
     print("\n| " + " | ".join(cols) + " | peak GiB |")
     for r in rows:

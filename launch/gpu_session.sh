@@ -17,6 +17,10 @@
 #          communication beside compute, launch/tools/overlap_report.py), CAD_EXTRA: more
 #          key=value overrides, e.g. data.elongate_factor=2; a batch "prolong@N" is the
 #          sampler's batch of step N; the ablations run CAD on every batch, gate off)
+#   overhead 1 GPU: colocated vs CAD with nothing to move (gate off; ping-pong and single-stream),
+#          llama3_8b shape with O_LAYERS (2) layers, O_TOKENS ("65536") tokens, O_BATCHES
+#          ("pretrain prolong uniform"): step ratios and each step part's GPU time side by side
+#          (O_TIMEOUT, default 560 s; O_EXTRA: more overrides)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
 #          (env PP_TOKENS, PP_LAYERS, PP_BATCHES, PP_MICROBATCHES, PP_TIMEOUT; PP_TRACE=DIR traces
@@ -96,6 +100,10 @@ for suite in "$@"; do
            find "$CAD_TRACE"/*-distca -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
            python3 -P launch/tools/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
          fi ;;
+    overhead) CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${O_TIMEOUT:-560} python3 -P launch/bench_train.py --suite overhead \
+           --tokens ${O_TOKENS:-65536} --batches ${O_BATCHES:-pretrain prolong uniform} --warmup 1 --steps 3 \
+           --json "$OUT/overhead.json" model.preset=llama3_8b model.layers=${O_LAYERS:-2} data.length_scale=1 \
+           ${O_EXTRA:-} 2>&1 | grep -v -i warn | tee -a "$OUT/overhead.log" ;;
     pp) timeout -k 10 ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
            --microbatches ${PP_MICROBATCHES:-4} --warmup 1 --steps 2 --json "$OUT/pp.json" \
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \

@@ -256,12 +256,15 @@ def _movers(mode: str):
 def _server_exchange(q_TxHxD, k_TxKxD, v_TxKxD, p: DispatchPlan, backend: str, mode: str):
   """Steps 1-4 for one device (inside shard_map; plan arrays without their leading N)."""
   to_servers, to_home, kv_to_srv = _movers(mode)
-  q_rows = to_servers(q_TxHxD, p)
-  k_srv, v_srv = kv_to_srv(k_TxKxD, p), kv_to_srv(v_TxKxD, p)
+  # "movers": the profiler's step part for the gathers and scatters around the exchange.
+  with jax.named_scope("movers"):
+    q_rows = to_servers(q_TxHxD, p)
+    k_srv, v_srv = kv_to_srv(k_TxKxD, p), kv_to_srv(v_TxKxD, p)
   tasks = TaskTable(p.q_start, p.q_len, p.kv_start, p.kv_len)
   with jax.named_scope("core_attention"):
     o_rows, _ = kernels.attention(q_rows, k_srv, v_srv, tasks, backend=backend)
-  return to_home(o_rows, p)
+  with jax.named_scope("movers"):
+    return to_home(o_rows, p)
 
 
 # ----------------------------------------------------------------------------- core_attention
@@ -328,8 +331,9 @@ def make_distca_attention(attention_config, mesh: Mesh):
         have = T if prior_kv is None else 2 * T
         raise ValueError(f"distca attention: the plan reads {kv_rows} K/V rows per device, the "
                          f"stream (with an earlier stream's, if given) has {have}")
-      k = jnp.concatenate([k, prior_kv[0]], axis=1)
-      v = jnp.concatenate([v, prior_kv[1]], axis=1)
+      with jax.named_scope("prior_kv"):  # the profiler's step part (train/profile.py)
+        k = jnp.concatenate([k, prior_kv[0]], axis=1)
+        v = jnp.concatenate([v, prior_kv[1]], axis=1)
     return sharded(q, k, v, ctx)
 
   return core_attention

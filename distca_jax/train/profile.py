@@ -96,13 +96,16 @@ def find_xplane(trace_dir: str | Path) -> Path | None:
 
 
 # The parts of a one-device step (`step_parts`), by the named scopes of the model, the loss and
-# the optimizer (models/llama.py, train/loss.py, train/step.py) and, outside them, the op: a
+# the optimizer (models/llama.py, train/loss.py, train/step.py), CAD's row gathers and scatters
+# around the exchange (`movers`) and the K/V rows a ping-pong stream borrows from the one before
+# (`prior_kv`, dispatch/exchange.py) and, outside them, the op: a
 # matmul (the blocks' projections and MLP) or the rest (residual adds, casts, the embedding).
 STEP_SCOPES = (("optimizer", "optimizer"), ("dispatch", "dispatch"), ("return", "return"),
+               ("movers", "movers"), ("prior_kv", "prior_kv"),
                ("core_attention", "attention"), ("lm_head_loss", "lm_head_loss"),
                ("rmsnorm", "rmsnorm"), ("rope", "rope"), ("swiglu", "swiglu"))
 STEP_PARTS = ("attention", "matmul", "lm_head_loss", "rmsnorm", "rope", "swiglu", "optimizer",
-              "dispatch", "return", "other")
+              "dispatch", "return", "movers", "prior_kv", "other")
 
 
 def step_part_of(op_name: str) -> str:
