@@ -8,7 +8,6 @@ refused with how to resume it or start afresh.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -27,7 +26,7 @@ def resume(checkpointer: Checkpointer, trainer, state, step: int | None, main: b
     if main:
       log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")
     return state, None
-  expect = {"model": dataclasses.asdict(trainer.shape)}
+  expect = {"model": trainer.shape.record()}
 
   def problem(tree) -> str | None:
     leaf = first_nonfinite_leaf(tree)

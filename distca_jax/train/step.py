@@ -107,7 +107,7 @@ class Trainer:
     def build(seed):
       return Llama(self.shape, dtype=dtype, remat=self.remat or AUTO_ORDER[0],
                    core_attention=self.core_attention, constrain=constrain,
-                   norm_eps=config.model.norm_eps, rngs=nnx.Rngs(seed))
+                   norm_eps=self.shape.norm_eps, rngs=nnx.Rngs(seed))
 
     self._build = build
     abstract_model = nnx.eval_shape(lambda: build(0))
@@ -194,7 +194,7 @@ class Trainer:
     # The mean's 1 / count goes into the loss, where its backward applies it (the head's
     # gradient is computed in the loss's forward pass, `loss.chunked_cross_entropy`).
     scale = 1.0 / jnp.maximum(count, 1.0)
-    loss = sum(chunked_cross_entropy(h_i, model.lm_head[...], t_i, m_i, scale=scale)
+    loss = sum(chunked_cross_entropy(h_i, model.head_weight(), t_i, m_i, scale=scale)
                for h_i, t_i, m_i in zip(hs, targets, masks))
     return loss, count
 
