@@ -130,10 +130,9 @@ def _checkpoint_base(model_config, path: str) -> dict[str, Any]:
   from .hf import CheckpointFormatError, checkpoint_shape
 
   try:
-    shape = checkpoint_shape(path)
+    base = checkpoint_shape(path)
   except CheckpointFormatError as e:
     raise ConfigError(f"model.init_from: {e}") from None
-  base = {f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelShape)}
   for name, value in base.items():
     given = getattr(model_config, name, None)
     if name in _FREE_WITH_INIT_FROM or given is None:
