@@ -489,6 +489,22 @@ def hf_logits(t: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
   return x @ head.T
 
 
+def hf_batch_loss(t: dict, cfg: dict, batch) -> float:
+  """Mean loss of a packed `Batch` by `hf_logits`: each document a run of one segment id in the
+  flat stream (its buffers in order), its targets and mask the batch's."""
+  seg, tokens = batch.segment_ids.reshape(-1), batch.tokens.reshape(-1)
+  targets, mask = batch.targets.reshape(-1), batch.loss_mask.reshape(-1).astype(np.float64)
+  total, start = 0.0, 0
+  for end in [*np.flatnonzero(seg[1:] != seg[:-1]) + 1, len(seg)]:
+    if seg[start] >= 0:
+      logits = hf_logits(t, cfg, tokens[start:end])
+      logp = logits - logits.max(-1, keepdims=True)
+      logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+      total -= (logp[np.arange(end - start), targets[start:end]] * mask[start:end]).sum()
+    start = end
+  return total / mask.sum()
+
+
 def hf_loss(t: dict, cfg: dict, doc_lens, tokens_flat: np.ndarray) -> float:
   """Mean next-token loss over documents (each from position 0; a document's last token has no
   target), by `hf_logits`."""

@@ -21,7 +21,7 @@ from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch
 from distca_jax.models import hf, rope
 from distca_jax.train.step import Trainer
-from helpers import (HF_TINY, hf_inv_freq, hf_logits, hf_loss, hf_tensors, launch_script, run_step,
+from helpers import (HF_TINY, hf_inv_freq, hf_logits, hf_loss, hf_tensors, launch_script,
                      small_config, write_hf_checkpoint)
 
 convert = launch_script("convert")
@@ -45,8 +45,13 @@ def _our_logits(path, tokens, *overrides):
   trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
   batch = make_batch(np.array([len(tokens)]), tokens, 1, len(tokens))
   arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch, trainer.shape))
-  model = nnx.merge(trainer.graphdef, trainer.load_params(str(path)))
-  return np.asarray(model(arrays["tokens"], arrays["positions"], ctx)[0] @ model.head_weight())
+
+  @jax.jit
+  def logits(params, arrays, ctx):
+    model = nnx.merge(trainer.graphdef, params)
+    return model(arrays["tokens"], arrays["positions"], ctx)[0] @ model.head_weight()
+
+  return np.asarray(logits(trainer.load_params(str(path)), arrays, ctx))
 
 
 @pytest.mark.parametrize("case", ["llama_sharded_llama3", "qwen2_tied_bias_yarn"])
@@ -156,7 +161,9 @@ def test_step0_loss_is_the_checkpoints_on_any_layout(step0, layout):
                          "attention.impl=distca", "attention.gate=false"])}[layout]
   cfg = small_config(f"model.init_from={path}", *args)
   batch = make_batch(lens, tokens, cfg.mesh.data, cfg.data.tokens_per_device)
-  loss = run_step(cfg, batch, n)[0]
+  trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:n]))
+  arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch, trainer.shape))
+  loss = float(jax.jit(trainer.loss_fn)(trainer.load_params(str(path)), arrays, ctx)[0])
   assert loss == pytest.approx(want, rel=1e-5)
 
 
