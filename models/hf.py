@@ -64,6 +64,9 @@ def shape_fields(cfg: dict[str, Any], where: str = "config.json") -> dict[str, A
   if cfg.get("use_sliding_window", kind == "mistral") and cfg.get("sliding_window") is not None:
     raise CheckpointFormatError(f"{where}: sliding_window={cfg['sliding_window']}: sliding-window "
                                 f"attention is not supported")
+  if any(t != "full_attention" for t in cfg.get("layer_types") or ()):
+    raise CheckpointFormatError(f"{where}: layer_types {sorted(set(cfg['layer_types']))}: "
+                                f"sliding-window attention is not supported")
   if cfg.get("hidden_act", "silu") != "silu":
     raise CheckpointFormatError(f"{where}: hidden_act={cfg['hidden_act']!r}: only silu (SwiGLU)")
   if kind != "qwen2" and cfg.get("attention_bias"):
