@@ -271,7 +271,12 @@ class Checkpoint:
                                   f"nor an imported one ({IMPORTED_META})")
     self.specs = {s.name: s for s in specs}
     files = _tensor_files(self.path, stem)
-    self._handles = {f: safe_open(str(f), framework="np") for f in sorted(set(files.values()))}
+    self._handles = {}
+    for f in sorted(set(files.values())):
+      try:
+        self._handles[f] = safe_open(str(f), framework="np")
+      except Exception as e:  # safetensors' own error type for a damaged header
+        raise CheckpointFormatError(f"{f}: not a readable safetensors file ({e})") from None
     self._file = {}
     dtypes = set()
     for s in specs:
@@ -324,8 +329,11 @@ def _tensor_files(path: Path, stem: str) -> dict[str, Path]:
   single = path / f"{stem}.safetensors"
   if not single.is_file():
     raise CheckpointFormatError(f"{path}: no {single.name} and no {index.name}")
-  with safe_open(str(single), framework="np") as f:
-    return {name: single for name in f.keys()}
+  try:
+    with safe_open(str(single), framework="np") as f:
+      return {name: single for name in f.keys()}
+  except Exception as e:  # safetensors' own error type for a damaged header
+    raise CheckpointFormatError(f"{single}: not a readable safetensors file ({e})") from None
 
 
 def checkpoint_shape(path: str | Path) -> dict[str, Any]:
