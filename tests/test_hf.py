@@ -219,3 +219,16 @@ def test_init_from_config_errors_name_the_field(tmp_path):
   with pytest.raises(ConfigError, match="model.rope_scaling.beta_fast: not used"):
     small_config("model.rope_scaling.type=linear", "model.rope_scaling.factor=2",
                  "model.rope_scaling.beta_fast=16")
+
+
+def test_export_keeps_the_rope_scaling_and_the_architecture(tmp_path):
+  """Qwen2 (tied, biased) with YaRN in, the same architecture and Hugging Face's rope_scaling out."""
+  cfg = dict(QWEN2, rope_scaling=YARN)
+  path, _ = _checkpoint(tmp_path, cfg)
+  assert convert.main(["import", str(path), str(tmp_path / "imported")]) == 0
+  assert convert.main(["export", str(tmp_path / "imported"), str(tmp_path / "back")]) == 0
+  back = json.loads((tmp_path / "back" / "config.json").read_text())
+  assert back["architectures"] == ["Qwen2ForCausalLM"] and back["tie_word_embeddings"] is True
+  assert back["rope_scaling"] == YARN and back["max_position_embeddings"] == 256
+  assert hf.Checkpoint(tmp_path / "back").fields == hf.Checkpoint(path).fields
+  assert convert.main(["export", str(tmp_path / "imported"), str(tmp_path / "back")]) == 2  # not empty

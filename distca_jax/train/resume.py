@@ -24,7 +24,9 @@ def resume(checkpointer: Checkpointer, trainer, state, step: int | None, main: b
   and a start from step 0."""
   if step is None and checkpointer.latest_step() is None:
     if main:
-      log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")
+      init_from = trainer.config.model.init_from
+      log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0"
+          + (f" with the parameters of {init_from}" if init_from else ""))
     return state, None
   expect = {"model": trainer.shape.record()}
 
