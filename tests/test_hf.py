@@ -232,3 +232,35 @@ def test_export_keeps_the_rope_scaling_and_the_architecture(tmp_path):
   assert back["rope_scaling"] == YARN and back["max_position_embeddings"] == 256
   assert hf.Checkpoint(tmp_path / "back").fields == hf.Checkpoint(path).fields
   assert convert.main(["export", str(tmp_path / "imported"), str(tmp_path / "back")]) == 2  # not empty
+
+
+def test_sharded_load_reads_only_each_devices_slices(step0, monkeypatch):
+  """FSDP over 4 and tensor parallelism over 2: every read of a projection is one device's
+  shard (an eighth of it), never the whole tensor."""
+  path = step0[0]
+  reads = []
+  read = hf.Checkpoint.read
+  monkeypatch.setattr(hf.Checkpoint, "read", lambda self, name, index=None: reads.append(
+      (name, read(self, name, index).size)) or read(self, name, index))
+  cfg = small_config(f"model.init_from={path}", "mesh.data=4", "mesh.tensor=2",
+                     "data.tokens_per_device=128")
+  trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:8]))
+  trainer.load_params(str(path))
+  wq = [size for name, size in reads if name == "blocks.0.attn.wq"]
+  assert len(wq) == 8 and all(size == 64 * 64 // 8 for size in wq), wq
+
+
+def test_pipelined_checkpoints_export_one_entry_per_layer():
+  """A pipeline's stacked blocks come back as the unpipelined model's, as `join_blocks` does."""
+  from distca_jax.train import pipeline
+  from distca_jax.train.export import _unstack_blocks
+
+  rng = np.random.default_rng(0)
+  pure = {"embed": rng.normal(size=(4, 2)), "final_norm": {"scale": rng.normal(size=2)},
+          "lm_head": rng.normal(size=(2, 4)),
+          "blocks": {i: {"attn": {"wq": rng.normal(size=(2, 3)).astype(np.float32)}} for i in range(4)}}
+  stacked = pipeline.split_blocks(pure, 4, 2)
+  flat = {"blocks.attn.wq": np.asarray(stacked["blocks"]["attn"]["wq"]), "embed": pure["embed"]}
+  out = _unstack_blocks(flat, 4, 2)
+  for i in range(4):
+    np.testing.assert_array_equal(out[f"blocks.{i}.attn.wq"], pure["blocks"][i]["attn"]["wq"])
