@@ -39,9 +39,10 @@ def _checkpoint(tmp_path, cfg, name="hf", shards=1, dtype=np.float32, seed=0):
   return tmp_path / name, t
 
 
-def _our_logits(path, tokens, *overrides):
-  cfg = small_config(f"model.init_from={path}", "data.tokens_per_device=128", "mesh.data=1",
-                     *overrides)
+def _our_logits(paths, tokens):
+  """Logits of one document of `tokens` from the parameters of each checkpoint of `paths` (all
+  of the first one's shape), on one device in fp32."""
+  cfg = small_config(f"model.init_from={paths[0]}", "data.tokens_per_device=128", "mesh.data=1")
   trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
   batch = make_batch(np.array([len(tokens)]), tokens, 1, len(tokens))
   arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch, trainer.shape))
@@ -51,7 +52,7 @@ def _our_logits(path, tokens, *overrides):
     model = nnx.merge(trainer.graphdef, params)
     return model(arrays["tokens"], arrays["positions"], ctx)[0] @ model.head_weight()
 
-  return np.asarray(logits(trainer.load_params(str(path)), arrays, ctx))
+  return [np.asarray(logits(trainer.load_params(str(p)), arrays, ctx)) for p in paths]
 
 
 @pytest.mark.parametrize("case", ["llama_sharded_llama3", "qwen2_tied_bias_yarn"])
@@ -65,10 +66,10 @@ def test_imported_logits_match_transformers_equations(tmp_path, case):
   path, t = _checkpoint(tmp_path, cfg, shards=shards)
   tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], 128).astype(np.int32)
   want = hf_logits(t, cfg, tokens)
-  got = _our_logits(path, tokens)
-  assert np.max(np.abs(got - want)) <= 1e-4 * max(1.0, np.max(np.abs(want))), np.max(np.abs(got - want))
   assert convert.main(["import", str(path), str(tmp_path / "imported")]) == 0
-  np.testing.assert_array_equal(_our_logits(tmp_path / "imported", tokens), got)
+  got, imported = _our_logits([path, tmp_path / "imported"], tokens)
+  assert np.max(np.abs(got - want)) <= 1e-4 * max(1.0, np.max(np.abs(want))), np.max(np.abs(got - want))
+  np.testing.assert_array_equal(imported, got)
 
 
 def test_rope_inverse_frequencies_follow_the_published_formulas():
