@@ -19,6 +19,7 @@ from distca_jax.schema import (ConfigError, Fraction, NonNegFloat, NonNegInt, No
                                OutputDir, PositiveFloat, PositiveInt, Probability, Range, Seed,
                                StepCount, check, load, parse_override, read_yaml_mapping, to_yaml)
 from distca_jax.schema import to_dict as _to_dict
+from distca_jax.models.rope import RopeScaling
 
 __all__ = ["Config", "ConfigError", "load_config", "parse_override", "read_yaml_mapping", "to_dict",
            "to_yaml", "validate"]
@@ -44,13 +45,25 @@ class ModelConfig:
   head_dim: PositiveInt | None = None
   ffn: PositiveInt | None = None
   rope_theta: PositiveFloat | None = None
-  norm_eps: PositiveFloat = 1e-5
+  # RMSNorm's epsilon; unset: 1e-5, or with model.init_from the checkpoint's.
+  norm_eps: PositiveFloat | None = None
+  # The LM head is the embedding's transpose (Llama-3.2-1B/3B); unset: false, or the checkpoint's.
+  tie_embeddings: bool | None = None
+  # Q, K and V projections with a bias (Qwen2); unset: false, or the checkpoint's.
+  qkv_bias: bool | None = None
+  # Start from these parameters (fresh optimizer, step 0): a directory `launch/convert.py import`
+  # wrote, or a Hugging Face checkpoint directory (config.json and *.safetensors). The model's
+  # shape is the checkpoint's (an explicit field that disagrees is an error); rope_theta and
+  # rope_scaling may change. A run that has checkpoints of its own resumes them instead.
+  init_from: str | None = None
   # Rematerialisation of each decoder block in the backward pass.
   # auto: on GPU the first of none / save_proj / save_attn / full whose compiled step fits the
   # device's memory (models/llama.py REMAT_POLICIES, train/step.py); full on CPU and with
   # mesh.pipe > 1.
   remat: Literal["auto", "none", "save_proj", "save_attn", "save_dots", "full"] = "auto"
   dtype: Literal["bfloat16", "float32"] = "bfloat16"
+  # RoPE scaling for context extension (Hugging Face's `rope_scaling` fields).
+  rope_scaling: RopeScaling = RopeScaling()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +320,9 @@ def validate(config: Config) -> None:
                         f"forward and backward ticks and recomputes each block once (full remat); "
                         f"got {config.model.remat!r}, set model.remat=full (or auto, which takes full) with "
                         f"mesh.pipe > 1")
+  if shape.tie_embeddings and m.pipe > 1:
+    raise ConfigError("model.tie_embeddings: not with mesh.pipe > 1 yet (the embedding and the LM "
+                      "head live on different stages); set mesh.pipe=1")
   if config.train.microbatches > 1 and m.pipe == 1:
     raise ConfigError("train.microbatches: > 1 needs mesh.pipe > 1 (gradient accumulation "
                       "without a pipeline is not implemented)")

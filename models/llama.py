@@ -28,6 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from .presets import ModelShape
+from .rope import attention_factor, inv_freq
 
 CoreAttention = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
 Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
@@ -41,18 +42,21 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None,
   return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes)
 
 
-def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding (rotate-half form) at the given in-document positions, computed in fp32."""
+def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float, scaling=None) -> jax.Array:
+  """Rotary embedding (rotate-half form, as Hugging Face's Llama) at the given in-document
+  positions, computed in fp32; `scaling`: a `rope.RopeScaling` or None."""
   with jax.named_scope("rope"):  # the profiler's step parts (distca_jax/train/profile.py)
-    return _rope(x_BxTxNxE, positions_BxT, theta)
+    return _rope(x_BxTxNxE, positions_BxT, theta, scaling)
 
 
-def _rope(x_BxTxNxE, positions_BxT, theta):
+def _rope(x_BxTxNxE, positions_BxT, theta, scaling):
   E = x_BxTxNxE.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, E, 2, dtype=jnp.float32) / E)
-  angle_BxTxE2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
-  sin = jnp.sin(angle_BxTxE2)[:, :, None, :]
-  cos = jnp.cos(angle_BxTxE2)[:, :, None, :]
+  freqs_E2 = jnp.asarray(inv_freq(E, theta, scaling))
+  angle_BxTxE2 = positions_BxT[..., None].astype(jnp.float32) * freqs_E2
+  # YaRN's attention factor scales cos and sin (1 otherwise), as Hugging Face applies it.
+  scale = attention_factor(scaling)
+  sin = (jnp.sin(angle_BxTxE2) * scale)[:, :, None, :]
+  cos = (jnp.cos(angle_BxTxE2) * scale)[:, :, None, :]
   x1, x2 = jnp.split(x_BxTxNxE.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxTxNxE.dtype)
@@ -82,7 +86,14 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, init, (D, K, E), ("embed", "kv_heads", "head_dim"))
     self.wo = _param(rngs, nnx.initializers.normal((H * E) ** -0.5), (H, E, D),
                      ("heads", "head_dim", "embed"))
+    if shape.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = _param(rngs, zeros, (H, E), ("heads", "head_dim"))
+      self.bk = _param(rngs, zeros, (K, E), ("kv_heads", "head_dim"))
+      self.bv = _param(rngs, zeros, (K, E), ("kv_heads", "head_dim"))
+    self.qkv_bias = shape.qkv_bias
     self.theta = shape.rope_theta
+    self.rope_scaling = shape.rope_scaling
     self.dtype = dtype
     self.core_attention = core_attention
     self.constrain = constrain
@@ -93,8 +104,12 @@ class Attention(nnx.Module):
     q = jnp.einsum("btd,dhe->bthe", x_BxTxD, c(self.wq))
     k = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wk))
     v = jnp.einsum("btd,dke->btke", x_BxTxD, c(self.wv))
-    q = self.constrain(rope(q, positions_BxT, self.theta), ("batch", "seq", "heads", "head_dim"))
-    k = self.constrain(rope(k, positions_BxT, self.theta), ("batch", "seq", "kv_heads", "head_dim"))
+    if self.qkv_bias:
+      q, k, v = q + c(self.bq), k + c(self.bk), v + c(self.bv)
+    q = rope(q, positions_BxT, self.theta, self.rope_scaling)
+    k = rope(k, positions_BxT, self.theta, self.rope_scaling)
+    q = self.constrain(q, ("batch", "seq", "heads", "head_dim"))
+    k = self.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     return q, k, self.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
 
   def output(self, o_BxTxHxE):
@@ -168,8 +183,8 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
   """Token embedding, `layers` decoder blocks, final RMSNorm; `__call__` returns the final hidden
-  states, and `logits` / the loss in `distca_jax.train` apply the LM head (chunked, so the
-  [T, V] logits never exist at once)."""
+  states, and `logits` / the loss in `distca_jax.train` apply the LM head (`head_weight`;
+  chunked, so the [T, V] logits never exist at once)."""
 
   def __init__(self, shape: ModelShape, *, dtype=jnp.bfloat16, remat: str = "full",
                core_attention: CoreAttention, constrain: Constrain = _identity_constrain,
@@ -181,10 +196,15 @@ class Llama(nnx.Module):
     self.blocks = nnx.List([Block(shape, dtype, core_attention, constrain, rngs, norm_eps)
                             for _ in range(shape.layers)])
     self.final_norm = RMSNorm(shape.hidden, norm_eps)
-    self.lm_head = _param(rngs, nnx.initializers.normal(shape.hidden ** -0.5),
-                          (shape.hidden, shape.vocab_size), ("embed", "vocab"))
+    if not shape.tie_embeddings:
+      self.lm_head = _param(rngs, nnx.initializers.normal(shape.hidden ** -0.5),
+                            (shape.hidden, shape.vocab_size), ("embed", "vocab"))
     self.remat = remat
     self.constrain = constrain
+
+  def head_weight(self) -> jax.Array:
+    """The LM head [D, V]: its own parameter, or the embedding's transpose when tied."""
+    return self.embed[...].T if self.shape.tie_embeddings else self.lm_head[...]
 
   def __call__(self, tokens_BxT, positions_BxT, attn_ctx):
     """Final hidden states [B, T, D] in the compute dtype.

@@ -346,3 +346,175 @@ def global_plan(n: int, dist: str, T: int = 256):
   comm = gate_lib.comm_model(resolve(cfg.model), cfg.attention)
   return batch, make_plan(batch.layout, comm, epsilon=cfg.attention.epsilon)
 
+
+
+# ----------------------------------------------------------------------------- Hugging Face side
+# Written from transformers' Llama / Qwen2 definitions, independently of distca_jax/models/hf.py:
+# tensor names, nn.Linear's [out, in] weights, rotate-half RoPE with cos/sin scaled by the
+# attention factor, repeat_kv's grouping (query head h reads key/value head h // (H / K)).
+
+HF_TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=96,
+               hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10_000.0,
+               tie_word_embeddings=False, hidden_act="silu", max_position_embeddings=256,
+               torch_dtype="float32")
+
+
+def hf_tensors(cfg: dict, seed: int = 0, dtype=np.float32) -> dict:
+  """Random parameters of `cfg` under Hugging Face's names and layouts."""
+  rng = np.random.default_rng(seed)
+  D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+  H, K = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+  E = cfg.get("head_dim") or D // H
+  r = lambda *s, scale=1.0: (rng.standard_normal(s) * scale).astype(dtype)
+  t = {"model.embed_tokens.weight": r(V, D), "model.norm.weight": 1 + r(D, scale=0.1)}
+  for i in range(cfg["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    t.update({p + "input_layernorm.weight": 1 + r(D, scale=0.1),
+              p + "post_attention_layernorm.weight": 1 + r(D, scale=0.1),
+              p + "self_attn.q_proj.weight": r(H * E, D, scale=D ** -0.5),
+              p + "self_attn.k_proj.weight": r(K * E, D, scale=D ** -0.5),
+              p + "self_attn.v_proj.weight": r(K * E, D, scale=D ** -0.5),
+              p + "self_attn.o_proj.weight": r(D, H * E, scale=(H * E) ** -0.5),
+              p + "mlp.gate_proj.weight": r(F, D, scale=D ** -0.5),
+              p + "mlp.up_proj.weight": r(F, D, scale=D ** -0.5),
+              p + "mlp.down_proj.weight": r(D, F, scale=F ** -0.5)})
+    if cfg["architectures"] == ["Qwen2ForCausalLM"]:
+      t.update({p + "self_attn.q_proj.bias": r(H * E, scale=0.5),
+                p + "self_attn.k_proj.bias": r(K * E, scale=0.5),
+                p + "self_attn.v_proj.bias": r(K * E, scale=0.5)})
+  if not cfg.get("tie_word_embeddings"):
+    t["lm_head.weight"] = r(V, D, scale=D ** -0.5)
+  return t
+
+
+def write_hf_checkpoint(path, cfg: dict, tensors: dict, shards: int = 1) -> None:
+  """config.json and model.safetensors, or `shards` files with model.safetensors.index.json."""
+  import json
+  from safetensors.numpy import save_file
+
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(json.dumps(cfg))
+  if shards == 1:
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return
+  names = sorted(tensors)
+  weight_map = {}
+  for i in range(shards):
+    file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+    part = {n: tensors[n] for n in names[i::shards]}
+    save_file(part, str(path / file), metadata={"format": "pt"})
+    weight_map.update({n: file for n in part})
+  (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def hf_inv_freq(cfg: dict) -> tuple[np.ndarray, float]:
+  """(inverse frequencies, attention factor) by the published formulas: plain RoPE, linear,
+  Meta's Llama 3.1 `apply_scaling` (a loop over frequencies), and YaRN's reference
+  implementation (correction dims rounded outwards, a linear ramp over dimensions)."""
+  import math
+
+  E = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+  base = cfg["rope_theta"]
+  freqs = [1.0 / base ** (2 * i / E) for i in range(E // 2)]
+  rs = cfg.get("rope_scaling") or {"rope_type": "default"}
+  kind = rs["rope_type"]
+  if kind == "linear":
+    return np.array([f / rs["factor"] for f in freqs]), 1.0
+  if kind == "llama3":
+    old, lo, hi, s = (rs["original_max_position_embeddings"], rs["low_freq_factor"],
+                      rs["high_freq_factor"], rs["factor"])
+    out = []
+    for f in freqs:
+      wavelen = 2 * math.pi / f
+      if wavelen < old / hi:
+        out.append(f)
+      elif wavelen > old / lo:
+        out.append(f / s)
+      else:
+        smooth = (old / wavelen - lo) / (hi - lo)
+        out.append((1 - smooth) * f / s + smooth * f)
+    return np.array(out), 1.0
+  if kind == "yarn":
+    s, L = rs["factor"], rs["original_max_position_embeddings"]
+    dim_of = lambda rot: E * math.log(L / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low = max(math.floor(dim_of(rs.get("beta_fast", 32))), 0)
+    high = min(math.ceil(dim_of(rs.get("beta_slow", 1))), E - 1)
+    out = []
+    for i, f in enumerate(freqs):
+      ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+      out.append(f / s * ramp + f * (1 - ramp))
+    return np.array(out), rs.get("attention_factor", 0.1 * math.log(s) + 1.0)
+  return np.array(freqs), 1.0
+
+
+def hf_logits(t: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
+  """[T, V] float64 logits of one document (positions 0..T-1), transformers' equations in numpy."""
+  w = {k: np.asarray(v, np.float64) for k, v in t.items()}
+  D, H, K = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+  E, T, eps = cfg.get("head_dim") or D // H, len(tokens), cfg["rms_norm_eps"]
+  inv, attn_factor = hf_inv_freq(cfg)
+  emb = np.concatenate([np.outer(np.arange(T), inv)] * 2, -1)  # [T, E]
+  cos, sin = np.cos(emb) * attn_factor, np.sin(emb) * attn_factor
+
+  def norm(x, g):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * g
+
+  def linear(x, name):
+    y = x @ w[name + ".weight"].T
+    return y + w[name + ".bias"] if name + ".bias" in w else y
+
+  def rotate(x):  # [n, T, E]
+    return x * cos + np.concatenate([-x[..., E // 2:], x[..., :E // 2]], -1) * sin
+
+  x = w["model.embed_tokens.weight"][tokens]
+  mask = np.triu(np.full((T, T), -np.inf), 1)
+  for i in range(cfg["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    h = norm(x, w[p + "input_layernorm.weight"])
+    q = rotate(linear(h, p + "self_attn.q_proj").reshape(T, H, E).transpose(1, 0, 2))
+    k = rotate(linear(h, p + "self_attn.k_proj").reshape(T, K, E).transpose(1, 0, 2))
+    v = linear(h, p + "self_attn.v_proj").reshape(T, K, E).transpose(1, 0, 2)
+    k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)
+    s = q @ k.transpose(0, 2, 1) / np.sqrt(E) + mask
+    s = np.exp(s - s.max(-1, keepdims=True))
+    o = (s / s.sum(-1, keepdims=True)) @ v
+    x = x + linear(o.transpose(1, 0, 2).reshape(T, H * E), p + "self_attn.o_proj")
+    h = norm(x, w[p + "post_attention_layernorm.weight"])
+    g = linear(h, p + "mlp.gate_proj")
+    x = x + linear(g / (1 + np.exp(-g)) * linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+  x = norm(x, w["model.norm.weight"])
+  head = w["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else w["lm_head.weight"]
+  return x @ head.T
+
+
+def hf_batch_loss(t: dict, cfg: dict, batch) -> float:
+  """Mean loss of a packed `Batch` by `hf_logits`: each document a run of one segment id in the
+  flat stream (its buffers in order), its targets and mask the batch's."""
+  seg, tokens = batch.segment_ids.reshape(-1), batch.tokens.reshape(-1)
+  targets, mask = batch.targets.reshape(-1), batch.loss_mask.reshape(-1).astype(np.float64)
+  total, start = 0.0, 0
+  for end in [*np.flatnonzero(seg[1:] != seg[:-1]) + 1, len(seg)]:
+    if seg[start] >= 0:
+      logits = hf_logits(t, cfg, tokens[start:end])
+      logp = logits - logits.max(-1, keepdims=True)
+      logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+      total -= (logp[np.arange(end - start), targets[start:end]] * mask[start:end]).sum()
+    start = end
+  return total / mask.sum()
+
+
+def hf_loss(t: dict, cfg: dict, doc_lens, tokens_flat: np.ndarray) -> float:
+  """Mean next-token loss over documents (each from position 0; a document's last token has no
+  target), by `hf_logits`."""
+  total, count, start = 0.0, 0, 0
+  for n in doc_lens:
+    doc = tokens_flat[start:start + n]
+    logits = hf_logits(t, cfg, doc)[:-1]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    total -= logp[np.arange(n - 1), doc[1:]].sum()
+    count += n - 1
+    start += n
+  return total / count

@@ -300,3 +300,20 @@ def test_processes_with_different_configs_stop_before_training(tmp_path):
   for rc, out in got:
     assert rc == 2, out
     assert "config error: process(es) 1 run another config than process 0 in optim" in out, out
+
+
+def test_two_processes_start_from_the_same_checkpoint(tmp_path):
+  """`model.init_from` with 2 processes, each reading only the slices its devices hold: the
+  step-0 loss is transformers' equations' on the run's first batch (`helpers.hf_batch_loss`)."""
+  from helpers import HF_TINY, hf_batch_loss, hf_tensors, write_hf_checkpoint
+
+  cfg = dict(HF_TINY, num_hidden_layers=1, intermediate_size=128, vocab_size=256)
+  tensors = hf_tensors(cfg)
+  write_hf_checkpoint(tmp_path / "hf", cfg, tensors, shards=2)
+  extra = [f"model.init_from={tmp_path / 'hf'}", "train.steps=1", "attention.impl=colocated",
+           "mesh.tensor=2", "checkpoint.every=0"]
+  proc = _two_processes(tmp_path, "two", *extra)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  two = json.loads((tmp_path / "two" / "summary.json").read_text())
+  batch = loop.make_source(small_config(*ARGS, *extra), 4).batch(0)
+  np.testing.assert_allclose(two["losses"][0], hf_batch_loss(tensors, cfg, batch), rtol=1e-5)

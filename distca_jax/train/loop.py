@@ -416,7 +416,7 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
 
 def _save(job: Job, p: Progress, step: int) -> None:
   """Checkpoints the state as step `step` unless that step is saved already."""
-  extra = {"step": step, "model": dataclasses.asdict(job.trainer.shape),
+  extra = {"step": step, "model": job.trainer.shape.record(),
            "pipeline_stages": job.trainer.stages, "step_shapes": p.step_sizes}
   # `extra`: the data iterator's state (the step), the model shape it belongs to, the pipeline
   # stages of its parameter layout, and the step capacities its steps had reached, so a resumed

@@ -8,7 +8,6 @@ refused with how to resume it or start afresh.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -25,9 +24,11 @@ def resume(checkpointer: Checkpointer, trainer, state, step: int | None, main: b
   and a start from step 0."""
   if step is None and checkpointer.latest_step() is None:
     if main:
-      log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0")
+      init_from = trainer.config.model.init_from
+      log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0"
+          + (f" with the parameters of {init_from}" if init_from else ""))
     return state, None
-  expect = {"model": dataclasses.asdict(trainer.shape)}
+  expect = {"model": trainer.shape.record()}
 
   def problem(tree) -> str | None:
     leaf = first_nonfinite_leaf(tree)

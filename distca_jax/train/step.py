@@ -27,7 +27,7 @@ from distca_jax.data.sources import Batch
 from distca_jax.models.llama import AUTO_ORDER, Llama
 from distca_jax.models.presets import ModelShape, resolve
 from distca_jax.train import metrics as metrics_lib
-from distca_jax.train.finite import tree_all_finite
+from distca_jax.train.finite import leaf_name, tree_all_finite
 from distca_jax.train.loss import chunked_cross_entropy
 from distca_jax.train.optimizer import make_optimizer
 
@@ -107,13 +107,14 @@ class Trainer:
     def build(seed):
       return Llama(self.shape, dtype=dtype, remat=self.remat or AUTO_ORDER[0],
                    core_attention=self.core_attention, constrain=constrain,
-                   norm_eps=config.model.norm_eps, rngs=nnx.Rngs(seed))
+                   norm_eps=self.shape.norm_eps, rngs=nnx.Rngs(seed))
 
     self._build = build
     abstract_model = nnx.eval_shape(lambda: build(0))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     self.abstract_params = abstract_params  # the unpipelined layout (checkpoint relayout)
     self.param_shardings = mesh_lib.param_shardings(abstract_params, mesh, self.rules)
+    self.flat_param_shardings = self.param_shardings  # the unpipelined layout's
     # With mesh.pipe > 1 the parameters take the pipeline layout (blocks stacked per stage,
     # pipeline.split_blocks) and the step runs the lock-step 1F1B schedule.
     self.pipeline = None
@@ -135,10 +136,14 @@ class Trainer:
     return pipeline.split_blocks(params, self.shape.layers, self.pipeline.stages)
 
   def init_state(self, seed: int) -> TrainState:
-    """Parameters initialised directly in their shardings (never materialised on one device);
+    """Parameters initialised directly in their shardings (never materialised on one device),
+    or with `model.init_from` read from that checkpoint (`load_params`; `seed` unused);
     optimizer moments inherit each parameter's sharding."""
-    seed_arr = jnp.asarray(seed, jnp.uint32)
-    params = jax.jit(self._init_params, out_shardings=self.param_shardings)(seed_arr)
+    if self.config.model.init_from is not None:
+      params = self.load_params(self.config.model.init_from)
+    else:
+      seed_arr = jnp.asarray(seed, jnp.uint32)
+      params = jax.jit(self._init_params, out_shardings=self.param_shardings)(seed_arr)
     opt_state = jax.jit(self.tx.init)(params)
     replicated = NamedSharding(self.mesh, P())
     # Scalars of the optimizer (counts) come out on one device: replicate them over the mesh.
@@ -150,6 +155,36 @@ class Trainer:
         opt_state)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     return TrainState(step=step, params=params, opt_state=opt_state)
+
+  def load_params(self, path: str):
+    """The parameters of the checkpoint at `path` (Hugging Face's or an imported one, `models/hf.py`)
+    in fp32, placed straight into their shardings: each process reads only the slices its own
+    devices hold, once per distinct slice."""
+    from distca_jax.models import hf
+
+    source = hf.Checkpoint(path)
+    name_of = lambda p: leaf_name(p).removesuffix("/value").replace("/", ".")
+    shardings = {name_of(p): s for p, s in
+                 jax.tree_util.tree_flatten_with_path(self.flat_param_shardings)[0]}
+
+    def one(path_, abstract):
+      name, sharding = name_of(path_), shardings[name_of(path_)]
+      if name not in source.specs or source.specs[name].shape != tuple(abstract.shape):
+        raise ConfigError(f"model.init_from: {path} has no parameter {name} of shape "
+                          f"{tuple(abstract.shape)}")
+      read = functools.lru_cache(maxsize=None)(
+          lambda key: source.read(name, tuple(slice(*k) for k in key)).astype(np.float32))
+      return jax.make_array_from_callback(
+          abstract.shape, sharding,
+          lambda index: read(tuple((s.start, s.stop) for s in index)))
+
+    params = jax.tree_util.tree_map_with_path(one, self.abstract_params)
+    if self.pipeline is None:
+      return params
+    from distca_jax.train import pipeline
+
+    return jax.jit(lambda p: pipeline.split_blocks(p, self.shape.layers, self.pipeline.stages),
+                   out_shardings=self.param_shardings)(params)
 
   def abstract_state(self) -> TrainState:
     """The state `init_state` makes, as shapes with their shardings and nothing allocated: for
@@ -194,7 +229,7 @@ class Trainer:
     # The mean's 1 / count goes into the loss, where its backward applies it (the head's
     # gradient is computed in the loss's forward pass, `loss.chunked_cross_entropy`).
     scale = 1.0 / jnp.maximum(count, 1.0)
-    loss = sum(chunked_cross_entropy(h_i, model.lm_head[...], t_i, m_i, scale=scale)
+    loss = sum(chunked_cross_entropy(h_i, model.head_weight(), t_i, m_i, scale=scale)
                for h_i, t_i, m_i in zip(hs, targets, masks))
     return loss, count
 
