@@ -60,6 +60,9 @@
 #          busiest device's moving rows, X_BATCHES (1) batches, X_TOKENS (65536) tokens per device,
 #          X_TIMEOUT (240 s) a cluster size; X_STEP_LAYERS (2; 0: none): also whole training steps
 #          of llama3_8b with that many layers, colocated and CAD per transport (temporaries)
+# Checkpoint formats (launch/tools/hf_reference_check.py):
+#   hf     the Hugging Face converter against transformers itself (the machine's torch and
+#          transformers, on its CPU): import logits and the export reloaded by from_pretrained
 # Kernels (launch/bench_kernels.py, launch/tools/ab_mosaic.py) and GPU-only tests:
 #   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter; none: skip), then
 #          launch/bench_kernels.py with K_ARGS (none: skip); logs append, so it can run repeatedly
@@ -100,6 +103,8 @@ for suite in "$@"; do
            find "$CAD_TRACE"/*-distca -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/cad_trace.json.gz" \;
            python3 -P launch/tools/overlap_report.py "$OUT/cad_trace.json.gz" 2>&1 | tee "$OUT/overlap.log"
          fi ;;
+    hf) JAX_PLATFORMS=cpu timeout -k 10 ${HF_TIMEOUT:-150} python3 -P launch/tools/hf_reference_check.py 2>&1 \
+           | grep -v -i warn | tee -a "$OUT/hf.log" ;;
     overhead) CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${O_TIMEOUT:-560} python3 -P launch/bench_train.py --suite overhead \
            --tokens ${O_TOKENS:-65536} --batches ${O_BATCHES:-pretrain prolong uniform} --warmup 1 --steps 3 \
            --json "$OUT/overhead.json" model.preset=llama3_8b model.layers=${O_LAYERS:-2} data.length_scale=1 \
