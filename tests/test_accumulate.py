@@ -14,6 +14,7 @@ import pytest
 from distca_jax import attention as attention_lib
 from distca_jax import mesh as mesh_lib
 from distca_jax.data.sources import make_batch, synthetic_from_config
+from distca_jax.train import accumulate
 from distca_jax.train.step import Trainer
 
 from helpers import small_config, tree_rel_err
@@ -51,6 +52,10 @@ def test_data4_with_two_microbatches_equals_data8(impl):
                                   np.concatenate([getattr(b, name) for b in mbs]), name)
   # A document spanning buffers inside a micro-batch, so attention crosses devices in both.
   assert (whole.layout.doc_offset > 0).any()
+  # ...and the loop's own view of the step (its FLOP and token counts) is that batch.
+  step_view = accumulate.MicroBatches(tuple(mbs), (), ()).as_batch()
+  np.testing.assert_array_equal(step_view.layout.segment_ids(), whole.layout.segment_ids())
+  assert accumulate.MicroBatches(tuple(mbs), (), ()).step_tokens == whole.loss_mask.sum()
 
   state8 = t8.init_state(0)
   params = jax.device_get(state8.params)
@@ -60,7 +65,7 @@ def test_data4_with_two_microbatches_equals_data8(impl):
   (loss8, count8), grads8 = jax.jit(jax.value_and_grad(t8.loss_fn, has_aux=True))(
       state8.params, *_placed(t8, cfg8, whole))
 
-  step_tokens = sum(float(b.loss_mask.sum()) for b in mbs)
+  step_tokens = float(whole.loss_mask.sum())
   zero, _ = t4._accumulation_fns(state4)
   acc = zero(state4.params)
   tokens = np.float32(step_tokens)

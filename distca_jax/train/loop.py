@@ -133,8 +133,8 @@ class Job:
   start_step: int           # 0, or the step the run resumed from
   shapes: StepShapes        # step capacities: only grow; a resumed run starts from its checkpoint's
   init_s: float             # model init and restore time (counted in Summary.compile_s)
-  # Tokens per source read before the steps this layout counts: nonzero where a resume took a
-  # new data layout (data.resume_new_layout), whose counts start again at its start step.
+  # Tokens per source the run read beyond what this layout's counts from step 0 give: nonzero
+  # once a resume took a new data layout (data.resume_new_layout).
   tokens_base: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def tokens_by_source(self, steps: int) -> dict[str, int]:
@@ -238,21 +238,21 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
 def _resumed_data(job: Job, saved: dict | None, log) -> dict[str, int]:
   """Checks that the resumed checkpoint's data layout is this run's (else a ConfigError, unless
   data.resume_new_layout) and returns `Job.tokens_base`."""
-  if not saved:  # a checkpoint from before layouts were kept
+  if not saved:  # a checkpoint that keeps no data layout
     return {}
   c = job.config
   now = data_layout(c.data, job.mesh.shape["data"], c.train.microbatches)
   change = layout_change(saved["layout"], now)
-  if not change:
-    return {}
-  if not c.data.resume_new_layout:
+  if change and not c.data.resume_new_layout:
     raise ConfigError(f"data layout: the checkpoint at step {job.start_step} was trained on "
                       f"another ({change}), so its batches would not continue; set "
                       f"data.resume_new_layout=true to continue with this layout")
-  if job.main:
+  if change and job.main:
     log(f"data layout changed at step {job.start_step} ({change}): continuing with the new one")
+  # Zero unless some resume took a new layout: the counts carry what the old one read.
   at = job.source.tokens_by_source(job.start_step * c.train.microbatches)
-  return {k: v - at.get(k, 0) for k, v in saved.get("tokens_by_source", {}).items()}
+  base = {k: v - at.get(k, 0) for k, v in saved.get("tokens_by_source", {}).items()}
+  return {k: v for k, v in base.items() if v}
 
 
 def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bool]:
