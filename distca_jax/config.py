@@ -20,6 +20,7 @@ from distca_jax.schema import (ConfigError, Fraction, NonNegFloat, NonNegInt, No
                                StepCount, check, load, parse_override, read_yaml_mapping, to_yaml)
 from distca_jax.schema import to_dict as _to_dict
 from distca_jax.models.rope import RopeScaling
+from distca_jax.schema import NON_EMPTY
 
 __all__ = ["Config", "ConfigError", "load_config", "parse_override", "read_yaml_mapping", "to_dict",
            "to_yaml", "validate"]
@@ -78,6 +79,21 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixtureSource:
+  """One source of `data.mixture`: a corpus, or a synthetic length distribution, and its weight."""
+
+  # Names the source in the step log, the summary and the checkpoint's token counts.
+  name: Annotated[str, NON_EMPTY] = "source"
+  # Its share of every step's tokens: weight / the sum of the mixture's weights.
+  weight: PositiveFloat = 1.0
+  # A corpus built by `launch/build_corpus.py` (both files), or else synthetic documents whose
+  # lengths follow `distribution` (`pretrain`, `prolong`, or a JSON list of lengths).
+  corpus_tokens: str | None = None
+  corpus_offsets: str | None = None
+  distribution: str = "pretrain"
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where documents come from and how they are packed into per-device buffers."""
 
@@ -112,6 +128,20 @@ class DataConfig:
   packing: Literal["in_order", "wlb"] = "in_order"
   wlb_token_cap: Annotated[float, Range(ge=1, why="a rank holds at least its share")] = 1.03125
   wlb_cp: PositiveInt | Literal["auto"] = "auto"
+  # A weighted mixture of sources instead of `source` (each entry: name, weight, and a corpus or
+  # a synthetic distribution). Every batch gives each source its weight's share of the tokens,
+  # to the token, and draws its documents from (seed, batch), so a resume continues exactly.
+  # The synthetic length settings above (long_threshold, length_scale, ...) apply to its
+  # synthetic sources.
+  mixture: tuple[MixtureSource, ...] = ()
+  # Cut documents longer than this into pieces of at most this many tokens, each a document of
+  # its own (positions restart): a training length, so no position goes past the model's
+  # context. None: documents stay whole.
+  max_doc_len: PositiveInt | None = None
+  # A run resumed with another data layout (mesh.data, train.microbatches, tokens_per_device,
+  # the sources or max_doc_len) is refused, since its batches would not continue the saved
+  # run's; true continues with the new layout from the saved step.
+  resume_new_layout: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +245,9 @@ class TrainConfig:
   steps: StepCount = 30
   seed: Seed = 0
   # Micro-batches per step per data rank, each one buffer of data.tokens_per_device tokens.
-  # With mesh.pipe > 1 they flow through the pipeline (distca_jax/pipeline.py); must be 1 otherwise.
+  # With mesh.pipe > 1 they flow through the pipeline (distca_jax/pipeline.py); otherwise they
+  # run one after another, each planned (and gated) as a step, their gradients summed, with one
+  # optimizer update per step (gradient accumulation: a step of K x data x tokens_per_device).
   microbatches: PositiveInt = 1
   log_every: PositiveInt = 1
   # The run's directory (config.json, summary.json, tb/, checkpoints/). None: a new one per run,
@@ -323,9 +355,8 @@ def validate(config: Config) -> None:
   if shape.tie_embeddings and m.pipe > 1:
     raise ConfigError("model.tie_embeddings: not with mesh.pipe > 1 yet (the embedding and the LM "
                       "head live on different stages); set mesh.pipe=1")
-  if config.train.microbatches > 1 and m.pipe == 1:
-    raise ConfigError("train.microbatches: > 1 needs mesh.pipe > 1 (gradient accumulation "
-                      "without a pipeline is not implemented)")
+  if config.train.microbatches > 1 and d.packing == "wlb":
+    raise ConfigError("train.microbatches: > 1 is not implemented with data.packing=wlb")
   if shape.heads % m.tensor or shape.kv_heads % m.tensor:
     raise ConfigError(
         f"mesh.tensor: {m.tensor} must divide model.heads ({shape.heads}) and model.kv_heads ({shape.kv_heads})")
@@ -338,7 +369,9 @@ def validate(config: Config) -> None:
   if a.exchange == "shifted" and m.pipe > 1:
     raise ConfigError("attention.exchange=shifted: not with mesh.pipe > 1 yet (its ppermutes run "
                       "over `data` alone); use attention.exchange=tiled")
-  if d.source == "corpus":
+  if d.mixture:
+    _check_mixture(d, shape.vocab_size)
+  elif d.source == "corpus":
     _check_corpus(d, shape.vocab_size)
   else:
     _check_distribution(d)
@@ -371,6 +404,29 @@ def _check_distribution(d: DataConfig) -> None:
         f"data.elongate_factor: documents of {d.distribution!r} reach {longest:.3g} tokens after "
         f"data.elongate_factor ({d.elongate_factor}) and data.length_scale ({d.length_scale:g}); "
         f"too long to count")
+
+
+def _check_mixture(d: DataConfig, vocab_size: int) -> None:
+  """Names are unique, each source's corpus (both files) or distribution checks as a lone
+  source's would, and `data.source` is left at its default (the mixture replaces it)."""
+  if d.source != "synthetic" or d.corpus_tokens or d.corpus_offsets:
+    raise ConfigError("data.mixture: replaces data.source and data.corpus_*; list the corpus as a "
+                      "mixture entry instead")
+  names = [s.name for s in d.mixture]
+  if len(set(names)) != len(names):
+    raise ConfigError(f"data.mixture: names must differ, got {names}")
+  for i, s in enumerate(d.mixture):
+    where = f"data.mixture[{i}] ({s.name})"
+    if (s.corpus_tokens is None) != (s.corpus_offsets is None):
+      raise ConfigError(f"{where}: corpus_tokens and corpus_offsets: set both or neither")
+    try:
+      if s.corpus_tokens is not None:
+        _check_corpus(dataclasses.replace(d, corpus_tokens=s.corpus_tokens,
+                                          corpus_offsets=s.corpus_offsets), vocab_size)
+      else:
+        _check_distribution(dataclasses.replace(d, distribution=s.distribution))
+    except ConfigError as e:
+      raise ConfigError(f"{where}: {e}") from None
 
 
 def _check_corpus(d: DataConfig, vocab_size: int) -> None:

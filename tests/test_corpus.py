@@ -129,6 +129,38 @@ def test_build_errors(tmp_path):
     CorpusWriter(tmp_path / "w", vocab_size=10).add([3, 10])
 
 
+def test_glob_and_pretokenized_inputs(tmp_path):
+  """Quoted glob patterns expand to their files sorted by name; .npy (one document, or one per
+  row) and .npz (tokens + offsets) are taken as tokenized, text beside them is tokenized, in the
+  order given."""
+  tok = _make_tokenizer(tmp_path / "tok.json")
+  shards = tmp_path / "shards"
+  shards.mkdir()
+  np.save(shards / "b.npy", np.array([[5, 6, 7], [8, 9, 10]], np.int32))
+  np.save(shards / "a.npy", np.array([1, 2, 3, 4], np.int64))
+  np.savez(tmp_path / "c.npz", tokens=np.array([11, 12, 13, 14, 15]), offsets=np.array([0, 2, 5]))
+  (tmp_path / "d.txt").write_text("w1 w2 w3")
+  out = tmp_path / "c"
+  build_corpus.main(["--tokenizer", str(tmp_path / "tok.json"), "--out", str(out),
+                     str(shards / "*.npy"), str(tmp_path / "c.npz"), str(tmp_path / "d.txt")])
+  corpus = Corpus.open(out / "tokens.bin", out / "offsets.bin")
+  docs = [corpus.document(d).tolist() for d in range(corpus.num_docs)]
+  assert docs == [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15],
+                  tok.encode("w1 w2 w3").ids]
+  # Arrays alone need only the vocabulary's size.
+  build_corpus.main(["--vocab-size", "16", "--out", str(tmp_path / "arr"), str(shards / "a.npy")])
+  assert Corpus.open(tmp_path / "arr" / "tokens.bin", tmp_path / "arr" / "offsets.bin").vocab_size == 16
+  with pytest.raises(SystemExit, match="matches no file"):
+    build_corpus.main(["--vocab-size", "16", "--out", str(tmp_path / "x"), str(tmp_path / "*.nope")])
+  with pytest.raises(SystemExit, match="--tokenizer: needed for the text inputs"):
+    build_corpus.main(["--vocab-size", "16", "--out", str(tmp_path / "x"), str(tmp_path / "d.txt")])
+  with pytest.raises(SystemExit, match="b.npy: .*outside the vocabulary"):
+    build_corpus.main(["--vocab-size", "8", "--out", str(tmp_path / "x"), str(shards / "b.npy")])
+  np.save(tmp_path / "f.npy", np.ones(3, np.float32))
+  with pytest.raises(SystemExit, match="f.npy: token ids must be integers"):
+    build_corpus.main(["--vocab-size", "8", "--out", str(tmp_path / "x"), str(tmp_path / "f.npy")])
+
+
 def _copy_corpus(out: Path, dst: Path) -> tuple[Path, Path]:
   dst.mkdir()
   for name in ("tokens.bin", "offsets.bin", "tokens.json"):

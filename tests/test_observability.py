@@ -135,3 +135,11 @@ def test_summary_text_says_what_it_measured():
                                     out_dir="runs/x"))
   assert "stopped by SIGTERM after step 5; checkpoint at step 5; resume: the same command with " \
          "train.out_dir=runs/x" in stopped
+
+
+def test_summary_says_accumulation_and_each_sources_tokens():
+  text = format_summary(_summary(microbatches=4, data_tokens={"long": 600, "short": 400}))
+  assert "4 micro-batches a step (gradient accumulation)" in text
+  assert "data: long 600 tokens (60.0%), short 400 tokens (40.0%)" in text
+  one = format_summary(_summary(data_tokens={"synthetic": 1000}))
+  assert "micro-batches" not in one and "data:" not in one  # nothing to say for one source

@@ -191,8 +191,9 @@ def test_checkpoint_moves_between_pipeline_layouts(tmp_path):
   piped_trainer, piped_state = trainer_of(piped)  # restored into twice: one trainer a layout
   as_saved, extra = restore(piped_trainer, piped_state, saved_dir)
   assert extra["pipeline_stages"] == 2
+  # 4 data ranks without micro-batches read other batches than 2 with 2: a new data layout.
   flat = small_config(*common, "mesh.data=4", "train.steps=3", f"train.out_dir={tmp_path / 'flat'}",
-                      f"checkpoint.dir={saved_dir}")
+                      f"checkpoint.dir={saved_dir}", "data.resume_new_layout=true")
   unpiped, _ = restore(*trainer_of(flat), saved_dir)
   want = jax.device_get(piped_trainer.relayout(as_saved, 2, 1))
   got = jax.device_get(unpiped)

@@ -41,7 +41,7 @@ import numpy as np
 from distca_jax.schema import ConfigError
 
 from .packing import ranges
-from .sources import Batch, packed_batch
+from .sources import Batch, cut_documents, packed_batch
 
 FORMAT = "distca-corpus"
 VERSION = 1
@@ -304,7 +304,7 @@ class CorpusSource:
   """
 
   def __init__(self, tokens_path, offsets_path, num_buffers: int, buffer_len: int, seed: int = 0,
-               vocab_size: int | None = None):
+               vocab_size: int | None = None, max_doc_len: int | None = None):
     if num_buffers < 1 or buffer_len < 1:
       raise ValueError(f"CorpusSource: need num_buffers >= 1 and buffer_len >= 1, got {num_buffers}, {buffer_len}")
     self.corpus = Corpus.open(tokens_path, offsets_path)
@@ -315,6 +315,7 @@ class CorpusSource:
     self.num_buffers = num_buffers
     self.buffer_len = buffer_len
     self.seed = seed
+    self.max_doc_len = max_doc_len
     self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   @property
@@ -346,8 +347,11 @@ class CorpusSource:
     """
     if step < 0:
       raise ValueError(f"CorpusSource: step must be >= 0, got {step}")
+    return self.stream_pieces(step * self.tokens_per_batch, (step + 1) * self.tokens_per_batch)
+
+  def stream_pieces(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`pieces` of the stream's tokens [lo, hi) (hi > lo)."""
     total = self.corpus.num_tokens
-    lo, hi = step * self.tokens_per_batch, (step + 1) * self.tokens_per_batch
     parts = []
     for epoch in range(lo // total, (hi - 1) // total + 1):
       perm, starts = self._epoch(epoch)
@@ -372,8 +376,20 @@ class CorpusSource:
 
   def batch(self, step: int, rows=None) -> Batch:
     """Global batch `step`, packed into N buffers of T tokens (no padding); its buffers `rows`
-    only when given (the rest zero), reading only their tokens from the file."""
-    doc, doc_offset, length, _ = self.pieces(step)
+    only when given (the rest zero), reading only their tokens from the file. Documents longer
+    than `max_doc_len` are cut into pieces of their own."""
+    length, tokens_at = self.documents(step * self.tokens_per_batch, self.tokens_per_batch)
+    return packed_batch(cut_documents(length, self.max_doc_len), tokens_at, self.num_buffers,
+                        self.buffer_len, rows)
+
+  def tokens_by_source(self, batches: int) -> dict[str, int]:
+    """Tokens the first `batches` batches read (one source)."""
+    return {"corpus": batches * self.tokens_per_batch}
+
+  def documents(self, lo: int, n: int):
+    """(lengths [P], tokens_at): the document pieces of the stream's tokens [lo, lo + n) and
+    the reader of their concatenated tokens by position (0 .. n - 1)."""
+    doc, doc_offset, length, _ = self.stream_pieces(lo, lo + n)
     piece_end = np.cumsum(length)
     file_start = self.corpus.offsets[doc] + doc_offset
 
@@ -384,10 +400,10 @@ class CorpusSource:
       if top >= self.corpus.vocab_size:
         raise CorpusError(
             f"token file {self.corpus.tokens_path}: id {top} >= vocab_size {self.corpus.vocab_size} "
-            f"in batch {step}; the file is corrupt")
+            f"in stream tokens [{lo}, {lo + n}); the file is corrupt")
       return tokens.astype(np.int32)
 
-    return packed_batch(length, tokens_at, self.num_buffers, self.buffer_len, rows)
+    return length, tokens_at
 
 
 # A token file up to this size is read whole when the config is checked, for ids >= vocab_size;
@@ -424,6 +440,7 @@ def corpus_from_config(data_config, num_buffers: int, vocab_size: int | None = N
     raise ConfigError("data.corpus_tokens and data.corpus_offsets: both are required for a corpus source")
   try:
     return CorpusSource(d.corpus_tokens, d.corpus_offsets, num_buffers=num_buffers,
-                        buffer_len=d.tokens_per_device, seed=d.seed, vocab_size=vocab_size)
+                        buffer_len=d.tokens_per_device, seed=d.seed, vocab_size=vocab_size,
+                        max_doc_len=d.max_doc_len)
   except CorpusError as e:
     raise ConfigError(f"data.corpus_tokens / data.corpus_offsets: {e}") from e

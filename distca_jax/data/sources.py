@@ -75,6 +75,20 @@ def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray) -> dict[str
           "positions": np.where(real, flat - start, 0).astype(np.int32)}
 
 
+def cut_documents(doc_lens: np.ndarray, max_len: int | None) -> np.ndarray:
+  """`doc_lens` with each document longer than `max_len` cut into pieces of `max_len` tokens
+  (the last one shorter), in order: the same token stream, each piece a document of its own
+  (its positions restart). None: unchanged."""
+  doc_lens = np.asarray(doc_lens, np.int64)
+  if max_len is None or not doc_lens.size or doc_lens.max() <= max_len:
+    return doc_lens
+  pieces = -(-doc_lens // max_len)
+  out = np.full(int(pieces.sum()), max_len, np.int64)
+  last = np.cumsum(pieces) - 1
+  out[last] = doc_lens - (pieces - 1) * max_len
+  return out
+
+
 def make_batch(doc_lens: np.ndarray, tokens_flat: np.ndarray, num_buffers: int, buffer_len: int) -> Batch:
   """Packs documents (lengths + their concatenated tokens) into buffers with targets."""
   if tokens_flat.size != int(np.sum(doc_lens)):
@@ -117,13 +131,26 @@ class SyntheticSource:
   num_buffers: int
   buffer_len: int
   strides: tuple[int, ...] = (1, 2, 3, 5, 7)
+  max_doc_len: int | None = None
 
   def doc_lengths(self, step: int) -> np.ndarray:
     return self.sampler.sample(self.num_buffers * self.buffer_len, step)
 
   def batch(self, step: int, rows=None) -> Batch:
-    """Global batch `step`, its buffers `rows` only when given (the rest zero)."""
-    doc_lens = self.doc_lengths(step)
+    """Global batch `step`, its buffers `rows` only when given (the rest zero); documents longer
+    than `max_doc_len` cut into pieces of their own."""
+    doc_lens, tokens_at = self.documents(step, self.num_buffers * self.buffer_len)
+    return packed_batch(cut_documents(doc_lens, self.max_doc_len), tokens_at, self.num_buffers,
+                        self.buffer_len, rows)
+
+  def tokens_by_source(self, batches: int) -> dict[str, int]:
+    """Tokens the first `batches` batches drew (one source)."""
+    return {"synthetic": batches * self.num_buffers * self.buffer_len}
+
+  def documents(self, step: int, total: int):
+    """(lengths, tokens_at): documents of `total` tokens drawn from (seed, step), and the
+    reader of their concatenated tokens by position."""
+    doc_lens = self.sampler.sample(total, step)
     rng = np.random.default_rng([self.sampler.seed, step, 1])
     start = rng.integers(0, self.vocab_size, doc_lens.size)
     stride = rng.choice(np.asarray(self.strides), doc_lens.size)
@@ -133,17 +160,22 @@ class SyntheticSource:
       d = np.searchsorted(doc_end, p, side="right")
       return ((start[d] + stride[d] * (p - doc_end[d] + doc_lens[d])) % self.vocab_size).astype(np.int32)
 
-    return packed_batch(doc_lens, tokens_at, self.num_buffers, self.buffer_len, rows)
+    return doc_lens, tokens_at
 
 
-def synthetic_from_config(data_config, vocab_size: int, num_buffers: int) -> SyntheticSource:
+def synthetic_from_config(data_config, vocab_size: int, num_buffers: int,
+                          distribution: str | None = None, seed: int | None = None) -> SyntheticSource:
+  """The synthetic source of `data_config` (`distribution`, `seed`: another's, for a mixture's
+  source)."""
   d = data_config
+  distribution = d.distribution if distribution is None else distribution
   full_context = d.full_context_replacement
   if full_context is None:
-    full_context = d.distribution == "prolong"
+    full_context = distribution == "prolong"
   sampler = LengthSampler(
-      lengths=load_lengths(d.distribution), long_threshold=d.long_threshold,
+      lengths=load_lengths(distribution), long_threshold=d.long_threshold,
       upsample_long_factor=d.upsample_long_factor, elongate_factor=d.elongate_factor,
-      full_context_replacement=full_context, length_scale=d.length_scale, seed=d.seed)
+      full_context_replacement=full_context, length_scale=d.length_scale,
+      seed=d.seed if seed is None else seed)
   return SyntheticSource(sampler=sampler, vocab_size=vocab_size, num_buffers=num_buffers,
-                         buffer_len=d.tokens_per_device)
+                         buffer_len=d.tokens_per_device, max_doc_len=d.max_doc_len)

@@ -48,9 +48,10 @@ from distca_jax import gate as gate_lib
 from distca_jax import mesh as mesh_lib
 from distca_jax.compile_cache import enable_compile_cache
 from distca_jax.config import Config, ConfigError, to_dict
+from distca_jax.data.mixture import data_layout, layout_change
 from distca_jax.schedule.capacities import StepShapes
 from distca_jax.models.presets import resolve
-from distca_jax.train import agreement
+from distca_jax.train import accumulate, agreement
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train import profile as profile_lib
 from distca_jax.train import rundir
@@ -68,6 +69,10 @@ __all__ = ["NonFiniteError", "PlanDisagreementError", "Summary", "format_summary
 
 def make_source(config: Config, num_buffers: int):
   shape = resolve(config.model)
+  if config.data.mixture:
+    from distca_jax.data.mixture import mixture_from_config
+
+    return mixture_from_config(config.data, shape.vocab_size, num_buffers)
   if config.data.source == "corpus":
     from distca_jax.data.corpus import corpus_from_config
 
@@ -128,6 +133,14 @@ class Job:
   start_step: int           # 0, or the step the run resumed from
   shapes: StepShapes        # step capacities: only grow; a resumed run starts from its checkpoint's
   init_s: float             # model init and restore time (counted in Summary.compile_s)
+  # Tokens per source the run read beyond what this layout's counts from step 0 give: nonzero
+  # once a resume took a new data layout (data.resume_new_layout).
+  tokens_base: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def tokens_by_source(self, steps: int) -> dict[str, int]:
+    """Tokens each source gave the run's first `steps` steps."""
+    now = self.source.tokens_by_source(steps * self.config.train.microbatches)
+    return {k: v + self.tokens_base.get(k, 0) for k, v in now.items()}
 
 
 @dataclasses.dataclass
@@ -210,14 +223,36 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   t0 = time.perf_counter()
   state = trainer.init_state(config.train.seed)
   shapes = StepShapes()
-  checkpointer, start_step = None, 0
+  checkpointer, start_step, extra = None, 0, None
   if config.checkpoint.every > 0:
-    checkpointer, state, start_step = _open_checkpoints(config.checkpoint, ck_dir, trainer, state,
-                                                        shapes, main and not named, log)
+    checkpointer, state, start_step, extra = _open_checkpoints(
+        config.checkpoint, ck_dir, trainer, state, shapes, main and not named, log)
   job = Job(config=config, mesh=mesh, trainer=trainer, source=source, out_dir=out_dir, main=main,
             last_step=last_step, checkpointer=checkpointer, start_step=start_step, shapes=shapes,
             init_s=time.perf_counter() - t0)
+  if extra is not None:
+    job.tokens_base = _resumed_data(job, extra.get("data"), log)
   return job, state
+
+
+def _resumed_data(job: Job, saved: dict | None, log) -> dict[str, int]:
+  """Checks that the resumed checkpoint's data layout is this run's (else a ConfigError, unless
+  data.resume_new_layout) and returns `Job.tokens_base`."""
+  if not saved:  # a checkpoint that keeps no data layout
+    return {}
+  c = job.config
+  now = data_layout(c.data, job.mesh.shape["data"], c.train.microbatches)
+  change = layout_change(saved["layout"], now)
+  if change and not c.data.resume_new_layout:
+    raise ConfigError(f"data layout: the checkpoint at step {job.start_step} was trained on "
+                      f"another ({change}), so its batches would not continue; set "
+                      f"data.resume_new_layout=true to continue with this layout")
+  if change and job.main:
+    log(f"data layout changed at step {job.start_step} ({change}): continuing with the new one")
+  # Zero unless some resume took a new layout: the counts carry what the old one read.
+  at = job.source.tokens_by_source(job.start_step * c.train.microbatches)
+  base = {k: v - at.get(k, 0) for k, v in saved.get("tokens_by_source", {}).items()}
+  return {k: v for k, v in base.items() if v}
 
 
 def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bool]:
@@ -241,21 +276,21 @@ def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bo
 
 
 def _open_checkpoints(ck, ck_dir: Path, trainer: Trainer, state, shapes: StepShapes, say: bool,
-                      log) -> tuple[Checkpointer, Any, int]:
-  """(checkpointer, state, first step): the disk's room for a checkpoint checked before the
-  first step, and with `checkpoint.resume` the newest good checkpoint restored (its step
-  capacities into `shapes`). `say`: report a start from step 0."""
+                      log) -> tuple[Checkpointer, Any, int, dict | None]:
+  """(checkpointer, state, first step, the checkpoint's `extra` or None): the disk's room for a
+  checkpoint checked before the first step, and with `checkpoint.resume` the newest good
+  checkpoint restored (its step capacities into `shapes`). `say`: report a start from step 0."""
   problem = space_problem(ck_dir, state_bytes(state))
   if problem:
     raise ConfigError(f"checkpoint.dir: {problem}")
   checkpointer = Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep)
   if not ck.resume:
-    return checkpointer, state, 0
+    return checkpointer, state, 0, None
   state, extra = resume(checkpointer, trainer, state, ck.step, say, log)
   if extra is None:
-    return checkpointer, state, 0
+    return checkpointer, state, 0, None
   shapes.sizes.update(extra.get("step_shapes", {}))
-  return checkpointer, state, int(extra["step"])
+  return checkpointer, state, int(extra["step"]), extra
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -304,7 +339,11 @@ def _host_item(job: Job, step: int):
   host's work, on the prefetch thread. The digest (None with one process) is what the processes
   compare before the step runs (`agreement.check_agreement`)."""
   batch, ctx, loads, sizes = _host_work(job, step)
-  digest = agreement.step_digest(step, sizes, batch, ctx) if jax.process_count() > 1 else None
+  digest = None
+  if jax.process_count() > 1:
+    # Accumulating: one digest per micro-batch (each has its gate's choice), combined.
+    pairs = (zip(ctx.micro, ctx.contexts) if job.trainer.accumulates else [(batch, ctx)])
+    digest = np.bitwise_xor.reduce([agreement.step_digest(step, sizes, b, x) for b, x in pairs])
   return batch, ctx, loads, sizes, digest
 
 
@@ -328,12 +367,23 @@ def _host_work(job: Job, step: int):
     # This process's buffers of the in-order batch give the stream its re-packed rows read from.
     return (*wlb_attention.host_item(c, job.source.batch(step, rows), shape,
                                      job.mesh.shape["tensor"], shapes, rows), dict(shapes.sizes))
+  if trainer.accumulates:  # K micro-batches, each planned and gated as a step is
+    m = c.train.microbatches
+    parts = [_plan(job, job.source.batch(step * m + i, rows), rows) for i in range(m)]
+    ctx = accumulate.MicroBatches(*map(tuple, zip(*parts)))
+    return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
   batch = job.source.batch(step, rows)  # only this process's buffers: its host work is its rows'
-  ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=shapes)
+  return (*_plan(job, batch, rows), dict(shapes.sizes))  # the capacities as of this step, to save
+
+
+def _plan(job: Job, batch, rows):
+  """(batch, attention context, (load before, load after)) of one batch."""
+  c, shape = job.config, job.trainer.shape
+  ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=job.shapes)
   loads = profile_lib.attention_loads(ctx, batch.layout, shape, c.attention,
                                       tensor_parallel=job.mesh.shape["tensor"],
                                       plan_after=c.train.imbalance_after)
-  return batch, ctx, loads, dict(shapes.sizes)  # the capacities as of this step, to save
+  return batch, ctx, loads
 
 
 def _run_step(job: Job, p: Progress, prefetch: Prefetcher) -> tuple[int, dict[str, float]]:
@@ -350,9 +400,20 @@ def _run_step(job: Job, p: Progress, prefetch: Prefetcher) -> tuple[int, dict[st
     jax.profiler.start_trace(str(job.out_dir / "trace"), profiler_options=profile_lib.trace_options())
     p.tracing = True
   t_step = time.perf_counter()
-  arrays, ctx_dev = trainer.put_batch(batch, ctx)
   compiles_before = trainer.compile_count()
-  p.state, m = trainer.step(p.state, arrays, ctx_dev)
+  if trainer.accumulates:
+    placed = []  # the last micro-batch's device inputs, for the profile
+
+    def micro_inputs():  # each placed when its turn comes, while the one before runs
+      for b, x in zip(ctx.micro, ctx.contexts):
+        placed[:] = trainer.put_batch(b, x)
+        yield placed
+
+    p.state, m = trainer.accumulate_step(p.state, micro_inputs(), ctx.step_tokens)
+    arrays, ctx_dev = placed
+  else:
+    arrays, ctx_dev = trainer.put_batch(batch, ctx)
+    p.state, m = trainer.step(p.state, arrays, ctx_dev)
   m = jax.device_get(m)  # replicated scalars: every process holds them
   dt = time.perf_counter() - t_step
   compiled = trainer.compile_count() != compiles_before
@@ -380,9 +441,11 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
   if p.colocated_steps is not None:  # a distca step the gate stopped runs colocated
     ran_cad = ctx.cad
     p.colocated_steps += not ran_cad
-  # A pipelined step's loads are summed over its ticks; each tick waits for its slowest device,
-  # so its imbalance is the mean over ticks of each tick's.
-  tick_imbalance = ctx.imbalance() if job.trainer.pipeline is not None else None
+  # A pipelined step's loads are summed over its ticks (an accumulated one's over its
+  # micro-batches); each tick waits for its slowest device, so its imbalance is the mean over
+  # ticks of each tick's.
+  several = job.trainer.pipeline is not None or job.trainer.accumulates
+  tick_imbalance = ctx.imbalance() if several else None
   imb = tick_imbalance[0] if tick_imbalance else metrics_lib.imbalance(load_before)
   p.imbalances.append(imb)
   p.load_sum[0] = load_before if p.load_sum[0] is None else p.load_sum[0] + load_before
@@ -390,7 +453,9 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
             "step_s": dt, "tokens_per_s": float(m["tokens"]) / dt, "attention_imbalance": imb,
             "compile_count": job.trainer.compile_count()}
   if ran_cad is not None:
-    record["cad"] = float(ran_cad)  # 1: CAD ran, 0: gated (attention.gate / min_imbalance)
+    # 1: CAD ran, 0: gated (attention.gate / min_imbalance); accumulating, the share of the
+    # micro-batches it ran on.
+    record["cad"] = ctx.cad_share if job.trainer.accumulates else float(ran_cad)
   if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
     record["cad_predicted_saving"] = ctx.predicted_saving
     record["nano_batches"] = len(ctx.batches)  # streams: 2 with ping-pong
@@ -405,6 +470,9 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
     p.token_imbalances.append(record["token_imbalance"])
     cp = int(record["wlb_cp"])
     p.wlb_cp_steps[cp] = p.wlb_cp_steps.get(cp, 0) + 1
+  if job.config.data.mixture:  # tokens each source has given the run, through this step
+    steps = job.start_step + len(p.losses)
+    record.update({f"tokens_{k}": v for k, v in job.tokens_by_source(steps).items()})
   peak = _peak_flops(job)
   if peak is not None:
     record["mfu"] = flops / dt / (peak * job.mesh.size)
@@ -416,11 +484,15 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
 
 def _save(job: Job, p: Progress, step: int) -> None:
   """Checkpoints the state as step `step` unless that step is saved already."""
+  c = job.config
   extra = {"step": step, "model": job.trainer.shape.record(),
-           "pipeline_stages": job.trainer.stages, "step_shapes": p.step_sizes}
+           "pipeline_stages": job.trainer.stages, "step_shapes": p.step_sizes,
+           "data": {"layout": data_layout(c.data, job.mesh.shape["data"], c.train.microbatches),
+                    "tokens_by_source": job.tokens_by_source(step)}}
   # `extra`: the data iterator's state (the step), the model shape it belongs to, the pipeline
   # stages of its parameter layout, and the step capacities its steps had reached, so a resumed
-  # run does not compile its way back up to them.
+  # run does not compile its way back up to them; the data layout a resume must continue and the
+  # tokens each source gave.
   if p.saved_step != step and job.checkpointer.maybe_save(step, p.state, extra, force=True):
     p.saved_step = step
 
@@ -471,7 +543,8 @@ def _summary(job: Job, p: Progress) -> Summary:
       interrupted=p.interrupted, packing=job.config.data.packing,
       token_imbalance=float(np.mean(p.token_imbalances)) if p.token_imbalances else None,
       wlb_cp_steps=dict(p.wlb_cp_steps) or None,
-      remat=f"{trainer.remat} ({trainer.remat_reason})")
+      remat=f"{trainer.remat} ({trainer.remat_reason})",
+      data_tokens=job.tokens_by_source(job.start_step + len(p.losses)))
 
 
 # ----------------------------------------------------------------------------- small helpers

@@ -124,6 +124,7 @@ class Trainer:
       self.pipeline = pipeline.PipelinedLlama(abstract_model, mesh, self.core_attention)
       self.param_shardings = pipeline.pipeline_shardings(self.param_shardings, mesh)
     self._step_fn = None
+    self._acc_fns = None  # gradient accumulation's (zero accumulator, apply update)
 
   # ------------------------------------------------------------------ state
 
@@ -214,10 +215,12 @@ class Trainer:
 
   # ------------------------------------------------------------------ step
 
-  def loss_fn(self, params, arrays: dict[str, Any], ctx: Any, remat: str | None = None):
+  def loss_fn(self, params, arrays: dict[str, Any], ctx: Any, remat: str | None = None,
+              step_tokens=None):
     """Mean next-token loss over real tokens, and the real-token count. With ping-pong, every
     entry of `arrays` and `ctx` is a tuple over nano-batches; the mean is over all of them.
-    `remat`: the blocks' remat policy (default: the trainer's)."""
+    `remat`: the blocks' remat policy (default: the trainer's). `step_tokens`: divide by these
+    real tokens instead of the batch's own (a micro-batch's share of its step's mean)."""
     model = nnx.merge(self.graphdef, params)
     model.remat = remat or self.remat or AUTO_ORDER[0]
     h = model(arrays["tokens"], arrays["positions"], ctx)
@@ -228,7 +231,7 @@ class Trainer:
     count = sum(jnp.sum(m_i) for m_i in masks)
     # The mean's 1 / count goes into the loss, where its backward applies it (the head's
     # gradient is computed in the loss's forward pass, `loss.chunked_cross_entropy`).
-    scale = 1.0 / jnp.maximum(count, 1.0)
+    scale = 1.0 / jnp.maximum(count if step_tokens is None else step_tokens, 1.0)
     loss = sum(chunked_cross_entropy(h_i, model.head_weight(), t_i, m_i, scale=scale)
                for h_i, t_i, m_i in zip(hs, targets, masks))
     return loss, count
@@ -240,6 +243,10 @@ class Trainer:
     else:
       (loss, count), grads = self.pipeline.value_and_grad(
           state.params, arrays, ctx["forward"], ctx["backward"], ctx["schedule"])
+    return self._update(state, loss, count, grads)
+
+  def _update(self, state: TrainState, loss, count, grads):
+    """The optimizer update of a step whose gradient is `grads`, and the step's metrics."""
     with jax.named_scope("optimizer"):  # the profiler's step parts (train/profile.py)
       updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
@@ -264,8 +271,88 @@ class Trainer:
 
   def _jitted_step(self, state: TrainState):
     if self._step_fn is None:
-      self._step_fn = self._jit(state, self.remat or AUTO_ORDER[0])
+      self._step_fn = self._jit_candidate(state, self.remat or AUTO_ORDER[0])
     return self._step_fn
+
+  def _jit_candidate(self, state: TrainState, remat: str):
+    """The jitted function that holds a step's activations under `remat`: the step, or with
+    gradient accumulation a micro-batch's gradient step."""
+    return self._jit_micro(state, remat) if self.accumulates else self._jit(state, remat)
+
+  def _candidate_args(self, state: TrainState, arrays, ctx) -> tuple:
+    """`_jit_candidate`'s arguments for these inputs (the accumulator as shapes: for tracing)."""
+    if not self.accumulates:
+      return state, arrays, ctx
+    return state.params, self._abstract_acc(state), arrays, ctx, jax.ShapeDtypeStruct((), jnp.float32)
+
+  # ------------------------------------------------------------------ gradient accumulation
+  #
+  # `train.microbatches=K` without a pipeline: a step is K jitted calls, one per micro-batch,
+  # each adding its gradient to an accumulator it takes and returns (donated: updated in place),
+  # then one call for the optimizer update. Not a lax.scan over the K micro-batches stacked:
+  # that needs every micro-batch alike in shapes and kind and all K on the device at once,
+  # while each micro-batch here is planned on its own (CAD's capacities grow as plans need, and
+  # the gate may run one colocated and the next with CAD), and the host places micro-batch i+1
+  # while i runs. Memory: one micro-batch's activations plus the accumulator (the gradient,
+  # sharded as the parameters). Each micro-batch's loss is divided by the whole step's real
+  # tokens (`step_tokens`), so the sum is the step's mean loss and its gradient.
+
+  @property
+  def accumulates(self) -> bool:
+    """Whether a step accumulates `train.microbatches` micro-batches (no pipeline)."""
+    return self.pipeline is None and self.config.train.microbatches > 1
+
+  def _micro_step(self, params, acc, arrays, ctx, step_tokens, remat: str | None = None):
+    (loss, count), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(
+        params, arrays, ctx, remat, step_tokens)
+    return {"grads": jax.tree.map(jnp.add, acc["grads"], grads), "loss": acc["loss"] + loss,
+            "tokens": acc["tokens"] + count}
+
+  def _acc_shardings(self, state: TrainState):
+    replicated = NamedSharding(self.mesh, P())
+    return {"grads": jax.tree.map(lambda x: x.sharding, state.params), "loss": replicated,
+            "tokens": replicated}
+
+  def _abstract_acc(self, state: TrainState):
+    shardings = self._acc_shardings(state)
+    scalar = lambda s: jax.ShapeDtypeStruct((), jnp.float32, sharding=s)
+    return {"grads": jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  state.params, shardings["grads"]),
+            "loss": scalar(shardings["loss"]), "tokens": scalar(shardings["tokens"])}
+
+  def _jit_micro(self, state: TrainState, remat: str):
+    params, acc = jax.tree.map(lambda x: x.sharding, state.params), self._acc_shardings(state)
+    return jax.jit(functools.partial(self._micro_step, remat=remat),
+                   in_shardings=(params, acc, None, None, None), out_shardings=acc,
+                   donate_argnums=(1,))
+
+  def _accumulation_fns(self, state: TrainState):
+    """(zero accumulator, apply update) jitted, made once."""
+    if self._acc_fns is None:
+      shardings = jax.tree.map(lambda x: x.sharding, state)
+      acc = self._acc_shardings(state)
+      zero = jax.jit(lambda params: {"grads": jax.tree.map(jnp.zeros_like, params),
+                                     "loss": jnp.zeros((), jnp.float32),
+                                     "tokens": jnp.zeros((), jnp.float32)}, out_shardings=acc)
+      apply = jax.jit(lambda st, a: self._update(st, a["loss"], a["tokens"], a["grads"]),
+                      in_shardings=(shardings, acc), out_shardings=(shardings, None),
+                      donate_argnums=(0, 1))
+      self._acc_fns = (zero, apply)
+    return self._acc_fns
+
+  def accumulate_step(self, state: TrainState, micro_batches, step_tokens: float):
+    """One optimizer step over the micro-batches `micro_batches` yields, each as its placed
+    (arrays, ctx) (`put_batch`; a generator places each only when its turn comes).
+    `step_tokens`: the real (loss_mask) tokens of all of them together."""
+    zero, apply = self._accumulation_fns(state)
+    acc = zero(state.params)
+    tokens = put_global(np.float32(step_tokens), self.mesh, P())
+    for arrays, ctx in micro_batches:
+      self._prepare(state, arrays, ctx)
+      compiled = self._auto_executable(arrays, ctx)
+      fn = compiled or self._jitted_step(state)
+      acc = fn(state.params, acc, arrays, ctx, tokens)
+    return apply(state, acc)
 
   def _choose_remat(self, state: TrainState, arrays, ctx):
     """`model.remat=auto`: compiles the step with each policy of `AUTO_ORDER` (least remat
@@ -273,15 +360,17 @@ class Trainer:
     `REMAT_MEMORY_MARGIN`; the last (full) is taken without checking. The chosen compiled step
     is kept and runs these shapes (no second compile)."""
     free = _free_device_bytes(self.mesh)
+    if self.accumulates:  # the accumulator, a gradient's worth, is not allocated yet
+      free -= sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
     if jax.process_count() > 1:
       # Every process must compile the same program: the least free memory of any decides.
       from jax.experimental import multihost_utils
 
       free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
     for i, name in enumerate(AUTO_ORDER):
-      fn = self._jit(state, name)
+      fn = self._jit_candidate(state, name)
       t0 = time.perf_counter()
-      compiled = fn.trace(state, arrays, ctx).lower().compile()
+      compiled = fn.trace(*self._candidate_args(state, arrays, ctx)).lower().compile()
       need = _step_bytes(compiled.memory_analysis())
       fits = need is not None and need <= free * (1 - REMAT_MEMORY_MARGIN)
       self.remat_candidates.append({"policy": name, "need_bytes": need, "free_bytes": free,
@@ -313,10 +402,11 @@ class Trainer:
     return self._jitted_step(state)(state, arrays, ctx)
 
   def lower(self, state: TrainState, arrays, ctx, platforms: tuple[str, ...] | None = None):
-    """The step traced and lowered for these shapes (`jax.stages.Lowered`), not compiled;
+    """The step (with gradient accumulation: a micro-batch's gradient step) traced and lowered
+    for these shapes (`jax.stages.Lowered`), not compiled;
     `platforms`: lower for those instead of this process's devices (e.g. ("cuda",) on a CPU).
     With `model.remat=auto` undecided, lowers with the first policy of `AUTO_ORDER`."""
-    traced = self._jitted_step(state).trace(state, arrays, ctx)
+    traced = self._jitted_step(state).trace(*self._candidate_args(state, arrays, ctx))
     return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
   def compile(self, state: TrainState, arrays, ctx):
@@ -330,10 +420,12 @@ class Trainer:
     the step already ran with them). The profiler maps kernels to named scopes with it."""
     if self._step_fn is None:
       raise RuntimeError("compiled_text: run a step first")
-    return self._step_fn.lower(state, arrays, ctx).compile().as_text()
+    return self._step_fn.lower(*self._candidate_args(state, arrays, ctx)).compile().as_text()
 
   def compile_count(self) -> int:
     jitted = 0 if self._step_fn is None else self._step_fn._cache_size()
+    if self._acc_fns is not None:  # the optimizer update of an accumulated step
+      jitted += self._acc_fns[1]._cache_size()
     return jitted + (self._auto_compiled is not None)
 
   def put_batch(self, batch: Batch, ctx_host: Any):

@@ -64,6 +64,8 @@ class Summary:
   wlb_cp_steps: dict[int, int] | None = None
   # The blocks' remat policy the step ran and why (model.remat=auto: which candidates fit).
   remat: str = ""
+  # Tokens each data source (data.mixture's by name) gave the run's steps, from step 0.
+  data_tokens: dict[str, int] | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -86,12 +88,18 @@ def format_summary(s: Summary) -> str:
   lines = [
       f"devices {s.devices} mesh {s.mesh_shape}; steps {s.steps}; compiled {s.compile_count}x"
       + (f"; pipeline: {s.microbatches} micro-batches, bubble {s.pipeline_bubble:.0%}"
-         if s.mesh_shape.get("pipe", 1) > 1 else ""),
+         if s.mesh_shape.get("pipe", 1) > 1 else
+         f"; {s.microbatches} micro-batches a step (gradient accumulation)" if s.microbatches > 1
+         else ""),
       f"loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}" if s.losses else "no steps run",
       f"compile+init {s.compile_s:.1f}s; {timing}",
       f"MFU {s.mfu * 100:.1f}%" if s.mfu is not None else "MFU n/a (unknown peak: set train.peak_tflops)",
       imbalance + f"; host wait {s.host_wait_s:.2f}s",
   ]
+  if s.data_tokens and len(s.data_tokens) > 1:  # a mixture: what each source gave
+    total = sum(s.data_tokens.values()) or 1
+    lines.append("data: " + ", ".join(f"{k} {v:,} tokens ({v / total:.1%})"
+                                      for k, v in s.data_tokens.items()))
   if s.colocated_steps is not None and s.steps:
     if s.colocated_steps:
       lines.append(f"CAD on {s.steps - s.colocated_steps} of {s.steps} steps; the others ran "
