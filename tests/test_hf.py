@@ -265,3 +265,24 @@ def test_pipelined_checkpoints_export_one_entry_per_layer():
   out = _unstack_blocks(flat, 4, 2)
   for i in range(4):
     np.testing.assert_array_equal(out[f"blocks.{i}.attn.wq"], pure["blocks"][i]["attn"]["wq"])
+
+
+def test_a_run_started_from_a_checkpoint_resumes_its_own(tmp_path, step0, monkeypatch):
+  """A run started from `model.init_from` that has a checkpoint of its own resumes it without
+  reading the source's parameters."""
+  from distca_jax.train import loop
+
+  args = [f"model.init_from={step0[0]}", "mesh.data=1", "data.tokens_per_device=128",
+          "optim.decay_steps=10", "train.imbalance_after=false", f"train.out_dir={tmp_path / 'run'}"]
+  first = loop.run(small_config(*args, "train.steps=1"), devices=jax.devices()[:1], log=lambda *a: None)
+  assert first.start_step == 0
+
+  def no_reads(*a, **k):
+    raise AssertionError("the source was read")
+
+  monkeypatch.setattr(hf.Checkpoint, "read", no_reads)
+  messages = []
+  again = loop.run(small_config(*args, "train.steps=2"), devices=jax.devices()[:1],
+                   log=messages.append)
+  assert again.start_step == 1 and len(again.losses) == 1
+  assert any("resumed from checkpoint at step 1" in m for m in messages), messages

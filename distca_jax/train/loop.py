@@ -221,12 +221,17 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   if config.train.stop_at_step is not None:
     last_step = min(last_step, config.train.stop_at_step)
   t0 = time.perf_counter()
-  state = trainer.init_state(config.train.seed)
+  # With model.init_from, a run that resumes its own checkpoint never reads the source's
+  # parameters: the checkpoint restores into the state's shapes and shardings alone.
+  from_source = config.model.init_from is not None
+  state = trainer.abstract_state() if from_source else trainer.init_state(config.train.seed)
   shapes = StepShapes()
   checkpointer, start_step, extra = None, 0, None
   if config.checkpoint.every > 0:
     checkpointer, state, start_step, extra = _open_checkpoints(
         config.checkpoint, ck_dir, trainer, state, shapes, main and not named, log)
+  if from_source and start_step == 0:
+    state = trainer.init_state(config.train.seed)
   job = Job(config=config, mesh=mesh, trainer=trainer, source=source, out_dir=out_dir, main=main,
             last_step=last_step, checkpointer=checkpointer, start_step=start_step, shapes=shapes,
             init_s=time.perf_counter() - t0)
