@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from distca_jax.schema import (ConfigError, Fraction, NonNegFloat, NonNegInt, NonNegStepCount,
-                               OutputDir, PositiveFloat, PositiveInt, Probability, Range, Seed,
+                               OutputDir, PositiveFloat, PositiveInt, Probability, Range, Removed, Seed,
                                StepCount, check, load, parse_override, read_yaml_mapping, to_yaml)
 from distca_jax.schema import to_dict as _to_dict
 
@@ -49,7 +49,8 @@ class ModelConfig:
   # auto: on GPU the first of none / save_proj / save_attn / full whose compiled step fits the
   # device's memory (models/llama.py REMAT_POLICIES, train/step.py); full on CPU and with
   # mesh.pipe > 1.
-  remat: Literal["auto", "none", "save_proj", "save_attn", "save_dots", "full"] = "auto"
+  remat: Annotated[Literal["auto", "none", "save_proj", "save_attn", "full"], Removed(
+      save_dots="no measurement favoured it; use model.remat=save_attn or full")] = "auto"
   dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
 
@@ -106,7 +107,8 @@ class AttentionConfig:
   """How core attention runs: where the tokens are (`colocated`) or on attention servers."""
 
   impl: Literal["colocated", "distca"] = "colocated"
-  kernel: Literal["auto", "reference", "pallas", "triton", "mosaic", "cudnn"] = "auto"
+  kernel: Annotated[Literal["auto", "reference", "pallas", "triton", "mosaic"], Removed(
+      cudnn="no measurement favoured it; use attention.kernel=auto (triton or mosaic on a GPU)")] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: Probability = 0.1
   # The step gate: the trainer plans the step, predicts the fraction of the colocated step CAD
@@ -158,12 +160,11 @@ class AttentionConfig:
   pingpong: bool = True
   pingpong_allow_single: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
-  # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); `shifted`, one
-  # ppermute per shift k (block d -> d + k), each shift's blocks at that shift's largest rather
-  # than every pair at the largest pair (CPU and GPU; about half the padded bytes of `tiled`,
-  # docs/PERFORMANCE.md); or `ragged` (GPU only): only the rows that move travel, but XLA 0.11
-  # waits on the host before each call, which makes it slower than `tiled` (docs/PERFORMANCE.md).
-  exchange: Literal["tiled", "shifted", "ragged"] = "tiled"
+  # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); or `ragged`
+  # (GPU only): only the rows that move travel, but XLA 0.11 waits on the host before each call,
+  # which makes it slower than `tiled` on one node (docs/PERFORMANCE.md).
+  exchange: Annotated[Literal["tiled", "ragged"], Removed(
+      shifted="it carried 7-54x the moving rows; use attention.exchange=ragged")] = "tiled"
   # Relayed K/V (`schedule/relay.py`): a layout shard that three or more other servers need is
   # cut into at most this many slices, each sent once by its holder to one of those servers,
   # which forwards it to the others in a second K/V exchange round, so no device sends one long
@@ -319,9 +320,6 @@ def validate(config: Config) -> None:
   if a.gate_nodes is not None and m.data != -1 and len(a.gate_nodes) != m.data:
     raise ConfigError(f"attention.gate_nodes: one node number per data rank, got "
                       f"{len(a.gate_nodes)} for mesh.data={m.data}")
-  if a.exchange == "shifted" and m.pipe > 1:
-    raise ConfigError("attention.exchange=shifted: not with mesh.pipe > 1 yet (its ppermutes run "
-                      "over `data` alone); use attention.exchange=tiled")
   if d.source == "corpus":
     _check_corpus(d, shape.vocab_size)
   else:

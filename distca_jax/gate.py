@@ -8,8 +8,7 @@ it. The cost model, in matmul-FLOP units (`attention.gate_*` in the config):
                    - gate_exchange_fixed x matmul FLOPs - gate_exchange_flops_per_byte x bytes
 
 where the bytes are the busiest device's over one step's exchanges (`exchange_bytes`: the tiled
-exchange's padded blocks at the step's capacities, the shifted one's per-shift blocks, or the
-ragged one's moved rows; bytes between nodes priced higher). `predicted_cad_saving` is that as a
+exchange's padded blocks at the step's capacities, or the ragged one's moved rows; bytes between nodes priced higher). `predicted_cad_saving` is that as a
 fraction of the colocated step; the trainer runs colocated attention on a step predicted to save
 less than `attention.min_gain` (`dispatch.host.plan_step`).
 
@@ -133,8 +132,7 @@ def describe_exchange(attention_config, data_ranks: int) -> str:
   return (f"attention.exchange=tiled on {data_ranks} data ranks: every (device, server) pair is "
           "padded to the largest one's rows, bytes that grow with the data ranks, and the gate "
           "keeps a step colocated where they cost more than balancing gains; "
-          "attention.exchange=shifted pads each shift to its own largest, ragged (GPU) sends "
-          "only the rows that move (docs/PERFORMANCE.md, \"Dispatch at scale\")")
+          "attention.exchange=ragged (GPU) sends only the rows that move (docs/PERFORMANCE.md, \"Dispatch at scale\")")
 
 
 def _costs(attention_config):
@@ -240,8 +238,7 @@ def exchange_bytes(attention_config, shape: ModelShape, plans, capacities: Capac
   """Per device, the bytes one layer's exchange sends plus receives over the step's plans, in
   NVLink bytes. Tiled (`attention.exchange`): every off-diagonal (device, server) block travels
   whole, padded to the largest pair's (`c` query rows, `ckv` K/V rows, `ckv2` relayed K/V rows),
-  whatever the plan moves; shifted: each shift's blocks at that shift's capacity (`shift_q`,
-  `shift_kv`, `shift_kv2`); ragged: the rows that move (the plans' traffic, relays included,
+  whatever the plan moves; ragged: the rows that move (the plans' traffic, relays included,
   spread evenly over the device's peers). With data ranks on
   several nodes (`attention.gate_nodes`) a device's bytes within its node and across nodes move
   at once over different links: the busier link counts, bytes across nodes at
@@ -256,15 +253,9 @@ def exchange_bytes(attention_config, shape: ModelShape, plans, capacities: Capac
     return np.maximum(moved * (1 - off), attention_config.gate_network_byte_cost * moved * off)
   comm = comm_model(shape, attention_config)
   pair = np.zeros((n, n))  # one layer's bytes per plan, [sender, receiver]
-  if attention_config.exchange == "shifted":  # shift k: block d -> d + k
-    d = np.arange(n)
-    kv2 = capacities.shift_kv2 or (0,) * len(capacities.shift_q)  # no relayed round
-    for k, (q, kv, r) in enumerate(zip(capacities.shift_q, capacities.shift_kv, kv2), start=1):
-      pair[d, (d + k) % n] = q * comm.q_row_bytes + (kv + r) * comm.kv_row_bytes
-  else:
-    pair[:] = (capacities.c * comm.q_row_bytes
-               + (capacities.ckv + (capacities.ckv2 or 0)) * comm.kv_row_bytes)
-    np.fill_diagonal(pair, 0.0)
+  pair[:] = (capacities.c * comm.q_row_bytes
+             + (capacities.ckv + (capacities.ckv2 or 0)) * comm.kv_row_bytes)
+  np.fill_diagonal(pair, 0.0)
   pair *= len(plans)
   within = np.where(same, pair, 0.0)
   across = pair - within

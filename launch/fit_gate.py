@@ -257,11 +257,10 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
 
 
 def logged_over(own, logged):
-  """`own` capacities (a step's plan's) with each size `logged` gives (not None) and each
-  shift list it gives (not empty) in their place."""
+  """`own` capacities (a step's plan's) with each size `logged` gives (not None) in its place."""
   return dataclasses.replace(own, **{
       f.name: getattr(logged, f.name) for f in dataclasses.fields(logged)
-      if getattr(logged, f.name) not in (None, ())})
+      if getattr(logged, f.name) is not None})
 
 
 def fit(verbose: bool = True, extra=()) -> dict:

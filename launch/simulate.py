@@ -134,7 +134,6 @@ def main(argv=None) -> int:
 
 _EXCHANGE_NOTE = {
     "ragged": "only the rows that move travel",
-    "shifted": "one ppermute per shift, each device sending the shift's bucketed capacity",
     "tiled": "every (rank, server) pair padded to the largest pair's bucket",
 }
 

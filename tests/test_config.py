@@ -42,9 +42,9 @@ def test_unknown_key_lists_known_fields():
 
 @pytest.mark.parametrize("override, field, allowed", [
     ("attention.impl=foo", "attention.impl", ["colocated", "distca"]),
-    ("attention.kernel=flash", "attention.kernel", ["auto", "reference", "pallas", "triton", "cudnn"]),
+    ("attention.kernel=flash", "attention.kernel", ["auto", "reference", "pallas", "triton", "mosaic"]),
     ("model.preset=gpt2", "model.preset", ["tiny", "llama_1b", "llama3_8b", "llama_34b", "custom"]),
-    ("model.remat=some", "model.remat", ["none", "full", "save_dots"]),
+    ("model.remat=some", "model.remat", ["none", "full", "save_attn"]),
     ("data.source=web", "data.source", ["synthetic", "corpus"]),
     ("attention.memory_mode=drop", "attention.memory_mode", ["keep", "resend"]),
 ])
@@ -53,6 +53,17 @@ def test_bad_literal_lists_allowed_values(override, field, allowed):
   assert msg.startswith(f"{field}:")
   for value in allowed:
     assert repr(value) in msg
+
+
+@pytest.mark.parametrize("override, instead", [
+    ("attention.exchange=shifted", "attention.exchange=ragged"),
+    ("attention.kernel=cudnn", "attention.kernel=auto"),
+    ("model.remat=save_dots", "model.remat=save_attn"),
+])
+def test_a_removed_value_names_what_to_use_instead(override, instead):
+  field, value = override.split("=")
+  msg = _error(override)
+  assert msg.startswith(f"{field}: {value!r} was removed") and instead in msg
 
 
 @pytest.mark.parametrize("override, field", [

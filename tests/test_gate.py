@@ -356,13 +356,13 @@ def test_gate_charges_bytes_between_nodes_more():
   """With data ranks on two nodes (`attention.gate_nodes`) a device's exchange takes as long as
   its busier link: its bytes within the node, or its bytes across nodes counted at
   `gate_network_byte_cost` NVLink bytes each (the tiled exchange's blocks by their pair, the
-  shifted one's by each shift's partner, the ragged one's moved bytes by the share of the
+  ragged one's moved bytes by the share of the
   device's peers on the other node); so the gate predicts less saving. One node prices as
   before."""
   from distca_jax.models.presets import resolve
 
   cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=prolong",
-                     "attention.impl=distca", "attention.exchange=shifted")
+                     "attention.impl=distca")
   shape = resolve(cfg.model)
   batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
   ctx = attn.host_context(cfg.attention, batch, shape)
@@ -371,8 +371,7 @@ def test_gate_charges_bytes_between_nodes_more():
   P = len(plans)
   one_node = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 0, 0))
   two = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 1, 1), gate_network_byte_cost=4.0)
-  node = lambda i: i // 2
-  for exchange in ("tiled", "shifted", "ragged"):
+  for exchange in ("tiled", "ragged"):
     unset, one, split = (gate_lib.exchange_bytes(dataclasses.replace(a, exchange=exchange), shape,
                                                  plans, caps)
                          for a in (cfg.attention, one_node, two))
@@ -381,17 +380,6 @@ def test_gate_charges_bytes_between_nodes_more():
       block = caps.c * comm.q_row_bytes + caps.ckv * comm.kv_row_bytes
       np.testing.assert_allclose(unset, 2 * 3 * block * P)
       np.testing.assert_allclose(split, max(2 * 1, 4 * 2 * 2) * block * P)
-    elif exchange == "shifted":  # shift k: d sends b_k to d + k and receives b_k from d - k
-      b = [q * comm.q_row_bytes + kv * comm.kv_row_bytes
-           for q, kv in zip(caps.shift_q, caps.shift_kv)]
-      assert len(b) == 3
-      for d in range(4):
-        links = {True: 0.0, False: 0.0}  # within, across
-        for k in (1, 2, 3):
-          links[node(d) == node((d + k) % 4)] += b[k - 1] * P
-          links[node(d) == node((d - k) % 4)] += b[k - 1] * P
-        assert split[d] == pytest.approx(max(links[True], 4 * links[False]))
-        assert unset[d] == pytest.approx(links[True] + links[False])
     else:  # 1 of 3 peers within the node
       np.testing.assert_allclose(split, np.maximum(unset / 3, 4 * unset * 2 / 3))
     assert (split >= unset).all() and (split > unset).any()
@@ -420,7 +408,7 @@ def test_trainer_records_the_nodes_of_its_data_ranks():
   assert gate_lib.describe_gate_nodes(two) == (
       "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes; K/V relay off "
       "(kv_relay_fanout=auto)")  # the default exchange, tiled
-  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="shifted")).endswith(
+  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="ragged")).endswith(
       "; K/V relay fanout 8 (kv_relay_fanout=auto)")
   assert gate_lib.describe_gate_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
       "; K/V relay fanout 4")
@@ -511,37 +499,34 @@ def test_exchange_padding_report(capsys):
 def test_the_log_says_when_the_tiled_exchange_will_keep_steps_colocated():
   cfg = small_config("attention.impl=distca")
   tiled = cfg.attention
-  shifted = dataclasses.replace(tiled, exchange="shifted")
+  ragged = dataclasses.replace(tiled, exchange="ragged")
   assert gate_lib.describe_exchange(tiled, 8) == ""  # one node's data ranks
-  assert gate_lib.describe_exchange(shifted, 64) == ""
+  assert gate_lib.describe_exchange(ragged, 64) == ""
   note = gate_lib.describe_exchange(tiled, 64)
-  assert note.startswith("attention.exchange=tiled on 64 data ranks") and "shifted" in note
+  assert note.startswith("attention.exchange=tiled on 64 data ranks") and "ragged" in note
 
 
 def test_step_logs_name_each_transports_capacities(tmp_path):
   """A CAD step's log line carries its exchange's capacities in that transport's terms (tiled
-  blocks, shifted rows over all shifts, ragged send buffers; the relayed round's only while the
+  blocks, ragged send buffers; the relayed round's only while the
   run has one); gate_report reads each as the step's shape, and fit_gate --logs, whose exchange
   cost is the tiled one's, refuses another transport's log rather than fit it at zero bytes."""
-  caps = Capacities(send_q=4096, send_kv=2048, send_kv2=512, c=1024, ckv=768, ckv2=256,
-                    shift_q=(128, 0, 256), shift_kv=(64, 64, 0), shift_kv2=(0, 32, 0))
+  caps = Capacities(send_q=4096, send_kv=2048, send_kv2=512, c=1024, ckv=768, ckv2=256)
   assert metrics.exchange_rows(caps, "tiled") == {
       "exchange_q_rows": 1024, "exchange_kv_rows": 768, "exchange_kv2_rows": 256}
-  assert metrics.exchange_rows(caps, "shifted") == {
-      "exchange_shift_q_rows": 384, "exchange_shift_kv_rows": 128, "exchange_shift_kv2_rows": 32}
   assert metrics.exchange_rows(caps, "ragged") == {
       "exchange_send_q_rows": 4096, "exchange_send_kv_rows": 2048, "exchange_send_kv2_rows": 512}
   assert metrics.exchange_rows(dataclasses.replace(caps, ckv2=0), "tiled") == {
       "exchange_q_rows": 1024, "exchange_kv_rows": 768}
   report = launch_script("tools/gate_report")
   fields = lambda d: {k: float(v) for k, v in d.items()}
-  assert report.exchange_shape({**fields(metrics.exchange_rows(caps, "shifted")),
-                                "nano_batches": 2.0}) == (384, 128, 32, 2)
-  assert report.exchange_shape(fields(metrics.exchange_rows(caps, "ragged"))) == (4096, 2048, 512, 0)
+  assert report.exchange_shape({**fields(metrics.exchange_rows(caps, "ragged")),
+                                "nano_batches": 2.0}) == (4096, 2048, 512, 2)
+  assert report.exchange_shape(fields(metrics.exchange_rows(caps, "tiled"))) == (1024, 768, 256, 0)
   line = lambda n, extra="": f"step {n}: loss=1 step_s=2 compile_count=1{extra}"
   (tmp_path / "c.log").write_text("\n".join([line(1), line(2)]))
-  shifted = " cad=1 " + " ".join(f"{k}={v}" for k, v in metrics.exchange_rows(caps, "shifted").items())
-  (tmp_path / "d.log").write_text("\n".join([line(1, shifted), line(2, shifted)]))
+  ragged = " cad=1 " + " ".join(f"{k}={v}" for k, v in metrics.exchange_rows(caps, "ragged").items())
+  (tmp_path / "d.log").write_text("\n".join([line(1, ragged), line(2, ragged)]))
   fit_gate = launch_script("fit_gate")
   with pytest.raises(SystemExit, match="attention.exchange=tiled"):
     fit_gate.from_train_logs(tmp_path / "c.log", tmp_path / "d.log", 2, fit_gate.SETUP)

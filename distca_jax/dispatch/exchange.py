@@ -21,12 +21,10 @@ an `Exchange` (its counts and offsets, per peer) and returns its packed receive 
 `out_rows` rows. Every mode gives the same result; they differ in what travels:
   ragged   one `jax.lax.ragged_all_to_all` (GPU): only the rows that move, buffers sized by the
            busiest device's rows; the transport for clusters.
-  shifted  one `ppermute` per shift k that carries rows (d -> d + k), each at that shift's
-           largest block (CPU and GPU).
   tiled    every (device, server) block padded to the largest pair's, one `all_to_all` (CPU and
            GPU; `ragged`'s CPU stand-in: the same result with padded traffic).
 A transport is its own transpose with the exchange reversed (`Exchange.reversed`: counts and
-offsets of the two sides swapped, shifts reversed), which the movers use for their VJPs.
+offsets of the two sides swapped), which the movers use for their VJPs.
 
 Gradients: the row movements are linear maps with explicit transposes (custom VJPs): the Q
 dispatch and the O return are each other's transpose (gathers and the reverse exchange); the
@@ -69,8 +67,7 @@ class Exchange:
   """One packed exchange as a device sees it (inside shard_map), [N] int32 per peer j:
   send_count / send_off: its rows for j and where they start in its send buffer; recv_count /
   recv_off: j's rows for it and where they land in its receive buffer; peer_off: where its rows
-  land in j's receive buffer. `block`: the tiled exchange's rows per padded block; `shifts`: the
-  shifted exchange's rows per shift k = 1 .. N-1."""
+  land in j's receive buffer. `block`: the tiled exchange's rows per padded block."""
 
   send_count: Any
   send_off: Any
@@ -79,13 +76,12 @@ class Exchange:
   peer_off: Any
   back_off: Any
   block: int = 0
-  shifts: tuple = ()
 
   def reversed(self) -> "Exchange":
     """The exchange back: what was received is sent back to the slots it was sent from."""
     return Exchange(send_count=self.recv_count, send_off=self.recv_off, recv_count=self.send_count,
                     recv_off=self.send_off, peer_off=self.back_off, back_off=self.peer_off,
-                    block=self.block, shifts=self.shifts[::-1])
+                    block=self.block)
 
   @classmethod
   def of(cls, p: DispatchPlan, name: str) -> "Exchange":
@@ -94,8 +90,7 @@ class Exchange:
     return cls(send_count=get("send_count"), send_off=get("send_off"),
                recv_count=get("recv_count"), recv_off=get("recv_off"),
                peer_off=get("peer_off"), back_off=get("back_off"),
-               block=p.c if name == "q" else getattr(p, f"c{name}"),
-               shifts=getattr(p, f"shift_{name}"))
+               block=p.c if name == "q" else getattr(p, f"c{name}"))
 
 
 def _take_rows(x_SxE, idx, valid):
@@ -128,28 +123,8 @@ def _tiled(x_SxE, out_rows: int, ex: Exchange):
   return _place_rows(out, got, ex.recv_off[:, None] + j, j < ex.recv_count[:, None])
 
 
-def _shifted(x_SxE, out_rows: int, ex: Exchange):
-  """One `ppermute` per shift k = 1 .. N-1 that carries rows: this device's rows for device
-  d + k mod N, `ex.shifts[k - 1]` of them (CPU and GPU). Over `data` alone (config refuses
-  shifted with mesh.pipe > 1): over two axes, ppermute numbers devices in the mesh's axis order
-  while all_to_all and axis_index follow the axis tuple's, and the mesh is (data, pipe, tensor)
-  where rows are (pipe, data)."""
-  N = ex.send_count.shape[0]
-  me = jax.lax.axis_index("data")
-  out = jnp.zeros((out_rows,) + x_SxE.shape[1:], x_SxE.dtype)
-  for k, rows in enumerate(ex.shifts, 1):
-    if rows == 0:
-      continue
-    j = jnp.arange(rows, dtype=jnp.int32)
-    peer, source = (me + k) % N, (me - k) % N
-    block = _take_rows(x_SxE, ex.send_off[peer] + j, j < ex.send_count[peer])
-    got = jax.lax.ppermute(block, "data", perm=[(i, (i + k) % N) for i in range(N)])
-    out = _place_rows(out, got, ex.recv_off[source] + j, j < ex.recv_count[source])
-  return out
-
-
 # `attention.exchange` -> transport(x_SxE, out_rows, ex).
-TRANSPORTS = {"tiled": _tiled, "shifted": _shifted, "ragged": _ragged}
+TRANSPORTS = {"tiled": _tiled, "ragged": _ragged}
 
 
 def transport(x_SxE, out_rows: int, ex: Exchange, mode: str):
@@ -268,7 +243,7 @@ def _server_exchange(q_TxHxD, k_TxKxD, v_TxKxD, p: DispatchPlan, backend: str, m
 
 
 def resolve_exchange(exchange: str) -> str:
-  """`tiled`, `shifted` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
+  """`tiled` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
   if exchange not in TRANSPORTS:
     raise ValueError(f"attention.exchange={exchange}: not one of {sorted(TRANSPORTS)}")
   if exchange == "ragged" and jax.default_backend() != "gpu":

@@ -76,8 +76,7 @@ def capacities_of(plan: DispatchPlan) -> Capacities:
                     send_kv=plan.send_kv_idx.shape[-1], recv_kv=plan.recv_kv,
                     send_kv2=plan.send_kv2_idx.shape[-1], recv_kv2=plan.recv_kv2, c=plan.c,
                     ckv=plan.ckv, ckv2=plan.ckv2, skv=plan.server_kv_idx.shape[-1],
-                    ctask=plan.q_start.shape[-1], shift_q=plan.shift_q, shift_kv=plan.shift_kv,
-                    shift_kv2=plan.shift_kv2)
+                    ctask=plan.q_start.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)

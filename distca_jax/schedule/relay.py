@@ -56,9 +56,8 @@ AUTO_FANOUT = 8
 def relay_for(fanout: int | str, exchange: str, nodes) -> Relay | None:
   """The relay a `kv_relay_fanout` setting asks for (None: off): a number (0: off), or "auto":
   `AUTO_FANOUT` slices when the servers span more than one node (`nodes`, one entry per server;
-  None: one node) and the transport carries only the rows each pair moves (`ragged`,
-  `shifted`). Within a node a shard's copies are at most the node's size and cross NVLink; on
-  `tiled` the second round pads every pair to its largest forward and costs more than it saves
+  None: one node) and the transport carries only the rows each pair moves (`ragged`). Within a
+  node a shard's copies are at most the node's size and cross NVLink; on `tiled` the second round pads every pair to its largest forward and costs more than it saves
   (docs/METHOD.md, "Relayed K/V")."""
   if fanout != "auto":
     return Relay(int(fanout)) if fanout else None

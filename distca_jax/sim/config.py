@@ -103,9 +103,8 @@ class SimConfig:
   # other nano-batch's compute is long enough).
   pingpong_overlap: Fraction = 1.0
   # CAD's transport (attention.exchange; distca_jax/sim/transport.py): `ragged`, only the rows
-  # that move travel; `shifted`, one ppermute per shift, every device sending that shift's
-  # bucketed capacity; `tiled`, every (device, server) pair padded to the largest pair's bucket.
-  exchange: Literal["ragged", "shifted", "tiled"] = "ragged"
+  # that move travel; `tiled`, every (device, server) pair padded to the largest pair's bucket.
+  exchange: Literal["ragged", "tiled"] = "ragged"
   # Relayed K/V (schedule/relay.py, attention.kv_relay_fanout): a shard three or more servers
   # need is cut into at most this many slices, each sent once to a server that forwards it, in
   # a second exchange round after the first. 0: off (every server receives its K/V rows from

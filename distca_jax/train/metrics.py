@@ -53,20 +53,17 @@ def with_kernel_gate_cost(config, shape: ModelShape):
 
 
 # Each transport's prefix of the exchange capacities in a CAD step's log line.
-EXCHANGE_PREFIXES = {"tiled": "exchange", "shifted": "exchange_shift", "ragged": "exchange_send"}
+EXCHANGE_PREFIXES = {"tiled": "exchange", "ragged": "exchange_send"}
 
 
 def exchange_rows(caps, exchange: str) -> dict[str, int]:
   """A CAD step's exchange capacities for its log line, in its transport's terms (each names the
   step's compiled shape): `tiled`, rows per padded (device, server) block (`exchange_q_rows`,
-  `exchange_kv_rows`); `shifted`, the rows a device sends over all shifts
-  (`exchange_shift_q_rows`, ...); `ragged`, the rows of the packed send buffer
+  `exchange_kv_rows`); `ragged`, the rows of the packed send buffer
   (`exchange_send_q_rows`, ...). The relayed K/V round's key (`..._kv2_rows`) only while the
   run has that round."""
   if exchange == "tiled":
     q, kv, kv2 = caps.c, caps.ckv, caps.ckv2
-  elif exchange == "shifted":
-    q, kv, kv2 = sum(caps.shift_q), sum(caps.shift_kv), sum(caps.shift_kv2)
   else:
     q, kv, kv2 = caps.send_q, caps.send_kv, caps.send_kv2
   prefix = EXCHANGE_PREFIXES[exchange]

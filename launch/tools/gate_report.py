@@ -10,7 +10,7 @@ the gate gave CAD and over those it kept colocated, and how often each happened;
 steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one,
 overall and, where the CAD steps ran at more than one exchange shape (the logged capacities
 `exchange_q_rows`, `exchange_kv_rows`, the relayed round's `exchange_kv2_rows` when the run
-has one, or the shifted and ragged exchanges' `exchange_shift_*` / `exchange_send_*`, and
+has one, or the ragged exchange's `exchange_send_*`, and
 `nano_batches`, which only grow over a run), per shape:
 a cost the gate's model misses that grows with the padded blocks shows there; and
 how long the two runs' losses agree (same batches, same initialisation: the same function, until
