@@ -160,11 +160,13 @@ class AttentionConfig:
   pingpong: bool = True
   pingpong_allow_single: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
-  # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); or `ragged`
-  # (GPU only): only the rows that move travel, but XLA 0.11 waits on the host before each call,
-  # which makes it slower than `tiled` on one node (docs/PERFORMANCE.md).
-  exchange: Annotated[Literal["tiled", "ragged"], Removed(
-      shifted="it carried 7-54x the moving rows; use attention.exchange=ragged")] = "tiled"
+  # The exchange's transport (`distca_jax/schedule/transport.py`). auto: `tiled` while the data
+  # ranks fit one node (`gate_nodes`), `ragged` across nodes (on GPUs; the run's log says which
+  # and why). `tiled`: an all_to_all of padded blocks (CPU and GPU), whose padding grows with the
+  # pool; `ragged` (GPU only): only the rows that move travel, but XLA 0.11 waits on the host
+  # before each call, which makes it slower than `tiled` on one node (docs/PERFORMANCE.md).
+  exchange: Annotated[Literal["auto", "tiled", "ragged"], Removed(
+      shifted="it carried 7-54x the moving rows; use attention.exchange=ragged")] = "auto"
   # Relayed K/V (`schedule/relay.py`): a layout shard that three or more other servers need is
   # cut into at most this many slices, each sent once by its holder to one of those servers,
   # which forwards it to the others in a second K/V exchange round, so no device sends one long
@@ -172,6 +174,14 @@ class AttentionConfig:
   # when the servers span more than one node (`gate_nodes`) and the exchange is not `tiled`
   # (whose second round pads every pair to its largest forward), off otherwise.
   kv_relay_fanout: NonNegInt | Literal["auto"] = "auto"
+
+  def transport(self):
+    """The exchange's `schedule.transport.Transport`: `exchange`, or for `auto` the one the data
+    ranks' nodes (`gate_nodes`) call for (`transport.choose`; the trainer resolves `auto` once,
+    with its platform, and records it)."""
+    from distca_jax.schedule.transport import choose  # lazy: keeps config importable alone
+
+    return choose(self.exchange, self.gate_nodes)[0]
 
   def min_imbalance_for(self, pipelined: bool) -> float:
     """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
@@ -203,7 +213,7 @@ class TrainConfig:
   steps: StepCount = 30
   seed: Seed = 0
   # Micro-batches per step per data rank, each one buffer of data.tokens_per_device tokens.
-  # With mesh.pipe > 1 they flow through the pipeline (distca_jax/pipeline.py); must be 1 otherwise.
+  # With mesh.pipe > 1 they flow through the pipeline (distca_jax/train/pipeline.py); must be 1 otherwise.
   microbatches: PositiveInt = 1
   log_every: PositiveInt = 1
   # The run's directory (config.json, summary.json, tb/, checkpoints/). None: a new one per run,

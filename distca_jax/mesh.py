@@ -5,7 +5,7 @@ is the only place that decides how parameters and activations are partitioned.
 
 Mesh axes: `data` (data parallel; with FSDP it also shards parameters and optimizer state; it is
 the attention-server pool of CAD), `tensor` (heads and MLP columns), `pipe` (pipeline stages,
-`distca_jax/pipeline.py`). Which node each data rank sits on (`data_rank_nodes`) tells the CAD
+`distca_jax/train/pipeline.py`). Which node each data rank sits on (`data_rank_nodes`) tells the CAD
 gate which exchanged bytes cross the network.
 """
 

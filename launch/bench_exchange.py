@@ -32,6 +32,7 @@ import sys
 import numpy as np
 
 from distca_jax.data.doclens import stress_lengths
+from distca_jax.schedule.transport import RAGGED, TILED, TRANSPORTS
 
 
 def main(argv=None):
@@ -90,7 +91,7 @@ def _mocked_clusters(args) -> int:
 EXCHANGE_DISTS = ("pretrain", "prolong", "short")
 
 
-def _step_contexts(dist: str, n: int, t: int, batches: int, exchange: str = "tiled"):
+def _step_contexts(dist: str, n: int, t: int, batches: int, exchange: str = TILED.name):
   """The trainer's CAD host contexts (`dispatch.plan_step`: ping-pong on, gate off) of `batches`
   sampled batches, each at its own buckets, planned for `exchange` (the plans are the same for
   every transport but for the static sizes each one's exchange takes: tiled blocks)."""
@@ -122,8 +123,8 @@ def _carried(d, name: str) -> dict[str, float]:
   moved = int(count.sum())
   buffers = getattr(d, f"send_{name}_idx").shape[-1] + getattr(d, f"recv_{name}")
   busiest = int(count.sum(1).max() + count.sum(0).max())
-  return {"moved": moved, "ragged": moved,
-          "tiled": n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
+  return {"moved": moved, RAGGED.name: moved,
+          TILED.name: n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
           "buffers": buffers, "busiest": busiest}
 
 
@@ -187,7 +188,7 @@ def _compiled_step_bytes(n: int, t: int, dist: str, variants, *overrides: str) -
   for variant in variants:
     impl, _, exchange = variant.partition(":")
     config = load_config(None, [*overrides, f"data.tokens_per_device={t}", f"mesh.data={n}",
-                                f"attention.impl={impl}", f"attention.exchange={exchange or 'tiled'}",
+                                f"attention.impl={impl}", f"attention.exchange={exchange or TILED.name}",
                                 "attention.gate=false", "attention.min_imbalance=1",
                                 # one node: a mocked cluster has no hosts to ask
                                 "attention.gate_nodes=[" + ",".join(["0"] * n) + "]",
@@ -216,12 +217,12 @@ def exchange_table(args):
     faulthandler.dump_traceback_later(max(1, int(os.environ["DISTCA_MOCK_TIMEOUT"]) - 5))
 
     jax.config.update("jax_mock_gpu_topology", f"1x{mocked}x1")
-    modes = ("ragged", "tiled")
+    modes = tuple(TRANSPORTS.values())
   else:
     if want and "xla_force_host_platform_device_count" not in flags:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
       os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    modes = ("tiled",)  # jax.lax.ragged_all_to_all does not run on the CPU
+    modes = tuple(m for m in TRANSPORTS.values() if not m.needs_gpu)
   t = args.tokens
   print(f"# packed exchange, llama3_8b, {t} tokens per device, ping-pong on, gate off, "
         f"{args.batches} batches per row; carried / moved rows per transport (mean over plans, "
@@ -249,7 +250,7 @@ def exchange_table(args):
         buffers = [r[0]["buffers"] / max(x["busiest"] for x in r) for r in per_step
                    if max(x["busiest"] for x in r)]
         cells.append((int(np.mean([r["moved"] for r in rows])),
-                      *((np.mean(ratio(k)), np.max(ratio(k))) for k in ("ragged", "tiled")),
+                      *((np.mean(ratio(k)), np.max(ratio(k))) for k in (RAGGED.name, TILED.name)),
                       (np.mean(buffers), np.max(buffers))))
       fmt = lambda m: f"{m[0]:.2f}x ({m[1]:.2f}x)"
       (qm, *qr, qb), (km, *kr, kb) = cells
@@ -260,8 +261,8 @@ def exchange_table(args):
         # are sized for the busier of its plans (Ping and Pong), so is the denominator.
         i, j = max(((i, j) for i, ds in enumerate(steps) for j in range(len(ds))),
                    key=lambda ij: int(np.asarray(steps[ij[0]][ij[1]].send_q_count).sum()))
-        others = {mode: _step_contexts(dist, n, t, args.batches, mode)[2] for mode in modes
-                  if mode != "tiled"}
+        others = {mode: _step_contexts(dist, n, t, args.batches, mode.name)[2] for mode in modes
+                  if mode is not TILED}
         step_of = lambda mode: [c.dispatch for c in (others.get(mode) or ctxs) if c.cad][i]
         got = _compiled_buffers({mode: step_of(mode)[j] for mode in modes}, n)
         busy = {name: max(_carried(d, name)["busiest"] for d in steps[i]) * 8 * 128 * 2
@@ -275,7 +276,7 @@ def exchange_table(args):
           "transport alone (its send and receive buffers and what it allocates) / with the row "
           "gathers around it (_compiled_buffers)")
     print("| devices | dist | exchange | busiest moving MB | "
-          + " | ".join(f"{mode}: alone / with gathers" for mode in modes) + " |")
+          + " | ".join(f"{mode.name}: alone / with gathers" for mode in modes) + " |")
     print("|---|---|---|---|" + "---|" * len(modes))
     for n, dist, busy, got in compiled_rows:
       for name, label in (("q", "Q"), ("kv", "K/V")):
@@ -286,7 +287,7 @@ def exchange_table(args):
   step = os.environ.get("DISTCA_MOCK_STEP")
   if mocked and step:
     layers, dist = step.split(":")
-    variants = ("colocated", *(f"distca:{m}" for m in modes))
+    variants = ("colocated", *(f"distca:{m.name}" for m in modes))
     got = _compiled_step_bytes(int(mocked), t, dist, variants, "model.preset=llama3_8b",
                                f"model.layers={layers}", "model.remat=full", "mesh.tensor=1")
     print()

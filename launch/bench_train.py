@@ -167,9 +167,10 @@ def _predicted_saving(config, batch, shape, cache: dict) -> float:
   import dataclasses
 
   from distca_jax import dispatch
+  from distca_jax.schedule.transport import TILED
 
   a = dataclasses.replace(config.attention, impl="distca", gate=False, min_imbalance=1.0,
-                          kernel="auto", exchange="tiled")
+                          kernel="auto", exchange=TILED.name)
   if a not in cache:
     cache[a] = dispatch.plan_step(a, batch, shape).predicted_saving
   return cache[a]

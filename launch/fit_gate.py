@@ -1,4 +1,4 @@
-"""Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "The step gate").
+"""Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "Gated runs").
 
     python launch/fit_gate.py [--expect 50] [--sim] [--from cad.json ... --devices N --set ...]
     python launch/fit_gate.py --logs colocated.log distca.log --devices 2 --set ... data.distribution=prolong
@@ -29,7 +29,8 @@ import dataclasses
 
 import numpy as np
 
-from distca_jax import gate
+from distca_jax import gate, gate_fitting
+from distca_jax.schedule.transport import TILED
 
 # The fit's measurements and shipped costs are data (distca_jax/gate_fit.json): (distribution,
 # sampler step) -> (colocated ms, distca ms with CAD running), of SETUP on DEVICES devices.
@@ -183,7 +184,7 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
   print("| kernel log | steps | matmul TF/s | attention TF/s | step ms (min-max) | fit RMS ms "
         "| attention per FLOP vs first | gate_attention_cost |\n|---|---|---|---|---|---|---|---|")
   for path in paths:
-    steps = {s: v for s, v in gate.read_step_log(path).items() if not v["compiled"]}
+    steps = {s: v for s, v in gate_fitting.read_step_log(path).items() if not v["compiled"]}
     if len(steps) < 3:
       raise SystemExit(f"{path}: {len(steps)} uncompiled steps, too few to fit")
     # Log step s trained on the sampler's batch s - 1.
@@ -191,7 +192,7 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
                       for s in steps])
     ms = np.array([v["step_s"] * 1e3 for v in steps.values()])
     try:
-      c_lin, c_att, rms = gate.fit_kernel_cost(flops, ms)
+      c_lin, c_att, rms = gate_fitting.fit_kernel_cost(flops, ms)
     except ValueError as e:
       raise SystemExit(f"{path}: {e}") from None
     fits.append(dict(path=path, steps=len(ms), c_lin=c_lin, c_att=c_att, rms=rms))
@@ -239,18 +240,19 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
 
   dist = load_config(None, list(setup)).data.distribution
   rest = tuple(o for o in setup if not o.startswith("data.distribution="))
-  col, cad = gate.read_step_log(colocated_log), gate.read_step_log(distca_log)
+  col, cad = gate_fitting.read_step_log(colocated_log), gate_fitting.read_step_log(distca_log)
   out = []
   for s in sorted(col.keys() & cad.keys()):
     c, d = col[s], cad[s]
     if c["compiled"] or d["compiled"] or d.get("cad") != 1.0:
       continue
-    if "exchange_q_rows" not in d:  # another transport's capacities (train/metrics.exchange_rows)
+    rows = lambda k: f"{TILED.log_prefix}_{k}_rows"  # the tiled exchange's logged capacities
+    if rows("q") not in d:  # another transport's capacities (`Transport.log_rows`)
       raise SystemExit(f"{distca_log}: step {s} ran CAD without the tiled exchange's capacities "
-                       "(exchange_q_rows): --logs fits the gate's exchange costs on "
+                       f"({rows('q')}): --logs fits the gate's exchange costs on "
                        "attention.exchange=tiled runs")
-    kv2 = d.get("exchange_kv2_rows")
-    caps = Capacities(c=int(d["exchange_q_rows"]), ckv=int(d["exchange_kv_rows"]),
+    kv2 = d.get(rows("kv2"))
+    caps = Capacities(c=int(d[rows("q")]), ckv=int(d[rows("kv")]),
                       ckv2=None if kv2 is None else int(kv2))
     out.append((devices, rest, dist, s - 1, c["step_s"] * 1e3, d["step_s"] * 1e3, caps))
   return out
@@ -264,7 +266,7 @@ def logged_over(own, logged):
 
 
 def fit(verbose: bool = True, extra=()) -> dict:
-  """The fit above (`gate.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
+  """The fit above (`gate_fitting.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
   distribution, step, colocated ms, CAD ms[, capacities]) tuples); prints it (and the per-batch
   table) when `verbose`. Returns the cost model it implies (`gate_attention_cost`,
   `gate_exchange_fixed`, `gate_exchange_flops_per_byte`, the `attention.` fields) and, per batch,
@@ -288,9 +290,9 @@ def fit(verbose: bool = True, extra=()) -> dict:
     # log says (from_train_logs), else the step's own (a benchmark compiles each batch).
     ran = logged_over(ctx.capacities, caps[0]) if caps and caps[0] else ctx.capacities
     moved_bytes = gate.exchange_bytes(cfg.attention, shape, ctx.plans, ran).max() * shape.layers
-    batches.append(gate.FitBatch(
+    batches.append(gate_fitting.FitBatch(
         colocated_ms=col, distca_ms=cad, linear_flops=linear.max(), attention_flops=attn.max(),
-        planned_flops=gate.attention_flops_per_area(shape) * planned.max(),
+        planned_flops=gate.model_flops(shape).attention_per_area * planned.max(),
         exchange_bytes=moved_bytes))
     rows.append(dict(
         batch=f"{dist}@{step}" + ("" if (devices, setup) == (DEVICES, SETUP) else f" ({devices} dev)"),
@@ -298,7 +300,7 @@ def fit(verbose: bool = True, extra=()) -> dict:
         gain=gate.predicted_cad_gain(shape, batch.layout, attention_config=cfg.attention),
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
         predicted=ctx.predicted_saving, attention=cfg.attention))
-  result = gate.fit_step_costs(batches)
+  result = gate_fitting.fit_step_costs(batches)
   say = print if verbose else (lambda *a, **k: None)
   say(f"colocated step = matmul FLOPs at {1e-9 / result.ms_per_linear_flop:.0f} TF/s + attention "
       f"FLOPs at {1e-9 / result.ms_per_attention_flop:.0f} TF/s (effective)")

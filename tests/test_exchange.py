@@ -15,6 +15,7 @@ from distca_jax.data.sources import make_batch
 from distca_jax.dispatch.exchange import Exchange, transport
 from distca_jax.dispatch.format import exchange_offsets
 from distca_jax.mesh import ROW_AXES
+from distca_jax.schedule.transport import TILED
 from helpers import reference_over, run_step, simulate_exchange, small_config, tree_rel_err
 
 def _random_counts(rng, n: int) -> np.ndarray:
@@ -52,8 +53,8 @@ def test_tiled_transport_moves_the_counted_rows(n):
 
   def local(x, arrays):
     ex = Exchange(**{k: v[0] for k, v in arrays.items()}, block=block)
-    got = transport(x[0], R, ex, "tiled")
-    return got[None], transport(got, S, ex.reversed(), "tiled")[None]
+    got = transport(x[0], R, ex, TILED)
+    return got[None], transport(got, S, ex.reversed(), TILED)[None]
 
   spec = P(ROW_AXES)
   run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),

@@ -17,6 +17,7 @@ from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.dispatch import host
 from distca_jax.schedule.capacities import Capacities, largest
+from distca_jax.schedule.transport import RAGGED, TILED
 from distca_jax.train import metrics
 from helpers import launch_script, layout_batch, small_config
 
@@ -167,7 +168,7 @@ def test_gate_decides_alike_on_every_process(dist):
 
 def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   """The gate's default cost model (attention.gate_*) is what launch/fit_gate.py fits to the step times it records
-  (4 x H100, docs/PERFORMANCE.md "The step gate"): a change to the planner, the traffic model or
+  (4 x H100, docs/PERFORMANCE.md, "Gated runs"): a change to the planner, the traffic model or
   the data that moves the fit leaves them stale, and this says so. And the shipped gate takes
   CAD's side on every measured batch that gained more than 2%, colocated's on every one that lost
   more than 2% (the batches were measured with the ping-pong split before it stopped cutting
@@ -386,7 +387,8 @@ def test_gate_charges_bytes_between_nodes_more():
     saving = lambda a, x: gate_lib.predicted_cad_saving(shape, batch.layout, plans, a, x)
     assert saving(two, split) < saving(one_node, one)
   with pytest.raises(ValueError, match="2 node numbers for 4 data ranks"):
-    gate_lib.same_node(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), 4)
+    gate_lib.exchange_bytes(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), shape, plans,
+                            caps)
 
 
 def test_trainer_records_the_nodes_of_its_data_ranks():
@@ -405,11 +407,11 @@ def test_trainer_records_the_nodes_of_its_data_ranks():
   # The run's log names the nodes when there are several, and whether K/V is relayed.
   assert gate_lib.describe_gate_nodes(with_gate_nodes(cfg, mesh).attention) == ""
   two = dataclasses.replace(mine.attention, gate_nodes=(0, 1, 1, 1), gate_network_byte_cost=2.5)
-  assert gate_lib.describe_gate_nodes(two) == (
-      "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes; K/V relay off "
-      "(kv_relay_fanout=auto)")  # the default exchange, tiled
-  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="ragged")).endswith(
-      "; K/V relay fanout 8 (kv_relay_fanout=auto)")
+  assert gate_lib.describe_gate_nodes(two) == (  # exchange=auto: ragged across nodes
+      "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes; K/V relay fanout 8 "
+      "(kv_relay_fanout=auto)")
+  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="tiled")).endswith(
+      "; K/V relay off (kv_relay_fanout=auto)")
   assert gate_lib.describe_gate_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
       "; K/V relay fanout 4")
 
@@ -429,9 +431,9 @@ def test_fit_gate_expect_plans_as_the_trainer(capsys):
     assert speedup <= own_speedup + 1e-9  # padding to the run's capacities never helps
   # The same steps on 4 devices, as one node and as two of 2: bytes across nodes cost more, so
   # with each step's own buckets (no capacities carried between steps) the gate gives CAD no
-  # more steps and predicts no more than on one node.
+  # more steps and predicts no more than on one node (the same transport on both).
   def table(**kw):
-    launch_script("fit_gate").expect(4, devices=(4,), **kw)
+    launch_script("fit_gate").expect(4, devices=(4,), overrides=("attention.exchange=tiled",), **kw)
     rows = [l.split("|")[1:-1] for l in capsys.readouterr().out.splitlines() if l.startswith("| 4 |")]
     return {r[1].strip(): tuple(float(x) for x in r[4].split(",")) for r in rows}
 
@@ -488,7 +490,7 @@ def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
 
 
 def test_exchange_padding_report(capsys):
-  """launch/exchange_padding.py: the tiled exchange sends at least what one block size for all
+  """launch/tools/exchange_padding.py: the tiled exchange sends at least what one block size for all
   pairs needs, which is at least what per-shift blocks need, which is at least what moves."""
   assert launch_script("tools/exchange_padding").main(["--steps", "2"]) == 0
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| all |")]
@@ -512,20 +514,20 @@ def test_step_logs_name_each_transports_capacities(tmp_path):
   run has one); gate_report reads each as the step's shape, and fit_gate --logs, whose exchange
   cost is the tiled one's, refuses another transport's log rather than fit it at zero bytes."""
   caps = Capacities(send_q=4096, send_kv=2048, send_kv2=512, c=1024, ckv=768, ckv2=256)
-  assert metrics.exchange_rows(caps, "tiled") == {
+  assert TILED.log_rows(caps) == {
       "exchange_q_rows": 1024, "exchange_kv_rows": 768, "exchange_kv2_rows": 256}
-  assert metrics.exchange_rows(caps, "ragged") == {
+  assert RAGGED.log_rows(caps) == {
       "exchange_send_q_rows": 4096, "exchange_send_kv_rows": 2048, "exchange_send_kv2_rows": 512}
-  assert metrics.exchange_rows(dataclasses.replace(caps, ckv2=0), "tiled") == {
+  assert TILED.log_rows(dataclasses.replace(caps, ckv2=0)) == {
       "exchange_q_rows": 1024, "exchange_kv_rows": 768}
   report = launch_script("tools/gate_report")
   fields = lambda d: {k: float(v) for k, v in d.items()}
-  assert report.exchange_shape({**fields(metrics.exchange_rows(caps, "ragged")),
+  assert report.exchange_shape({**fields(RAGGED.log_rows(caps)),
                                 "nano_batches": 2.0}) == (4096, 2048, 512, 2)
-  assert report.exchange_shape(fields(metrics.exchange_rows(caps, "tiled"))) == (1024, 768, 256, 0)
+  assert report.exchange_shape(fields(TILED.log_rows(caps))) == (1024, 768, 256, 0)
   line = lambda n, extra="": f"step {n}: loss=1 step_s=2 compile_count=1{extra}"
   (tmp_path / "c.log").write_text("\n".join([line(1), line(2)]))
-  ragged = " cad=1 " + " ".join(f"{k}={v}" for k, v in metrics.exchange_rows(caps, "ragged").items())
+  ragged = " cad=1 " + " ".join(f"{k}={v}" for k, v in RAGGED.log_rows(caps).items())
   (tmp_path / "d.log").write_text("\n".join([line(1, ragged), line(2, ragged)]))
   fit_gate = launch_script("fit_gate")
   with pytest.raises(SystemExit, match="attention.exchange=tiled"):

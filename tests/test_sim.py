@@ -458,12 +458,13 @@ def test_exchanges_bytes_ordered_ragged_tiled(lens, fanout):
   pair by pair, and strictly in total."""
   from distca_jax.schedule.traffic import traffic
   from distca_jax.schedule.relay import Relay
+  from distca_jax.schedule.transport import named
   from distca_jax.sim.transport import exchange_rounds
 
   layout = pack(lens, N, T)
   tasks, _ = balance(layout, COMM, 0.05)
   relay = Relay(fanout) if fanout else None
-  by = {ex: exchange_rounds(tasks, layout, COMM, ex, relay) for ex in ("ragged", "tiled")}
+  by = {ex: exchange_rounds(tasks, layout, COMM, named(ex), relay) for ex in ("ragged", "tiled")}
   assert {len(r) for r, _ in by.values()} == {len(by["ragged"][0])}
   ragged, moved = by["ragged"]
   assert np.allclose(sum(ragged), traffic(tasks, layout, COMM, pairwise=True, relay=relay).pair_bytes)
@@ -482,6 +483,7 @@ def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
   its K/V prefix to each; relayed, the busiest device's bytes drop, the bytes on the wire do not
   change, and the simulator charges the second round after the first."""
   from distca_jax.schedule.relay import Relay
+  from distca_jax.schedule.transport import named
   from distca_jax.sim.transport import exchange_rounds
 
   n = 32
@@ -490,8 +492,8 @@ def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
   tasks, _ = balance(layout, COMM, 0.05)
   busiest = lambda rounds: max(sum(rounds).sum(1).max(), sum(rounds).sum(0).max())
   for ex in ("ragged", "tiled"):
-    direct, _ = exchange_rounds(tasks, layout, COMM, ex)
-    relayed, moved = exchange_rounds(tasks, layout, COMM, ex, Relay(16))
+    direct, _ = exchange_rounds(tasks, layout, COMM, named(ex))
+    relayed, moved = exchange_rounds(tasks, layout, COMM, named(ex), Relay(16))
     assert len(direct) == 1 and len(relayed) == 2
     if ex == "ragged":
       assert busiest(relayed) < 0.6 * busiest(direct)
@@ -499,7 +501,7 @@ def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
       assert np.allclose(moved, sum(relayed))
   cfg = load_sim_config(None, [f"gpus=[{8 * n}]", "kv_relay_fanout=16"])
   sim = Simulator(cfg, Point("llama3_8b", 8 * n, T, "pretrain"))
-  rounds, _ = exchange_rounds(tasks, layout, COMM, "ragged", sim.relay)
+  rounds, _ = exchange_rounds(tasks, layout, COMM, sim.transport, sim.relay)
   comm_ms, bytes_, _ = sim._cad_exchange(tasks, layout, COMM)
   assert np.allclose(comm_ms, sum(sim._comm_ms_pairwise(r) for r in rounds))
   assert (comm_ms >= sim._comm_ms_pairwise(sum(rounds)) - 1e-9).all()

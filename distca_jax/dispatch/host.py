@@ -25,7 +25,9 @@ from distca_jax.schedule.capacities import Capacities, StepShapes, bucketed, lar
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
 from distca_jax.schedule.traffic import kv_requests, traffic
-from distca_jax.schedule.relay import Relay, relay_for
+from distca_jax.schedule.gate_cost import attention_load_per_device, imbalance
+from distca_jax.schedule.relay import Relay
+from distca_jax.schedule.transport import relay_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,7 @@ class StepContext:
     loads, summed over nano-batches)."""
     before = (sum(p.stats.load_before for p in self.plans) if self.load_before is None
               else self.load_before)
-    return gate.imbalance(before), gate.imbalance(sum(p.stats.load_after for p in self.plans))
+    return imbalance(before), imbalance(sum(p.stats.load_after for p in self.plans))
 
   def device_inputs(self, batch: Batch):
     """(per-token arrays, their spec), (dispatch plans, their spec) for the step: one stream's
@@ -123,7 +125,7 @@ def plan_step(attention_config, batch: Batch, shape, devices=None, shapes: StepS
   _check(dispatch, best.layouts, devices, best.batches)
   return StepContext(batches=best.batches, plans=best.plans, dispatch=tuple(dispatch),
                      predicted_saving=best.saving,
-                     load_before=gate.attention_load_per_device(batch.layout))
+                     load_before=attention_load_per_device(batch.layout))
 
 
 def stream_options(attention_config, batch: Batch) -> list[tuple[Batch, ...]]:
@@ -183,7 +185,7 @@ def planner_nodes(attention_config, layout: Layout):
 def relay_of(attention_config) -> Relay | None:
   """The K/V relay `attention.kv_relay_fanout` asks for on the servers' nodes
   (`attention.gate_nodes`; None: off)."""
-  return relay_for(attention_config.kv_relay_fanout, attention_config.exchange,
+  return relay_for(attention_config.kv_relay_fanout, attention_config.transport(),
                    attention_config.gate_nodes)
 
 
@@ -210,9 +212,9 @@ def _relayed(plan: Plan, layout: Layout, kv, comm, relay: Relay) -> Plan:
 def step_capacities(attention_config, plans, buffer_len: int,
                     shapes: StepShapes | None = None) -> Capacities:
   """The capacities the plans of one step need together (each the largest any of them needs;
-  only the sizes `attention.exchange` uses: `Capacities.for_exchange`), grown to the run's
+  only the sizes the exchange's transport uses: `Transport.capacities`), grown to the run's
   (`shapes`, not committed) when given."""
-  caps = largest(*(p.capacities for p in plans)).for_exchange(attention_config.exchange)
+  caps = attention_config.transport().capacities(largest(*(p.capacities for p in plans)))
   return caps if shapes is None else shapes.fit(f"cad@{buffer_len}", caps, commit=False)
 
 

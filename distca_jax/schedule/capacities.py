@@ -69,12 +69,6 @@ class Capacities:
     return all(getattr(limits, k) is None or getattr(self, k) <= getattr(limits, k)
                for k in _SIZES)
 
-  def for_exchange(self, exchange: str) -> "Capacities":
-    """Only the sizes `attention.exchange` uses: the packed buffers always; the padded blocks
-    (`c`, `ckv`, `ckv2`) for `tiled`. The others are zeroed so they never grow the run's shapes
-    (each distinct value compiles the step)."""
-    return self if exchange == "tiled" else dataclasses.replace(self, c=0, ckv=0, ckv2=0)
-
 
 def largest(*records):
   """The elementwise maximum of records of one dataclass type (int fields; None: not known)."""

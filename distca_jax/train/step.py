@@ -26,6 +26,7 @@ from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
 from distca_jax.models.llama import AUTO_ORDER, Llama
 from distca_jax.models.presets import ModelShape, resolve
+from distca_jax.schedule.transport import choose
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train.finite import tree_all_finite
 from distca_jax.train.loss import chunked_cross_entropy
@@ -75,6 +76,15 @@ def with_gate_nodes(config: Config, mesh: Mesh) -> Config:
   return dataclasses.replace(config, attention=dataclasses.replace(a, gate_nodes=nodes))
 
 
+def with_exchange(config: Config, platform: str) -> tuple[Config, str]:
+  """(`config` with `attention.exchange=auto` resolved on the data ranks' nodes and `platform`,
+  why that transport): `transport.choose`, recorded in the run's config.json so every later
+  reader sees the transport the run took."""
+  transport, why = choose(config.attention.exchange, config.attention.gate_nodes, platform)
+  attention = dataclasses.replace(config.attention, exchange=transport.name)
+  return dataclasses.replace(config, attention=attention), why
+
+
 class Trainer:
   """Builds the sharded model and optimizer for `config` on `mesh` and runs training steps."""
 
@@ -88,6 +98,8 @@ class Trainer:
     # ... and with the node of each data rank, unless the config sets them: the gate prices the
     # exchange's bytes between nodes higher (`dispatch.exchange_bytes`).
     self.config = with_gate_nodes(self.config, mesh)
+    # ... and with its exchange's transport: `auto` resolved on those nodes and this platform.
+    self.config, self.exchange_reason = with_exchange(self.config, jax.default_backend())
     config = self.config
     self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
     self.core_attention = attention_lib.make_core_attention(config.attention, mesh)
