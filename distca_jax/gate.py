@@ -46,6 +46,30 @@ FIT_DEVICES: int = fit_data()["setup"]["devices"]
 FIT_SETUP: tuple[str, ...] = tuple(fit_data()["setup"]["overrides"])
 
 
+# A cost profile's numbers (`attention_cost` is per kernel, `fit_kernel` names the fit's).
+_PROFILE_COSTS = ("exchange_fixed", "exchange_flops_per_byte", "network_byte_cost")
+
+
+@functools.cache
+def read_profile(path: str | None = None) -> dict:
+  """The gate's fitted cost profile at `path` (`attention.gate_profile`; None: the shipped
+  `gate_fit.json`): `fit_kernel`, `attention_cost` per kernel, and `_PROFILE_COSTS`, as
+  `launch/fit_gate.py --write-profile` writes it. Raises ValueError saying what is wrong."""
+  where = Path(path) if path else FIT_DATA
+  try:
+    data = json.loads(where.read_text())
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{str(where)!r} is not a readable JSON cost profile ({e})") from None
+  costs = data.get("attention_cost") if isinstance(data, dict) else None
+  if not isinstance(costs, dict) or data.get("fit_kernel") not in costs:
+    raise ValueError(f"{str(where)!r}: a cost profile has `attention_cost` per kernel and its "
+                     "`fit_kernel` among them (launch/fit_gate.py --write-profile writes one)")
+  for name, value in [*costs.items(), *((k, data.get(k)) for k in _PROFILE_COSTS)]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+      raise ValueError(f"{str(where)!r}: {name} must be a number >= 0, got {value!r}")
+  return data
+
+
 def measured_batches() -> dict[tuple[str, int], tuple[float, float]]:
   """(distribution, sampler step) -> (colocated ms, distca ms with CAD running) of the fit's
   setup (`FIT_DEVICES` devices, `FIT_SETUP`)."""
@@ -57,11 +81,13 @@ def measured_batches() -> dict[tuple[str, int], tuple[float, float]]:
 
 
 def gate_attention_cost(attention_config, kernel: str | None = None) -> float:
-  """The gate's attention cost: `attention_config.gate_attention_cost` if set, else the one
-  measured for `kernel` (a resolved backend, not `auto`), else the fit's kernel's."""
+  """The gate's attention cost: `attention_config.gate_attention_cost` if set, else its cost
+  profile's for `kernel` (a resolved backend, not `auto`), else the profile's fit kernel's."""
   if attention_config.gate_attention_cost is not None:
     return attention_config.gate_attention_cost
-  return GATE_ATTENTION_COST.get(kernel, GATE_ATTENTION_COST[GATE_FIT_KERNEL])
+  profile = read_profile(attention_config.gate_profile)
+  costs = profile["attention_cost"]
+  return costs.get(kernel, costs[profile["fit_kernel"]])
 
 
 def describe_gate_cost(attention_config, kernel: str) -> str:
@@ -70,15 +96,18 @@ def describe_gate_cost(attention_config, kernel: str) -> str:
   cost = gate_attention_cost(attention_config, kernel)
   if attention_config.gate_attention_cost is not None:
     return f"{cost:.3g} (attention.gate_attention_cost)"
-  if kernel in GATE_ATTENTION_COST:
-    return f"{cost:.3g} ({kernel} kernel, measured)"
-  return f"{cost:.3g} ({GATE_FIT_KERNEL}'s: the {kernel} kernel is not measured in training steps)"
+  profile = read_profile(attention_config.gate_profile)
+  source = f" from {attention_config.gate_profile}" if attention_config.gate_profile else ""
+  if kernel in profile["attention_cost"]:
+    return f"{cost:.3g} ({kernel} kernel, measured{source})"
+  return (f"{cost:.3g} ({profile['fit_kernel']}'s{source}: the {kernel} kernel is not measured in "
+          "training steps)")
 
 
-def describe_gate_nodes(attention_config) -> str:
+def describe_nodes(attention_config) -> str:
   """The data ranks' nodes for the run's log, when there are several: "; 2 nodes (8, 8 data
   ranks), a byte between them 4 NVLink bytes"; "" on one node."""
-  nodes = attention_config.gate_nodes or ()
+  nodes = attention_config.data_rank_nodes or ()
   counts = np.bincount(nodes) if len(nodes) else np.zeros(0, int)
   counts = counts[counts > 0]
   if counts.size < 2:
@@ -86,7 +115,7 @@ def describe_gate_nodes(attention_config) -> str:
   fanout = attention_config.kv_relay_fanout
   relay = relay_for(fanout, attention_config.transport(), nodes)
   return (f"; {counts.size} nodes ({', '.join(map(str, counts))} data ranks), a byte between "
-          f"them {attention_config.gate_network_byte_cost:g} NVLink bytes; K/V relay "
+          f"them {costs(attention_config).network_byte_cost:g} NVLink bytes; K/V relay "
           + (f"fanout {relay.fanout}" if relay else "off")
           + (" (kv_relay_fanout=auto)" if fanout == "auto" else ""))
 
@@ -107,12 +136,13 @@ def describe_exchange(attention_config, data_ranks: int) -> str:
 
 
 def costs(attention_config=None) -> GateCosts:
-  """The cost profile `attention_config` (default: `AttentionConfig()`) asks for, its attention
-  cost resolved (unset: the fit's kernel's; the trainer sets the run's kernel's)."""
+  """The cost profile `attention_config` (default: `AttentionConfig()`) loads
+  (`attention.gate_profile`), its attention cost resolved (unset: the profile's fit kernel's;
+  the trainer sets the run's kernel's)."""
   a = AttentionConfig() if attention_config is None else attention_config
-  return GateCosts(attention_cost=gate_attention_cost(a), exchange_fixed=a.gate_exchange_fixed,
-                   exchange_flops_per_byte=a.gate_exchange_flops_per_byte,
-                   network_byte_cost=a.gate_network_byte_cost)
+  profile = read_profile(a.gate_profile)
+  return GateCosts(attention_cost=gate_attention_cost(a),
+                   **{k: float(profile[k]) for k in _PROFILE_COSTS})
 
 
 def model_flops(shape: ModelShape) -> ModelFlops:
@@ -169,10 +199,10 @@ def exchange_bytes(attention_config, shape: ModelShape, plans, capacities: Capac
   """Per device, the bytes one layer's exchange sends plus receives over the step's plans, in
   NVLink bytes: as the config's transport carries them at the step's capacities
   (`Transport.carried_bytes`), the busier of a device's links within and across nodes counting
-  (`attention.gate_nodes`, bytes across at `attention.gate_network_byte_cost`:
+  (`attention.data_rank_nodes`, bytes across at the profile's `network_byte_cost`:
   `gate_cost.busier_link`)."""
   moved = sum(p.traffic.send + p.traffic.recv for p in plans)
   carried = attention_config.transport().carried_bytes(capacities, moved,
                                                        comm_model(shape, attention_config), len(plans))
-  return gate_cost.busier_link(carried, attention_config.gate_nodes,
-                               attention_config.gate_network_byte_cost)
+  return gate_cost.busier_link(carried, attention_config.data_rank_nodes,
+                               costs(attention_config).network_byte_cost)

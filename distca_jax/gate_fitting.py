@@ -48,11 +48,12 @@ class StepCostFit:
 
   @property
   def costs(self) -> dict[str, float]:
-    """The three `attention.gate_*` costs, in matmul-FLOP units."""
+    """The three fitted costs of a cost profile (`gate.read_profile`), in matmul-FLOP units:
+    the fit's kernel's attention cost, the exchange's fixed cost and its cost per byte."""
     c_lin = self.ms_per_linear_flop
-    return dict(gate_attention_cost=self.ms_per_attention_flop / c_lin,
-                gate_exchange_fixed=self.exchange_fixed,
-                gate_exchange_flops_per_byte=self.exchange_ms_per_byte / c_lin)
+    return dict(attention_cost=self.ms_per_attention_flop / c_lin,
+                exchange_fixed=self.exchange_fixed,
+                exchange_flops_per_byte=self.exchange_ms_per_byte / c_lin)
 
 
 def fit_step_costs(batches: list[FitBatch]) -> StepCostFit:

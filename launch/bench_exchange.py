@@ -191,7 +191,7 @@ def _compiled_step_bytes(n: int, t: int, dist: str, variants, *overrides: str) -
                                 f"attention.impl={impl}", f"attention.exchange={exchange or TILED.name}",
                                 "attention.gate=false", "attention.min_imbalance=1",
                                 # one node: a mocked cluster has no hosts to ask
-                                "attention.gate_nodes=[" + ",".join(["0"] * n) + "]",
+                                "attention.data_rank_nodes=[" + ",".join(["0"] * n) + "]",
                                 "data.length_scale=1", f"data.distribution={dist}"])
     trainer = Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:n]))
     batch = make_source(config, n).batch(0)

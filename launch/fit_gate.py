@@ -48,7 +48,7 @@ def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
   prediction from the gate's cost model, not a measurement. `overrides`: config overrides on
   the default setup (Llama-3-8B shape with 2 layers, 64K tokens per device). `per_node`: data
   ranks per node (consecutive ranks share one; 0: every rank on one node), as the trainer's
-  `attention.gate_nodes` would find them."""
+  `attention.data_rank_nodes` would find them."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -64,7 +64,7 @@ def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
   for n in devices:
     attention = cfg.attention
     if per_node:
-      attention = dataclasses.replace(attention, gate_nodes=tuple(i // per_node for i in range(n)))
+      attention = dataclasses.replace(attention, data_rank_nodes=tuple(i // per_node for i in range(n)))
     for dist in ("pretrain", "prolong"):
       src = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
                                   shape.vocab_size, n)
@@ -133,7 +133,7 @@ def main() -> None:
   ap.add_argument("--expect-set", nargs="*", default=[],
                   help="config overrides for --expect (e.g. data.tokens_per_device=131072)")
   ap.add_argument("--expect-per-node", type=int, default=0, metavar="N",
-                  help="--expect with N data ranks per node (attention.gate_nodes; 0: one node)")
+                  help="--expect with N data ranks per node (attention.data_rank_nodes; 0: one node)")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
   ap.add_argument("--logs", nargs=2, action="append", default=[], metavar=("COLOCATED", "DISTCA"),
@@ -146,6 +146,8 @@ def main() -> None:
                        "setup: --set); see kernel_cost()")
   ap.add_argument("--no-fit", action="store_true",
                   help="skip the 4-GPU fit (e.g. with --kernel-logs or --expect)")
+  ap.add_argument("--write-profile", metavar="PATH",
+                  help="write the fit as a cost profile a run loads (attention.gate_profile=PATH)")
   args = ap.parse_args()
   if args.kernel_logs:
     kernel_cost(args.kernel_logs, tuple(args.set))
@@ -157,11 +159,38 @@ def main() -> None:
       pairs = from_train_logs(col, cad, args.devices, tuple(args.set))
       print(f"{len(pairs)} CAD steps from {col} / {cad} join the fit")
       extra += pairs
-    fit(extra=extra)
+    fitted = fit(extra=extra)
+    if args.write_profile:
+      write_profile(args.write_profile, fitted)
   if args.expect:
     expect(args.expect, args.expect_devices, args.expect_set, args.expect_per_node)
   if args.sim:
     fit_simulator()
+
+
+def write_profile(path, fitted: dict) -> dict:
+  """Writes `fit`'s costs as a cost profile (`gate.read_profile`'s format) at `path`: the fit's
+  kernel's attention cost, and each other kernel's scaled by its measured ratio
+  (`KERNEL_COST_RATIO`); the exchange's two costs; the shipped price of a byte between nodes (not
+  fitted: the measurements are one node's). Returns it."""
+  import json
+  from pathlib import Path
+
+  shipped = gate.read_profile()
+  att = fitted["attention_cost"]
+  profile = {
+      "about": "A cost profile of the step gate, written by launch/fit_gate.py --write-profile "
+               "(attention.gate_profile loads it; distca_jax/gate_fit.json says what each field is).",
+      "fit_kernel": gate.GATE_FIT_KERNEL,
+      "attention_cost": {gate.GATE_FIT_KERNEL: att,
+                         **{k: att * r for k, r in KERNEL_COST_RATIO.items()}},
+      "exchange_fixed": fitted["exchange_fixed"],
+      "exchange_flops_per_byte": fitted["exchange_flops_per_byte"],
+      "network_byte_cost": shipped["network_byte_cost"],
+  }
+  Path(path).write_text(json.dumps(profile, indent=2) + "\n")
+  print(f"wrote the cost profile {path}: run with attention.gate_profile={path}")
+  return profile
 
 
 def kernel_cost(paths, setup: tuple) -> list[dict]:
@@ -268,9 +297,9 @@ def logged_over(own, logged):
 def fit(verbose: bool = True, extra=()) -> dict:
   """The fit above (`gate_fitting.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
   distribution, step, colocated ms, CAD ms[, capacities]) tuples); prints it (and the per-batch
-  table) when `verbose`. Returns the cost model it implies (`gate_attention_cost`,
-  `gate_exchange_fixed`, `gate_exchange_flops_per_byte`, the `attention.` fields) and, per batch,
-  the measured and the shipped gate's predicted saving (fractions of the colocated step)."""
+  table) when `verbose`. Returns the cost profile's fitted costs (`attention_cost` of the fit's
+  kernel, `exchange_fixed`, `exchange_flops_per_byte`: `StepCostFit.costs`) and, per batch, the
+  measured and the shipped gate's predicted saving (fractions of the colocated step)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -308,11 +337,9 @@ def fit(verbose: bool = True, extra=()) -> dict:
       f"{result.exchange_ms_per_byte * 1e9:.3f} ms per GB the busiest device moves (residuals "
       f"{result.max_residual_ms:.0f} ms at most)")
   fitted = result.costs
-  a = rows[0]["attention"]
-  a = dataclasses.replace(a, gate_attention_cost=gate.gate_attention_cost(
-      a, gate.GATE_FIT_KERNEL))  # the shipped cost of the kernel these batches ran
-  say("fitted:  " + " ".join(f"attention.{k}={v:.4g}" for k, v in fitted.items()))
-  say("shipped: " + " ".join(f"attention.{k}={getattr(a, k):.4g}" for k in fitted) + "\n")
+  shipped = gate.costs(rows[0]["attention"])  # the profile's, of the kernel these batches ran
+  say("fitted:  " + " ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
+  say("shipped: " + " ".join(f"{k}={getattr(shipped, k):.4g}" for k in fitted) + "\n")
   out = dict(fitted, batches={})
   say("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
       "| net saving, leave-one-out | predicted_cad_saving |")

@@ -375,13 +375,13 @@ def test_relays_by_default_where_the_servers_span_nodes(exchange):
   shape = resolve(small_config(*base).model)
   assert small_config(*base).attention.kv_relay_fanout == "auto"
   plan = lambda *extra: dispatch.plan_step(small_config(*base, *extra).attention, batch, shape)
-  one_node = plan(f"attention.gate_nodes=[{','.join(['0'] * n)}]")
-  two_nodes = plan("attention.gate_nodes=[0,0,0,0,1,1,1,1]")
+  one_node = plan(f"attention.data_rank_nodes=[{','.join(['0'] * n)}]")
+  two_nodes = plan("attention.data_rank_nodes=[0,0,0,0,1,1,1,1]")
   assert one_node.capacities.recv_kv2 == plan().capacities.recv_kv2 == 0
   if exchange == "tiled":
     assert two_nodes.capacities.recv_kv2 == 0
   else:
-    assert relay_of(small_config(*base, "attention.gate_nodes=[0,0,0,0,1,1,1,1]")
+    assert relay_of(small_config(*base, "attention.data_rank_nodes=[0,0,0,0,1,1,1,1]")
                     .attention).fanout == AUTO_FANOUT
     assert two_nodes.capacities.recv_kv2 > 0
     assert (two_nodes.plans[0].traffic.kv_rows_out.max()
@@ -420,7 +420,7 @@ def test_a_process_plans_from_its_rows_alone(dist, n):
 
 
 def test_the_step_plans_with_the_data_ranks_nodes():
-  """`attention.gate_nodes` reaches the planner: each nano-batch's plan is `make_plan` with
+  """`attention.data_rank_nodes` reaches the planner: each nano-batch's plan is `make_plan` with
   those nodes (which here differs from the flat plan), checked like any other; a layout of
   another size (a pipelined tick's) is planned as one node."""
   from distca_jax import gate as gate_lib
@@ -431,7 +431,7 @@ def test_the_step_plans_with_the_data_ranks_nodes():
   n, nodes = 16, tuple(i // 4 for i in range(16))
   cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=2048", "attention.impl=distca",
                      "data.distribution=pretrain", "attention.gate=false",
-                     "attention.min_imbalance=1", f"attention.gate_nodes={list(nodes)}")
+                     "attention.min_imbalance=1", f"attention.data_rank_nodes={list(nodes)}")
   shape, source = resolve(cfg.model), synthetic_from_config(cfg.data, 512, n)
   comm = gate_lib.comm_model(shape, cfg.attention)
   differs = False

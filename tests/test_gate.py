@@ -3,6 +3,7 @@ charges (padded blocks, bytes across nodes), its decisions on plans, and its fit
 (`launch/fit_gate.py`, `launch/tools/gate_report.py`) against the recorded measurements."""
 
 import dataclasses
+import json
 import sys
 
 import jax
@@ -46,7 +47,7 @@ def test_predicted_gain():
   assert 0 < gains[0] < gains[1] < gains[2] < 1 - 1 / N, gains
 
 
-def test_gate_on_the_plan(monkeypatch):
+def test_gate_on_the_plan(monkeypatch, tmp_path):
   """The gate decides from the step's own plans: `attention.min_gain` just above their predicted
   saving runs colocated attention, just below it CAD with those plans; a plan that moves nothing
   is predicted to cost the exchange's fixed part; a batch that cannot reach `min_gain` even
@@ -80,9 +81,13 @@ def test_gate_on_the_plan(monkeypatch):
   step = linear + 3.5 * gate_lib.gate_attention_cost(a) * 4.0 * shape.head_dim * shape.heads * \
       shape.layers * area
   assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, a) == pytest.approx(
-      -a.gate_exchange_fixed * linear / step)
-  # The cost model is the config's: a free exchange leaves exactly the (here zero) balance gain.
-  free = dataclasses.replace(a, gate_exchange_fixed=0.0, gate_exchange_flops_per_byte=0.0)
+      -gate_lib.costs(a).exchange_fixed * linear / step)
+  # The cost model is the config's profile: a free exchange leaves exactly the (here zero)
+  # balance gain.
+  profile = tmp_path / "free.json"
+  profile.write_text(json.dumps({**gate_lib.read_profile(), "exchange_fixed": 0.0,
+                                 "exchange_flops_per_byte": 0.0}))
+  free = dataclasses.replace(a, gate_profile=str(profile))
   assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, free) == 0.0
 
   def no_dispatch(*a, **k):
@@ -166,8 +171,8 @@ def test_gate_decides_alike_on_every_process(dist):
                 == (min_gain > want))
 
 
-def test_gate_constants_are_the_fit_of_the_recorded_measurements():
-  """The gate's default cost model (attention.gate_*) is what launch/fit_gate.py fits to the step times it records
+def test_gate_constants_are_the_fit_of_the_recorded_measurements(tmp_path):
+  """The gate's shipped cost profile (distca_jax/gate_fit.json) is what launch/fit_gate.py fits to the step times it records
   (4 x H100, docs/PERFORMANCE.md, "Gated runs"): a change to the planner, the traffic model or
   the data that moves the fit leaves them stale, and this says so. And the shipped gate takes
   CAD's side on every measured batch that gained more than 2%, colocated's on every one that lost
@@ -180,14 +185,17 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   fitted = fit_gate.fit(verbose=False)
   shipped = AttentionConfig()
   assert shipped.gate_attention_cost is None  # per kernel: the fit's kernel's, and scaled ones
-  assert fitted["gate_attention_cost"] == pytest.approx(
+  assert fitted["attention_cost"] == pytest.approx(
       gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL], rel=0.02)
   assert set(gate_lib.GATE_ATTENTION_COST) == {gate_lib.GATE_FIT_KERNEL, *fit_gate.KERNEL_COST_RATIO}
   for kernel, ratio in fit_gate.KERNEL_COST_RATIO.items():
     assert gate_lib.GATE_ATTENTION_COST[kernel] == pytest.approx(
         gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL] * ratio, rel=2e-3), kernel
-  for name in ("gate_exchange_fixed", "gate_exchange_flops_per_byte"):
-    assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
+  for name in ("exchange_fixed", "exchange_flops_per_byte"):
+    assert fitted[name] == pytest.approx(gate_lib.read_profile()[name], rel=0.02), name
+  written = fit_gate.write_profile(tmp_path / "profile.json", fitted)  # what a run then loads
+  loaded = gate_lib.costs(dataclasses.replace(shipped, gate_profile=str(tmp_path / "profile.json")))
+  assert written["exchange_fixed"] == loaded.exchange_fixed == fitted["exchange_fixed"]
   assert len(fitted["batches"]) == 14
   for name, (measured, predicted) in fitted["batches"].items():
     if abs(measured) > 0.02:
@@ -256,7 +264,7 @@ def test_fit_gate_reads_bench_json(tmp_path):
   fitted = fit_gate.fit(verbose=False, extra=got)
   assert len(fitted["batches"]) == 14  # the same two batches again: same names, same fit
   # Two points counted twice move the small exchange terms; the step-time fit barely.
-  assert fitted["gate_attention_cost"] == pytest.approx(
+  assert fitted["attention_cost"] == pytest.approx(
       gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL], rel=0.02)
 
 
@@ -354,9 +362,9 @@ def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):
 
 
 def test_gate_charges_bytes_between_nodes_more():
-  """With data ranks on two nodes (`attention.gate_nodes`) a device's exchange takes as long as
+  """With data ranks on two nodes (`attention.data_rank_nodes`) a device's exchange takes as long as
   its busier link: its bytes within the node, or its bytes across nodes counted at
-  `gate_network_byte_cost` NVLink bytes each (the tiled exchange's blocks by their pair, the
+  the cost profile's `network_byte_cost` NVLink bytes each (the tiled exchange's blocks by their pair, the
   ragged one's moved bytes by the share of the
   device's peers on the other node); so the gate predicts less saving. One node prices as
   before."""
@@ -370,8 +378,8 @@ def test_gate_charges_bytes_between_nodes_more():
   plans, comm = ctx.plans, gate_lib.comm_model(shape, cfg.attention)
   caps = largest(*(p.capacities for p in plans))  # every exchange's sizes (the step keeps its own)
   P = len(plans)
-  one_node = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 0, 0))
-  two = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 1, 1), gate_network_byte_cost=4.0)
+  one_node = dataclasses.replace(cfg.attention, data_rank_nodes=(0, 0, 0, 0))
+  two = dataclasses.replace(cfg.attention, data_rank_nodes=(0, 0, 1, 1))  # the shipped 4.0
   for exchange in ("tiled", "ragged"):
     unset, one, split = (gate_lib.exchange_bytes(dataclasses.replace(a, exchange=exchange), shape,
                                                  plans, caps)
@@ -387,32 +395,38 @@ def test_gate_charges_bytes_between_nodes_more():
     saving = lambda a, x: gate_lib.predicted_cad_saving(shape, batch.layout, plans, a, x)
     assert saving(two, split) < saving(one_node, one)
   with pytest.raises(ValueError, match="2 node numbers for 4 data ranks"):
-    gate_lib.exchange_bytes(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), shape, plans,
+    gate_lib.exchange_bytes(dataclasses.replace(cfg.attention, data_rank_nodes=(0, 1)), shape, plans,
                             caps)
 
 
 def test_trainer_records_the_nodes_of_its_data_ranks():
-  """One process is one node; a config's own node map is kept, and must cover the data ranks."""
-  from distca_jax.train.step import with_gate_nodes
+  """One process is one node; `mesh.devices_per_node` groups consecutive devices; a config's own
+  node map is kept, and must cover the data ranks."""
+  from distca_jax.train.step import with_nodes
 
   cfg = small_config("mesh.data=4", "attention.impl=distca")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])
-  assert with_gate_nodes(cfg, mesh).attention.gate_nodes == (0, 0, 0, 0)
-  mine = small_config("mesh.data=4", "attention.gate_nodes=[0,0,1,1]")
-  assert with_gate_nodes(mine, mesh).attention.gate_nodes == (0, 0, 1, 1)
-  with pytest.raises(ConfigError, match="attention.gate_nodes: one node number per data rank"):
-    with_gate_nodes(small_config("attention.gate_nodes=[0,1]"), mesh)
+  assert with_nodes(cfg, mesh).attention.data_rank_nodes == (0, 0, 0, 0)
+  mine = small_config("mesh.data=4", "attention.data_rank_nodes=[0,0,1,1]")
+  assert with_nodes(mine, mesh).attention.data_rank_nodes == (0, 0, 1, 1)
+  per_node = small_config("mesh.data=4", "mesh.devices_per_node=2")
+  assert with_nodes(per_node, mesh).attention.data_rank_nodes == (0, 0, 1, 1)
+  wide = small_config("mesh.data=2", "mesh.tensor=2", "mesh.devices_per_node=2")  # a rank a node
+  mesh_2x2 = mesh_lib.make_mesh(wide.mesh, jax.devices()[:4])
+  assert with_nodes(wide, mesh_2x2).attention.data_rank_nodes == (0, 1)
+  with pytest.raises(ConfigError, match="attention.data_rank_nodes: one node number per data rank"):
+    with_nodes(small_config("attention.data_rank_nodes=[0,1]"), mesh)
   # Host names by process: ranks numbered by the first rank on each host.
   assert mesh_lib.nodes_of([0, 0, 1, 1, 2, 3], ["b", "b", "a", "a"]) == (0, 0, 0, 0, 1, 1)
   # The run's log names the nodes when there are several, and whether K/V is relayed.
-  assert gate_lib.describe_gate_nodes(with_gate_nodes(cfg, mesh).attention) == ""
-  two = dataclasses.replace(mine.attention, gate_nodes=(0, 1, 1, 1), gate_network_byte_cost=2.5)
-  assert gate_lib.describe_gate_nodes(two) == (  # exchange=auto: ragged across nodes
-      "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes; K/V relay fanout 8 "
+  assert gate_lib.describe_nodes(with_nodes(cfg, mesh).attention) == ""
+  two = dataclasses.replace(mine.attention, data_rank_nodes=(0, 1, 1, 1))
+  assert gate_lib.describe_nodes(two) == (  # exchange=auto: ragged across nodes
+      "; 2 nodes (1, 3 data ranks), a byte between them 4 NVLink bytes; K/V relay fanout 8 "
       "(kv_relay_fanout=auto)")
-  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="tiled")).endswith(
+  assert gate_lib.describe_nodes(dataclasses.replace(two, exchange="tiled")).endswith(
       "; K/V relay off (kv_relay_fanout=auto)")
-  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
+  assert gate_lib.describe_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
       "; K/V relay fanout 4")
 
 

@@ -69,7 +69,7 @@ def test_the_trainer_records_the_transport_it_took():
   platform, into the run's config; a named one stays."""
   from distca_jax.train.step import with_exchange
 
-  cfg = load_config(None, ["attention.impl=distca", "mesh.data=4", "attention.gate_nodes=[0,0,1,1]"])
+  cfg = load_config(None, ["attention.impl=distca", "mesh.data=4", "attention.data_rank_nodes=[0,0,1,1]"])
   assert cfg.attention.exchange == "auto"
   on_gpu, why = with_exchange(cfg, "gpu")
   assert on_gpu.attention.exchange == "ragged" and "span 2 nodes" in why

@@ -175,18 +175,18 @@ def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
 
 
 def planner_nodes(attention_config, layout: Layout):
-  """The node of each of `layout`'s buffers for the planner (`attention.gate_nodes`, one per data
+  """The node of each of `layout`'s buffers for the planner (`attention.data_rank_nodes`, one per data
   rank), or None: unknown, or a pipelined tick's layout (a buffer per stage and data rank), which
   is planned as one node."""
-  nodes = attention_config.gate_nodes
+  nodes = attention_config.data_rank_nodes
   return nodes if nodes is not None and len(nodes) == layout.num_buffers else None
 
 
 def relay_of(attention_config) -> Relay | None:
   """The K/V relay `attention.kv_relay_fanout` asks for on the servers' nodes
-  (`attention.gate_nodes`; None: off)."""
+  (`attention.data_rank_nodes`; None: off)."""
   return relay_for(attention_config.kv_relay_fanout, attention_config.transport(),
-                   attention_config.gate_nodes)
+                   attention_config.data_rank_nodes)
 
 
 def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):

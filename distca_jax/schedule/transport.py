@@ -121,7 +121,7 @@ class _Ragged(Transport):
 TILED = _Tiled(name="tiled", carries="every (device, server) pair padded to the largest pair's "
                "block", padded=True, needs_gpu=False, relays_across_nodes=False, log_prefix="exchange")
 # On `tiled` a relay's second round pads every pair to its largest forward and costs more than it
-# saves (docs/METHOD.md, "Relayed K/V"); on `ragged` it spreads a long document's K/V.
+# saves (docs/METHOD.md, "The scheduler"); on `ragged` it spreads a long document's K/V.
 RAGGED = _Ragged(name="ragged", carries="only the rows that move", padded=False, needs_gpu=True,
                  relays_across_nodes=True, log_prefix="exchange_send")
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (TILED, RAGGED)}

@@ -194,7 +194,7 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   main = jax.process_index() == 0
   if config.attention.impl == "distca" and config.attention.gate and main:
     log("CAD gate: attention cost " + gate_lib.describe_gate_cost(config.attention, trainer.kernel)
-        + gate_lib.describe_gate_nodes(trainer.config.attention))
+        + gate_lib.describe_nodes(trainer.config.attention))
   if config.attention.impl == "distca" and main:
     log(f"CAD exchange: {trainer.exchange_reason}")
     note = gate_lib.describe_exchange(trainer.config.attention, mesh.shape["data"])
