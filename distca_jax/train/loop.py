@@ -207,9 +207,10 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   main = jax.process_index() == 0
   if config.attention.impl == "distca" and config.attention.gate and main:
     log("CAD gate: attention cost " + gate_lib.describe_gate_cost(config.attention, trainer.kernel)
-        + gate_lib.describe_gate_nodes(trainer.config.attention))
+        + gate_lib.describe_nodes(trainer.config.attention))
   if config.attention.impl == "distca" and main:
-    note = gate_lib.describe_exchange(config.attention, mesh.shape["data"])
+    log(f"CAD exchange: {trainer.exchange_reason}")
+    note = gate_lib.describe_exchange(trainer.config.attention, mesh.shape["data"])
     if note:
       log(note)
   config = trainer.config  # with the gate's attention cost of the kernel the run takes
@@ -465,7 +466,7 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
     record["cad_predicted_saving"] = ctx.predicted_saving
     record["nano_batches"] = len(ctx.batches)  # streams: 2 with ping-pong
     # The run's exchange capacities, what the exchange sends.
-    record.update(metrics_lib.exchange_rows(ctx.capacities, job.config.attention.exchange))
+    record.update(job.config.attention.transport().log_rows(ctx.capacities))
   if load_after is not None:
     p.imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
     record["attention_imbalance_after"] = p.imbalances_after[-1]
