@@ -11,6 +11,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import glob  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -301,8 +302,8 @@ def test_restore_newest_good_falls_back_and_reports_each_skipped_step(tmp_path):
   bad_at_4 = lambda state: "not finite" if float(state["opt"]["mu"][0, 0]) == 4 else None
   state, extra, skipped = ck.restore_newest_good(restore, problem=bad_at_4)
   assert extra == {"data_step": 2} and float(state["opt"]["mu"][0, 0]) == 2
-  assert len(skipped) == 2 and skipped[0].startswith("step 6 (unreadable: ")
-  assert skipped[1] == "step 4 (not finite)"
+  assert len(skipped) == 2 and skipped[0][0] == 6 and skipped[0][1].startswith("unreadable: ")
+  assert skipped[1] == (4, "not finite")
   # A chosen step is that step or an error, never another.
   _, extra, skipped = ck.restore_newest_good(restore, step=4)
   assert extra == {"data_step": 4} and skipped == []
@@ -378,6 +379,7 @@ def committed(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 def test_every_single_bit_flip_is_detected_or_harmless(committed):
   """A bit flipped at random positions of every file of a committed checkpoint (a few positions
   per file, dozens in all): each restore either raises a CheckpointError or gives back the saved
@@ -417,4 +419,35 @@ def test_every_single_bit_flip_is_detected_or_harmless(committed):
       outcomes.setdefault(kind, []).append(outcome)
   assert sum(len(v) for v in outcomes.values()) >= 24, outcomes
   assert checksum_caught >= 1, outcomes
-  print(outcomes)
+
+
+def test_arrays_unlike_their_checksums_are_skipped_naming_the_array(tmp_path):
+  """Step 4's `w` no longer matches the checksum committed with it (its record rewritten, the
+  record's own CRC made to match): restore names the array, the fallback skips the step in one
+  reason, and with verify=False the step restores as stored."""
+  from distca_jax.train import integrity
+
+  _seed_checkpoints(tmp_path)
+  meta = tmp_path / "4" / "extra" / "metadata"
+  extra = json.loads(meta.read_text())
+  record = extra[integrity.INTEGRITY]
+  name = "params/w"
+  dtype, digits = record["arrays"][name].split(":")
+  record["arrays"][name] = f"{dtype}:{int(digits, 16) ^ 1:016x}"
+  del record["extra"]
+  record["extra"] = integrity._extra_crc(extra)
+  meta.write_text(json.dumps(extra))
+  ck = Checkpointer(tmp_path, 2, 5, read_only=True)
+  with pytest.raises(checkpoint_lib.CheckpointIntegrityError,
+                     match=r"checkpoint step 4 in .*: checksum mismatch in state/params/w$"):
+    ck.restore(abstract_state=_abstract(_state()))
+  restore = lambda step: ck.restore(step, abstract_state=_abstract(_state()))
+  _, older, skipped = ck.restore_newest_good(restore)
+  assert older == {"data_step": 2} and skipped == [(4, "checksum mismatch in state/params/w")]
+  trusting = Checkpointer(tmp_path, 2, 5, read_only=True, verify=False)
+  _assert_tree_equal(trusting.restore(abstract_state=_abstract(_state()))[0], _state(4))
+  # A changed value in `extra` itself (here the step) is caught by its CRC.
+  extra["data_step"] = 5
+  meta.write_text(json.dumps(extra))
+  with pytest.raises(checkpoint_lib.CheckpointIntegrityError, match="checksum mismatch in its `extra`"):
+    Checkpointer(tmp_path, 2, 5, read_only=True).read_extra(4)

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from distca_jax import kernels
+from distca_jax.schema import ConfigError
 from distca_jax.colocated import make_colocated_attention
 from distca_jax.dispatch.format import DispatchPlan
 from distca_jax.kernels import TaskTable
@@ -268,12 +269,13 @@ def _server_exchange(q_TxHxD, k_TxKxD, v_TxKxD, p: DispatchPlan, backend: str, m
 
 
 def resolve_exchange(exchange: str) -> str:
-  """`tiled`, `shifted` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
+  """`tiled`, `shifted` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere
+  with a ConfigError, when the trainer is built: before anything is traced)."""
   if exchange not in TRANSPORTS:
-    raise ValueError(f"attention.exchange={exchange}: not one of {sorted(TRANSPORTS)}")
+    raise ConfigError(f"attention.exchange={exchange}: not one of {sorted(TRANSPORTS)}")
   if exchange == "ragged" and jax.default_backend() != "gpu":
-    raise ValueError(f"attention.exchange=ragged needs GPUs (jax.lax.ragged_all_to_all), this "
-                     f"backend is {jax.default_backend()}; use attention.exchange=tiled")
+    raise ConfigError(f"attention.exchange=ragged needs GPUs (jax.lax.ragged_all_to_all), this "
+                      f"backend is {jax.default_backend()}; use attention.exchange=tiled")
   if exchange == "ragged":
     log.warning("attention.exchange=ragged: XLA's default GPU ragged_all_to_all waits on the host "
                 "before each call, which made the step slower than the tiled exchange; XLA's "

@@ -60,6 +60,8 @@ class _NoOrbaxTracebacks(logging.Filter):
   otherwise printed some seventy lines of orbax's threads' stacks first."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if record.getMessage().startswith("Given directory is read only"):
+      return False  # what read_only asked for (resume reads before the run may write)
     if record.exc_info and "orbax" in record.pathname:
       record.exc_info, record.exc_text = None, None
     return True
@@ -124,16 +126,16 @@ def space_problem(directory: str | Path, needed_bytes: int) -> str | None:
 
 
 def move_aside(directory: str | Path, step: int) -> Path:
-  """Renames checkpoint `step` of `directory` to `<step>.skipped` (`<step>.skipped-2`, ... if
+  """Renames checkpoint `step` of `directory` to `<step>.aside` (`<step>.aside-2`, ... if
   taken) and returns the new path: a name orbax does not list as a step, so the step can be saved
   again, and nothing of it is lost. Process 0's job; the caller makes the others wait."""
   source = Path(directory).absolute() / str(step)
   for k in range(1, 1000):
-    target = source.with_name(f"{step}.skipped" + (f"-{k}" if k > 1 else ""))
+    target = source.with_name(f"{step}.aside" + (f"-{k}" if k > 1 else ""))
     if not target.exists():
       os.rename(source, target)
       return target
-  raise CheckpointError(f"cannot move {source} aside: {step}.skipped .. -999 all exist")
+  raise CheckpointError(f"cannot move {source} aside: {step}.aside .. -999 all exist")
 
 
 def _gib(n: int) -> str:
@@ -170,8 +172,8 @@ class Checkpointer:
     self.read_only = read_only
     self.verify = verify
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_every,
-        max_to_keep=keep,
+        save_interval_steps=0 if read_only else save_every,  # what orbax sets (and warns) itself
+        max_to_keep=None if read_only else keep,
         enable_async_checkpointing=async_save,
         create=not read_only,
         read_only=read_only,
@@ -330,11 +332,11 @@ class Checkpointer:
 
   def restore_newest_good(self, restore: Callable[[int], tuple[Any, dict]], step: int | None = None,
                           problem: Callable[[Any], str | None] = lambda state: None,
-                          ) -> tuple[Any, dict, list[str]]:
+                          ) -> tuple[Any, dict, list[tuple[int, str]]]:
     """(state, extra, skipped) of the newest complete checkpoint that `restore(step)` reads and
     in whose state `problem` finds nothing (it returns None, else why the state is bad); with
-    `step`, that checkpoint or an error. `skipped`: one "step s (why)" per newer checkpoint
-    passed over, for the caller to report.
+    `step`, that checkpoint or an error. `skipped`: (step, why) per newer checkpoint passed
+    over, for the caller to report (and move aside).
 
     Raises NoCheckpointError when there is no checkpoint (or no complete `step`), and
     CheckpointCorruptError when none is good (or `step` is not). CheckpointMismatchError from
@@ -362,8 +364,9 @@ class Checkpointer:
             return state, extra, skipped
         if step is not None:
           raise CheckpointCorruptError(f"checkpoint step {s} in {self.directory}: {why}")
-        skipped.append(f"step {s} ({why})")
-    raise CheckpointCorruptError(f"no good checkpoint in {self.directory}: {'; '.join(skipped)}")
+        skipped.append((s, why))
+    raise CheckpointCorruptError(f"no good checkpoint in {self.directory}: "
+                                 + "; ".join(f"step {s} ({why})" for s, why in skipped))
 
   def read_extra(self, step: int | None = None) -> tuple[int, dict]:
     """(step, its `extra` dict) of checkpoint `step` (default: the latest complete one), without

@@ -55,7 +55,7 @@ from distca_jax.train import metrics as metrics_lib
 from distca_jax.train import profile as profile_lib
 from distca_jax.train import rundir
 from distca_jax.train import stopping
-from distca_jax.train.checkpoint import Checkpointer, space_problem, state_bytes
+from distca_jax.train.checkpoint import Checkpointer, move_aside, space_problem, state_bytes
 from distca_jax.train.agreement import PlanDisagreementError
 from distca_jax.train.finite import NonFiniteError, check_step
 from distca_jax.train.resume import restore_any_layout, resume
@@ -128,6 +128,7 @@ class Job:
   start_step: int           # 0, or the step the run resumed from
   shapes: StepShapes        # step capacities: only grow; a resumed run starts from its checkpoint's
   init_s: float             # model init and restore time (counted in Summary.compile_s)
+  moved_aside: list[str] = dataclasses.field(default_factory=list)  # "step s (why) -> path"
 
 
 @dataclasses.dataclass
@@ -203,30 +204,42 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   source = make_source(config, mesh.shape["data"])
   if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
     raise ConfigError("train.profile_start and train.profile_steps: must be >= 1")
-  out_dir, ck_dir, named = _run_dir(config, name, main, log)
+  out_dir, ck_dir, named, has_steps = _run_dir(config, name)
   last_step = config.train.steps
   if config.train.stop_at_step is not None:
     last_step = min(last_step, config.train.stop_at_step)
   t0 = time.perf_counter()
   state = trainer.init_state(config.train.seed)
   shapes = StepShapes()
-  checkpointer, start_step = None, 0
+  checkpointer, start_step, newer = None, 0, []
   if config.checkpoint.every > 0:
-    checkpointer, state, start_step = _open_checkpoints(config.checkpoint, ck_dir, trainer, state,
-                                                        shapes, main and not named, log)
+    state, start_step, newer = _resume(config.checkpoint, ck_dir, trainer, state, shapes,
+                                       main and not named, log)
+  # Every check that can refuse the run is behind: only from here is its directory written.
+  _claim_run_dir(config, out_dir, named, has_steps, main, log)
+  moved = []
+  if config.checkpoint.every > 0:
+    checkpointer, moved = _open_checkpoints(config.checkpoint, ck_dir, newer, main, log)
   job = Job(config=config, mesh=mesh, trainer=trainer, source=source, out_dir=out_dir, main=main,
             last_step=last_step, checkpointer=checkpointer, start_step=start_step, shapes=shapes,
-            init_s=time.perf_counter() - t0)
+            init_s=time.perf_counter() - t0, moved_aside=moved)
   return job, state
 
 
-def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bool]:
-  """(the run's directory, its checkpoint directory, whether the directory was named here),
-  refusing one whose checkpoints the run would ignore; process 0 writes config.json (after
-  saying how it differs from the one a resumed run had) and links runs/latest."""
+def _run_dir(config: Config, name: str) -> tuple[Path, Path, bool, bool]:
+  """(the run's directory, its checkpoint directory, whether the directory was named here (a new,
+  empty one), whether it holds checkpoints), refusing one whose checkpoints the run would
+  ignore. Writes nothing into an existing directory."""
   out_dir, named = rundir.choose(config.train.out_dir, name)
   ck_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else out_dir / "checkpoints"
   has_steps = rundir.check_reuse(ck_dir, config.checkpoint.every, config.checkpoint.resume)
+  return out_dir, ck_dir, named, bool(has_steps)
+
+
+def _claim_run_dir(config: Config, out_dir: Path, named: bool, has_steps: bool, main: bool,
+                   log) -> None:
+  """Process 0 writes config.json (after saying how it differs from the one a resumed run had)
+  and links runs/latest: only once nothing can refuse the run any more."""
   if main:
     changes = rundir.config_changes(out_dir / "config.json", config) if has_steps else []
     if changes:
@@ -237,25 +250,45 @@ def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bo
     if named:
       rundir.link_latest(out_dir)
     log(f"run directory {out_dir}" + (f" ({rundir.RUNS / rundir.LATEST} links it)" if named else ""))
-  return out_dir, ck_dir, named
 
 
-def _open_checkpoints(ck, ck_dir: Path, trainer: Trainer, state, shapes: StepShapes, say: bool,
-                      log) -> tuple[Checkpointer, Any, int]:
-  """(checkpointer, state, first step): the disk's room for a checkpoint checked before the
-  first step, and with `checkpoint.resume` the newest good checkpoint restored (its step
-  capacities into `shapes`). `say`: report a start from step 0."""
+def _resume(ck, ck_dir: Path, trainer: Trainer, state, shapes: StepShapes, say: bool,
+            log) -> tuple[Any, int, list[tuple[int, str]]]:
+  """(state, first step, the checkpoints newer than it, each with why it was passed over): the
+  disk's room for a checkpoint checked before the first step, and with `checkpoint.resume` the
+  newest good checkpoint restored (its step capacities into `shapes`), read only: a refusal
+  leaves the directory as it was. `say`: report a start from step 0."""
   problem = space_problem(ck_dir, state_bytes(state))
   if problem:
     raise ConfigError(f"checkpoint.dir: {problem}")
-  checkpointer = Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep)
   if not ck.resume:
-    return checkpointer, state, 0
-  state, extra = resume(checkpointer, trainer, state, ck.step, say, log)
+    return state, 0, []
+  with Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep, read_only=True,
+                    verify=ck.verify) as reader:
+    state, extra, newer = resume(reader, trainer, state, ck.step, say, log)
   if extra is None:
-    return checkpointer, state, 0
+    return state, 0, []
   shapes.sizes.update(extra.get("step_shapes", {}))
-  return checkpointer, state, int(extra["step"])
+  return state, int(extra["step"]), newer
+
+
+def _open_checkpoints(ck, ck_dir: Path, newer: list[tuple[int, str]], main: bool,
+                      log) -> tuple[Checkpointer, list[str]]:
+  """(the run's checkpointer, "step s (why) -> where" per checkpoint moved aside): the
+  checkpoints newer than the one the run resumed from are renamed, not deleted, so the run saves
+  those steps again (`checkpoint.move_aside`)."""
+  moved = []
+  if newer:
+    if main:
+      for step, why in newer:
+        target = move_aside(ck_dir, step)
+        moved.append(f"step {step} ({why}) -> {target}")
+        log(f"moved checkpoint step {step} to {target} (kept; this run saves step {step} again)")
+    if jax.process_count() > 1:  # the others open the directory once process 0 renamed
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices("distca: checkpoints moved aside")
+  return Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep, verify=ck.verify), moved
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -421,8 +454,9 @@ def _save(job: Job, p: Progress, step: int) -> None:
   # `extra`: the data iterator's state (the step), the model shape it belongs to, the pipeline
   # stages of its parameter layout, and the step capacities its steps had reached, so a resumed
   # run does not compile its way back up to them.
-  if p.saved_step != step and job.checkpointer.maybe_save(step, p.state, extra, force=True):
-    p.saved_step = step
+  if p.saved_step != step and (job.checkpointer.maybe_save(step, p.state, extra, force=True)
+                               or step in job.checkpointer.all_steps()):
+    p.saved_step = step  # saved now, or that step's checkpoint is already there
 
 
 def _close(job: Job, p: Progress, prefetch: Prefetcher, report, quiet: bool) -> None:
@@ -468,6 +502,7 @@ def _summary(job: Job, p: Progress) -> Summary:
       microbatches=job.config.train.microbatches, pipeline_bubble=bubble,
       colocated_steps=p.colocated_steps, step_shapes=job.shapes.growths,
       attention=job.config.attention.impl, out_dir=str(job.out_dir), saved_step=p.saved_step,
+      moved_aside=job.moved_aside or None,
       interrupted=p.interrupted, packing=job.config.data.packing,
       token_imbalance=float(np.mean(p.token_imbalances)) if p.token_imbalances else None,
       wlb_cp_steps=dict(p.wlb_cp_steps) or None,
