@@ -451,3 +451,41 @@ def test_arrays_unlike_their_checksums_are_skipped_naming_the_array(tmp_path):
   meta.write_text(json.dumps(extra))
   with pytest.raises(checkpoint_lib.CheckpointIntegrityError, match="checksum mismatch in its `extra`"):
     Checkpointer(tmp_path, 2, 5, read_only=True).read_extra(4)
+
+
+def _numpy_checksum(x: np.ndarray) -> str:
+  """The checksum from its definition (integrity.py), in numpy: each element's bits as uint32
+  words times an odd weight of its flat index, summed modulo 2**32, for two weight seeds."""
+  words = (x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)).astype(np.uint64).ravel()
+  i = np.arange(words.size, dtype=np.uint64)
+  out = []
+  for seed in (0x3C6EF372, 0x1B873593):
+    m = 0xFFFFFFFF
+    h = (i * 0x9E3779B1 + seed) & m
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & m
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & m
+    w = (h ^ (h >> 16)) | 1
+    out.append(int(np.sum((words * w) & m) & m))
+  return f"{x.dtype}:{out[0]:08x}{out[1]:08x}"
+
+
+def test_checksums_follow_their_definition_on_any_sharding():
+  """The device checksums equal a numpy computation of their definition, on every sharding of
+  the array (the sum's order does not matter), and change with any single flipped bit."""
+  from distca_jax.train import integrity
+
+  mesh = _mesh((2, 4), ("data", "tensor"))
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(16, 24)).astype(np.float32)
+  arrays = {"f32": x, "bf16": np.asarray(jnp.asarray(x, jnp.bfloat16)), "i32": np.arange(40, dtype=np.int32)}
+  want = {k: _numpy_checksum(v) for k, v in arrays.items()}
+  assert integrity.array_checksums(arrays) == want
+  for spec in (P("data", "tensor"), P("tensor", None), P()):
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec if v.ndim == 2 else P()))
+              for k, v in arrays.items()}
+    assert integrity.array_checksums(placed) == want
+  words = x.view(np.uint32).copy()
+  for _ in range(32):
+    flipped = words.copy()
+    flipped.flat[rng.integers(words.size)] ^= np.uint32(1 << int(rng.integers(32)))
+    assert integrity.array_checksums({"f32": flipped.view(np.float32)})["f32"] != want["f32"]

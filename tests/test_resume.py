@@ -280,8 +280,9 @@ def test_a_refused_run_changes_nothing_and_its_advice_resumes(runs, tmp_path, re
   summary.json, checkpoints); the command its message suggests then resumes that run."""
   base, devices, _, _ = runs
   out = tmp_path / "run"
-  shutil.copytree(base / "half", out)
-  saved = json.loads((out / "config.json").read_text())
+  shutil.copytree(base / "at_n", out / "checkpoints")  # the run stopped at step N
+  shutil.copy(base / "half" / "summary.json", out / "summary.json")
+  saved = json.loads((base / "half" / "config.json").read_text())
   saved["train"]["out_dir"] = str(out)  # the copy's own
   (out / "config.json").write_text(json.dumps(saved, indent=2))
   before = _snapshot(out)

@@ -18,6 +18,7 @@ every single-bit error in the arrays' values is detected, whatever file format s
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from typing import Any, Mapping
@@ -25,6 +26,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from distca_jax.train.finite import leaf_name
 
@@ -63,9 +65,18 @@ def _array_sums(x) -> jax.Array:
                     jnp.sum(w * _mix(flat, 0x1B873593), dtype=jnp.uint32)])
 
 
-@jax.jit
 def _all_sums(leaves: list) -> jax.Array:
-  return jnp.stack([_array_sums(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+  return jnp.stack([_array_sums(x) for x in leaves])
+
+
+@functools.lru_cache(maxsize=None)
+def _sums_on(devices: tuple | None):
+  """`_all_sums` jitted with its [n, 2] result replicated over `devices` (the leaves' devices):
+  every process reads all of it from its own copy, whatever the leaves' shardings."""
+  if devices is None:
+    return jax.jit(_all_sums)
+  replicated = NamedSharding(Mesh(np.asarray(devices, dtype=object), ("all",)), PartitionSpec())
+  return jax.jit(_all_sums, out_shardings=replicated)
 
 
 def array_checksums(state: Any) -> dict[str, str]:
@@ -76,11 +87,12 @@ def array_checksums(state: Any) -> dict[str, str]:
   groups: dict[Any, list[int]] = {}
   for i, (_, x) in enumerate(named):
     sharding = getattr(x, "sharding", None)
-    groups.setdefault(None if sharding is None else frozenset(d.id for d in sharding.device_set),
-                      []).append(i)
+    devices = None if sharding is None else tuple(sorted(sharding.device_set, key=lambda d: d.id))
+    groups.setdefault(devices, []).append(i)
   sums = np.zeros((len(named), 2), np.uint32)
-  for members in groups.values():
-    sums[members] = np.asarray(jax.device_get(_all_sums([jnp.asarray(named[i][1]) for i in members])))
+  for devices, members in groups.items():
+    out = _sums_on(devices)([jnp.asarray(named[i][1]) for i in members])
+    sums[members] = np.asarray(out.addressable_data(0))
   return {name: f"{x.dtype}:{int(a):08x}{int(b):08x}" for (name, x), (a, b) in zip(named, sums)}
 
 

@@ -12,7 +12,9 @@ iterator's state is the step counter, saved in each checkpoint's `extra` with th
 A run resumed from step s therefore trains on exactly the batches and learning rates the
 uninterrupted run would have, and its losses are identical. A run into a directory with
 checkpoints resumes from the newest good one (`checkpoint.step` picks another); one that is
-unreadable or not finite is skipped, saying so in one line. Checkpoints are taken every
+unreadable, unlike its checksums or not finite is skipped, saying so in one line, and renamed
+aside so the run saves that step again. Every check that can refuse a run into an existing
+directory runs before anything is written there. Checkpoints are taken every
 `checkpoint.every` steps and where the run ends.
 
 Stopping. `train.stop_at_step`, `train.max_seconds`, SIGTERM and SIGINT end a run at a step
