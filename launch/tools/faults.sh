@@ -107,6 +107,7 @@ resumed_ok() {  # out_dir: resumes it to STEPS; 1 if its losses equal the baseli
 for attempt in 1 2 3; do
   want kill || break
   out="$WORK/kill$attempt"
+  rm -rf "$out"
   train_bg "$out" "train.steps=$STEPS" checkpoint.every=1
   pid=$PID
   # Wait for the attempt-th save in progress (orbax's tmp directory), then kill at once.
@@ -129,6 +130,7 @@ done
 for sig in TERM INT; do
   want signals || break
   out="$WORK/sig$sig"
+  rm -rf "$out"
   train_bg "$out" "train.steps=400"
   pid=$PID
   wait_for_step "$out.log" "$pid" && kill -s "$sig" "$pid"
@@ -145,6 +147,7 @@ done
 for target in all one; do
   want multihost || break
   out="$WORK/mh_$target"
+  rm -rf "$out" "$out.logs"
   mkdir -p "$out.logs"
   DISTCA_LOG_DIR="$out.logs" "$LAUNCH/tools/multihost_local.sh" 2 2 "${TINY[@]}" train.steps=400 \
     "train.out_dir=$out" >"$out.log" 2>&1 &
