@@ -110,13 +110,13 @@ for attempt in 1 2 3; do
   rm -rf "$out"
   train_bg "$out" "train.steps=$STEPS" checkpoint.every=1
   pid=$PID
-  # Wait for the attempt-th save in progress (orbax's tmp directory), then kill at once.
-  seen=0
-  for _ in $(seq 600); do
-    if compgen -G "$out/checkpoints/*.orbax-checkpoint-tmp*" >/dev/null; then
-      seen=$((seen + 1))
-      [[ $seen -ge $attempt ]] && break
-      sleep 0.2
+  # Kill at once while a save is in progress (orbax's tmp directory) once 2 x attempt - 1 steps
+  # are committed: the 2nd, 4th and 6th save.
+  for _ in $(seq 3000); do
+    committed=$(find "$out/checkpoints" -maxdepth 1 -regex '.*/[0-9]+' 2>/dev/null | wc -l)
+    if [[ $committed -ge $((2 * attempt - 1)) ]] &&
+       compgen -G "$out/checkpoints/*.orbax-checkpoint-tmp*" >/dev/null; then
+      break
     fi
     sleep 0.05
   done
@@ -190,7 +190,9 @@ for kind in bitflip truncate marker; do
   out="$WORK/damaged_$kind"
   rm -rf "$out"
   cp -r "$WORK/base" "$out"
-  newest=$(ls "$out/checkpoints" | grep -E '^[0-9]+$' | sort -n | tail -1)
+  # The run as if stopped at step 8: its newest checkpoint damaged, four steps left to train.
+  rm -rf "$out/checkpoints/10" "$out/checkpoints/12" "$out/summary.json"
+  newest=8
   damage "$kind" "$out/checkpoints/$newest"
   train "$out" "train.steps=$STEPS"
   rc=$?
