@@ -313,6 +313,9 @@ class CheckpointConfig:
   resume: bool = True
   # Resume from this step's checkpoint instead (an error if it has none).
   step: StepCount | None = None
+  # Check a restored checkpoint against the checksums saved with it (a mismatch is skipped like
+  # an unreadable step); false trusts the storage.
+  verify: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -190,6 +190,8 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
         f"--coordinator {coordinator} needs --num-processes and --process-id as well")
   if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
     raise DistributedInitError(f"--process-id {process_id} is outside [0, {num_processes})")
+  if coordinator is not None:
+    _check_address(coordinator)  # before jax.distributed, which indexes it as host:port
   if coordinator is not None and process_id != 0:
     _wait_for_port(coordinator, timeout_s, process_id, num_processes)
   print(f"jax.distributed: process {process_id if process_id is not None else '(auto)'} of "
@@ -231,9 +233,7 @@ def _wait_for_port(address: str, timeout_s: float, process_id, num_processes) ->
   import socket
   import time
 
-  host, _, port = address.rpartition(":")
-  if not host or not port.isdigit():
-    raise DistributedInitError(f"coordinator address {address!r}: expected host:port")
+  host, port = _check_address(address)
   deadline = time.monotonic() + timeout_s
   last = None
   while True:
@@ -249,6 +249,15 @@ def _wait_for_port(address: str, timeout_s: float, process_id, num_processes) ->
       f"coordinator {address} unreachable after {timeout_s:g} s (process {process_id} of "
       f"{num_processes}; last error: {last}). Is process 0 running on that host and port, and "
       f"does the firewall let it through? Raise the wait with train.init_timeout_s.")
+
+
+def _check_address(address: str) -> tuple[str, str]:
+  """(host, port) of a `host:port` coordinator address; DistributedInitError if it is not one."""
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise DistributedInitError(f"--coordinator {address!r}: expected host:port (e.g. "
+                               f"{address.split(':')[0] or 'node0'}:12345)")
+  return host, port
 
 
 def _under_cluster() -> bool:

@@ -15,8 +15,9 @@ Outputs: each run writes config.json, summary.json, tb/ and checkpoints/ into `t
 unset, into a new `runs/<config name>-<YYYYmmdd-HHMMSS>`, linked as `runs/latest`. Checkpoints are
 saved every `checkpoint.every` steps and where the run ends. Resume: the same command with
 `train.out_dir=` that run's directory (e.g. `runs/latest`) continues from its newest good
-checkpoint (`checkpoint.step=N` picks one); a directory that holds another run's checkpoints is
-never silently started over. SIGTERM or Ctrl-C stops a run after the step it is in, with a
+checkpoint (`checkpoint.step=N` picks one; one that fails its checksums or cannot be read is
+skipped and renamed `<step>.aside`); a directory that holds another run's checkpoints is never
+silently started over, and a refused run writes nothing into it. SIGTERM or Ctrl-C stops a run after the step it is in, with a
 checkpoint and the summary; the exit status is then 128 + the signal's number (143, 130).
 """
 

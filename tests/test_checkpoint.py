@@ -11,6 +11,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import glob  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -301,8 +302,8 @@ def test_restore_newest_good_falls_back_and_reports_each_skipped_step(tmp_path):
   bad_at_4 = lambda state: "not finite" if float(state["opt"]["mu"][0, 0]) == 4 else None
   state, extra, skipped = ck.restore_newest_good(restore, problem=bad_at_4)
   assert extra == {"data_step": 2} and float(state["opt"]["mu"][0, 0]) == 2
-  assert len(skipped) == 2 and skipped[0].startswith("step 6 (unreadable: ")
-  assert skipped[1] == "step 4 (not finite)"
+  assert len(skipped) == 2 and skipped[0][0] == 6 and skipped[0][1].startswith("unreadable: ")
+  assert skipped[1] == (4, "not finite")
   # A chosen step is that step or an error, never another.
   _, extra, skipped = ck.restore_newest_good(restore, step=4)
   assert extra == {"data_step": 4} and skipped == []
@@ -352,3 +353,139 @@ def test_a_save_the_disk_has_no_room_for_is_refused_up_front(tmp_path, monkeypat
                                                   r"the disk of .*, a checkpoint needs 16.0 MiB"):
       ck.maybe_save(1, _state(), {"data_step": 1})
     assert ck.all_steps() == []
+
+
+# ----------------------------------------------------------------------------- integrity
+
+def _file_kind(relative: str) -> str:
+  """`state/ocdbt.process_*/d/*` for `state/ocdbt.process_0/d/0a1b...`: files alike in role."""
+  parts = relative.split("/")
+  if len(parts) >= 2 and parts[-2] == "d":
+    parts[-1] = "*"
+  return "/".join(p if not p.startswith("ocdbt.process_") else "ocdbt.process_*" for p in parts)
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory):
+  """One committed checkpoint (step 1) of a state of several dtypes, shapes and shardings."""
+  directory = tmp_path_factory.mktemp("committed")
+  mesh = _mesh((2,), ("data",))
+  state = _state(3.0, mesh)
+  state["opt"]["nu"] = jnp.asarray(np.random.default_rng(0).normal(size=(130, 64)), jnp.float32)
+  state["opt"]["flag"] = jnp.asarray([True, False, True])
+  with Checkpointer(directory, save_every=1, keep=1) as ck:
+    ck.maybe_save(1, state, {"step": 1, "model": MODEL})
+  return directory, jax.device_get(state)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_every_single_bit_flip_is_detected_or_harmless(committed):
+  """A bit flipped at random positions of every file of a committed checkpoint (a few positions
+  per file, dozens in all): each restore either raises a CheckpointError or gives back the saved
+  arrays and `extra` exactly. Without the checksums, flips in the array chunks loaded as other
+  values silently; at least one flip here is caught by them alone."""
+  directory, saved = committed
+  step_dir = directory / "1"
+  files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > 0)
+  kinds = {}
+  for f in files:
+    kinds.setdefault(_file_kind(str(f.relative_to(step_dir))), []).append(f)
+  assert {"state/_METADATA", "state/manifest.ocdbt", "extra/metadata"} <= set(kinds), sorted(kinds)
+  assert any(k.endswith("/d/*") for k in kinds), sorted(kinds)
+  rng = np.random.default_rng(7)
+  outcomes, checksum_caught = {}, 0
+  target = _abstract(saved)
+  for kind, paths in sorted(kinds.items()):
+    for _ in range(4 if kind.endswith("/d/*") or kind == "extra/metadata" else 2):
+      f = paths[int(rng.integers(len(paths)))]
+      raw = f.read_bytes()
+      bit = int(rng.integers(len(raw) * 8))
+      f.write_bytes(raw[:bit // 8] + bytes([raw[bit // 8] ^ (1 << bit % 8)]) + raw[bit // 8 + 1:])
+      try:
+        with Checkpointer(directory, 1, 1, read_only=True) as ck:
+          state, extra = ck.restore(1, abstract_state=target)
+      except CheckpointError as e:
+        outcome = "detected"
+        checksum_caught += isinstance(e, checkpoint_lib.CheckpointIntegrityError)
+      else:
+        assert extra == {"step": 1, "model": MODEL}, (kind, bit, extra)
+        for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(saved)[0],
+                                     jax.tree.leaves(state), strict=True):
+          assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), (kind, bit, path)
+        outcome = "harmless"
+      finally:
+        f.write_bytes(raw)
+      outcomes.setdefault(kind, []).append(outcome)
+  assert sum(len(v) for v in outcomes.values()) >= 24, outcomes
+  assert checksum_caught >= 1, outcomes
+
+
+def test_arrays_unlike_their_checksums_are_skipped_naming_the_array(tmp_path):
+  """Step 4's `w` no longer matches the checksum committed with it (its record rewritten, the
+  record's own CRC made to match): restore names the array, the fallback skips the step in one
+  reason, and with verify=False the step restores as stored."""
+  from distca_jax.train import integrity
+
+  _seed_checkpoints(tmp_path)
+  meta = tmp_path / "4" / "extra" / "metadata"
+  extra = json.loads(meta.read_text())
+  record = extra[integrity.INTEGRITY]
+  name = "params/w"
+  dtype, digits = record["arrays"][name].split(":")
+  record["arrays"][name] = f"{dtype}:{int(digits, 16) ^ 1:016x}"
+  del record["extra"]
+  record["extra"] = integrity._extra_crc(extra)
+  meta.write_text(json.dumps(extra))
+  ck = Checkpointer(tmp_path, 2, 5, read_only=True)
+  with pytest.raises(checkpoint_lib.CheckpointIntegrityError,
+                     match=r"checkpoint step 4 in .*: checksum mismatch in state/params/w$"):
+    ck.restore(abstract_state=_abstract(_state()))
+  restore = lambda step: ck.restore(step, abstract_state=_abstract(_state()))
+  _, older, skipped = ck.restore_newest_good(restore)
+  assert older == {"data_step": 2} and skipped == [(4, "checksum mismatch in state/params/w")]
+  trusting = Checkpointer(tmp_path, 2, 5, read_only=True, verify=False)
+  _assert_tree_equal(trusting.restore(abstract_state=_abstract(_state()))[0], _state(4))
+  # A changed value in `extra` itself (here the step) is caught by its CRC.
+  extra["data_step"] = 5
+  meta.write_text(json.dumps(extra))
+  with pytest.raises(checkpoint_lib.CheckpointIntegrityError, match="checksum mismatch in its `extra`"):
+    Checkpointer(tmp_path, 2, 5, read_only=True).read_extra(4)
+
+
+def _numpy_checksum(x: np.ndarray) -> str:
+  """The checksum from its definition (integrity.py), in numpy: each element's bits as uint32
+  words times an odd weight of its flat index, summed modulo 2**32, for two weight seeds."""
+  words = (x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)).astype(np.uint64).ravel()
+  i = np.arange(words.size, dtype=np.uint64)
+  out = []
+  for seed in (0x3C6EF372, 0x1B873593):
+    m = 0xFFFFFFFF
+    h = (i * 0x9E3779B1 + seed) & m
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & m
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & m
+    w = (h ^ (h >> 16)) | 1
+    out.append(int(np.sum((words * w) & m) & m))
+  return f"{x.dtype}:{out[0]:08x}{out[1]:08x}"
+
+
+def test_checksums_follow_their_definition_on_any_sharding():
+  """The device checksums equal a numpy computation of their definition, on every sharding of
+  the array (the sum's order does not matter), and change with any single flipped bit."""
+  from distca_jax.train import integrity
+
+  mesh = _mesh((2, 4), ("data", "tensor"))
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(16, 24)).astype(np.float32)
+  arrays = {"f32": x, "bf16": np.asarray(jnp.asarray(x, jnp.bfloat16)), "i32": np.arange(40, dtype=np.int32)}
+  want = {k: _numpy_checksum(v) for k, v in arrays.items()}
+  assert integrity.array_checksums(arrays) == want
+  for spec in (P("data", "tensor"), P("tensor", None), P()):
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec if v.ndim == 2 else P()))
+              for k, v in arrays.items()}
+    assert integrity.array_checksums(placed) == want
+  words = x.view(np.uint32).copy()
+  for _ in range(32):
+    flipped = words.copy()
+    flipped.flat[rng.integers(words.size)] ^= np.uint32(1 << int(rng.integers(32)))
+    assert integrity.array_checksums({"f32": flipped.view(np.float32)})["f32"] != want["f32"]

@@ -258,6 +258,17 @@ def test_distributed_start_passes_the_heartbeat_timeout(monkeypatch):
   assert seen["heartbeat_timeout_seconds"] == 11 and seen["initialization_timeout"] == 7
 
 
+def test_a_coordinator_without_a_port_is_one_clear_line(monkeypatch):
+  """Process 0 too (it never waits for the port): jax.distributed would index the address as
+  host:port and end in an IndexError."""
+  from distca_jax import mesh as mesh_lib
+
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("reached jax"))
+  with pytest.raises(mesh_lib.DistributedInitError, match=r"^--coordinator 'notahost': expected "
+                                                          r"host:port \(e.g. notahost:12345\)$"):
+    mesh_lib.initialize_distributed("notahost", 2, 0)
+
+
 def _differing_pair(tmp_path, args_of, cwd_of=lambda i: ROOT):
   """Two jax.distributed processes of 4 CPU devices running launch/train.py with CAD, process i
   with `args_of(i)` in `cwd_of(i)` (not the launcher, which gives both the same arguments):

@@ -9,6 +9,7 @@ Every run here compiles the same few programs; a persistent compilation cache sh
 runs (and the other operability tests) keeps the module to one compilation per program.
 """
 
+import concurrent.futures
 import glob
 import json
 import os
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 from pathlib import Path
 
@@ -24,8 +26,9 @@ import numpy as np
 import pytest
 
 from distca_jax import mesh as mesh_lib
+from distca_jax.config import ConfigError, load_config
 from distca_jax.launch_env import enable_compile_cache
-from distca_jax.train import loop
+from distca_jax.train import loop, rundir
 from distca_jax.train.checkpoint import (CheckpointCorruptError, Checkpointer, CheckpointMismatchError,
                                          COMMIT_MARKER, NoCheckpointError)
 from distca_jax.train.step import Trainer
@@ -170,6 +173,19 @@ def test_corrupt_latest_checkpoint_falls_back_saying_so_in_one_line(runs):
   assert len(skipped) == 1 and "\n" not in skipped[0], lines
   assert skipped[0].startswith(f"skipped checkpoint step {2 * N} (unreadable: ")
   assert skipped[0].endswith(f"resuming from step {N}")
+  # It heals: the bad step was moved aside (kept), the run saved that step again, and the next
+  # run resumes from the new one.
+  aside = ck / f"{2 * N}.aside"
+  assert [l for l in lines if l.startswith("moved checkpoint")] == [
+      f"moved checkpoint step {2 * N} to {aside} (kept; this run saves step {2 * N} again)"]
+  assert resumed.saved_step == 2 * N and (ck / str(2 * N) / COMMIT_MARKER).exists()
+  assert len(resumed.moved_aside) == 1 and resumed.moved_aside[0].endswith(f") -> {aside}")
+  summary = json.loads((base / "cl" / "summary.json").read_text())
+  assert summary["moved_aside"] == resumed.moved_aside
+  lines = []
+  again = loop.run(config(base / "cl", f"checkpoint.dir={ck}"), devices=devices, log=lines.append)
+  assert again.start_step == 2 * N and not any("skipped" in l or "moved" in l for l in lines), lines
+  assert sorted(p.name for p in ck.iterdir()) == [str(N), str(2 * N), f"{2 * N}.aside"]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -240,3 +256,63 @@ def test_command_line_falls_back_in_one_line(runs, tmp_path):
   assert len(proc.stderr.splitlines()) <= 5, proc.stderr
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["start_step"] == N and summary["losses"] == straight.losses[N:]
+
+
+# ----------------------------------------------------------------------------- refused runs
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+  """Every file (and link) under `directory`, by relative path: its bytes (a link: its target)."""
+  return {str(p.relative_to(directory)): (os.readlink(p).encode() if p.is_symlink() else
+                                          p.read_bytes() if p.is_file() else b"<dir>")
+          for p in sorted(directory.rglob("*"))}
+
+
+@pytest.mark.parametrize("refused, error, advice", [
+    ("model.ffn=256", CheckpointMismatchError, "run with its own config"),
+    ("checkpoint.step=99", NoCheckpointError, f"complete steps are [{N}]"),
+    ("checkpoint.every=0", ConfigError, "the same command with checkpoint.every=N"),
+    ("checkpoint.resume=false", ConfigError, "the same command with checkpoint.resume=true"),
+])
+def test_a_refused_run_changes_nothing_and_its_advice_resumes(runs, tmp_path, refused, error,
+                                                              advice):
+  """A run refused into another run's directory leaves every file of it as it was (config.json,
+  summary.json, checkpoints); the command its message suggests then resumes that run."""
+  base, devices, _, _ = runs
+  out = tmp_path / "run"
+  shutil.copytree(base / "at_n", out / "checkpoints")  # the run stopped at step N
+  shutil.copy(base / "half" / "summary.json", out / "summary.json")
+  saved = json.loads((base / "half" / "config.json").read_text())
+  saved["train"]["out_dir"] = str(out)  # the copy's own
+  (out / "config.json").write_text(json.dumps(saved, indent=2))
+  before = _snapshot(out)
+  with pytest.raises(error) as err:
+    loop.run(config(out, refused), devices=devices, log=lambda *a: None)
+  assert advice in str(err.value)
+  assert _snapshot(out) == before
+  # The advice: the run's own config.json, or the same command without the refused setting
+  # (stopping where the checkpoint is: restored and accepted, nothing to train).
+  again = (load_config(str(out / "config.json"), [f"train.stop_at_step={N}"])
+           if error is CheckpointMismatchError else config(out, f"train.stop_at_step={N}"))
+  lines = []
+  resumed = loop.run(again, devices=devices, log=lines.append)
+  assert resumed.start_step == N and any(f"resumed from checkpoint at step {N}" in l for l in lines)
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+  """Eight runs choosing a directory at once, in the same second: eight new directories, each
+  created by the run that named it."""
+  monkeypatch.setattr(rundir, "RUNS", tmp_path / "runs")
+  monkeypatch.setattr(rundir.time, "time", lambda: 1_800_000_000.0)
+  barrier = threading.Barrier(8)
+
+  def start(_):
+    barrier.wait()
+    return rundir.choose(None, "same")
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    chosen = list(pool.map(start, range(8)))
+  paths = [p for p, named in chosen]
+  assert all(named for _, named in chosen) and len(set(paths)) == 8
+  assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(p.name for p in paths)
+  assert all(p.is_dir() and not any(p.iterdir()) for p in paths)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from distca_jax import kernels
+from distca_jax.schema import ConfigError
 from distca_jax.colocated import make_colocated_attention
 from distca_jax.dispatch.format import DispatchPlan
 from distca_jax.kernels import TaskTable
@@ -248,10 +249,11 @@ def _server_exchange(q_TxHxD, k_TxKxD, v_TxKxD, p: DispatchPlan, backend: str, m
 
 
 def resolve_exchange(mode: Transport) -> Transport:
-  """`mode`, if it runs on this platform (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
+  """`mode`, if it runs on this platform (`ragged_all_to_all` runs on GPU only; refused elsewhere
+  with a ConfigError, when the trainer is built: before anything is traced)."""
   if mode.needs_gpu and jax.default_backend() != "gpu":
-    raise ValueError(f"attention.exchange={mode.name} needs GPUs (jax.lax.{mode.name}_all_to_all), "
-                     f"this backend is {jax.default_backend()}; use attention.exchange=tiled")
+    raise ConfigError(f"attention.exchange={mode.name} needs GPUs (jax.lax.{mode.name}_all_to_all), "
+                      f"this backend is {jax.default_backend()}; use attention.exchange=tiled")
   if mode is RAGGED:
     log.warning("attention.exchange=ragged: XLA's default GPU ragged_all_to_all waits on the host "
                 "before each call, which made the step slower than the tiled exchange; XLA's "

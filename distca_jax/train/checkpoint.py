@@ -24,8 +24,13 @@ What this layer adds to orbax:
     line naming the directory and the cause, at the next `check_saves()` (the loop calls it at
     every step boundary) rather than at the next save; `maybe_save` refuses up front a save the
     disk has no room for (`space_problem`).
-  * `restore_newest_good` falls back from a checkpoint that cannot be read, or that the caller
-    finds bad (e.g. not finite), to the newest one that is good.
+  * Every save records a checksum of each array and of `extra` in the same commit
+    (`integrity.py`); `restore` (with `verify`, the default) checks them on the restored arrays
+    and raises `CheckpointIntegrityError` on a difference: a flipped bit that the file formats
+    would load as a silently different value.
+  * `restore_newest_good` falls back from a checkpoint that cannot be read, does not match its
+    checksums, or that the caller finds bad (e.g. not finite), to the newest one that is good;
+    `move_aside` renames a step passed over (never deletes it), so the run saves that step again.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -42,6 +48,7 @@ from typing import Any, Mapping
 import jax
 import orbax.checkpoint as ocp
 
+from distca_jax.train import integrity
 from distca_jax.train.finite import leaf_name
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,8 @@ class _NoOrbaxTracebacks(logging.Filter):
   otherwise printed some seventy lines of orbax's threads' stacks first."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if record.getMessage().startswith("Given directory is read only"):
+      return False  # what read_only asked for (resume reads before the run may write)
     if record.exc_info and "orbax" in record.pathname:
       record.exc_info, record.exc_text = None, None
     return True
@@ -78,6 +87,14 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 class CheckpointCorruptError(CheckpointError):
   """A checkpoint's files are unreadable: truncated, garbled, or partly deleted."""
+
+
+class CheckpointIntegrityError(CheckpointCorruptError):
+  """A checkpoint reads, but its arrays or `extra` differ from the checksums saved with them."""
+
+  def __init__(self, message: str, why: str):
+    super().__init__(message)
+    self.why = why
 
 
 class CheckpointSaveError(CheckpointError):
@@ -108,6 +125,19 @@ def space_problem(directory: str | Path, needed_bytes: int) -> str | None:
           f"space, set checkpoint.dir to another disk, or checkpoint.every=0 (no checkpoints)")
 
 
+def move_aside(directory: str | Path, step: int) -> Path:
+  """Renames checkpoint `step` of `directory` to `<step>.aside` (`<step>.aside-2`, ... if
+  taken) and returns the new path: a name orbax does not list as a step, so the step can be saved
+  again, and nothing of it is lost. Process 0's job; the caller makes the others wait."""
+  source = Path(directory).absolute() / str(step)
+  for k in range(1, 1000):
+    target = source.with_name(f"{step}.aside" + (f"-{k}" if k > 1 else ""))
+    if not target.exists():
+      os.rename(source, target)
+      return target
+  raise CheckpointError(f"cannot move {source} aside: {step}.aside .. -999 all exist")
+
+
 def _gib(n: int) -> str:
   return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
@@ -122,6 +152,8 @@ class Checkpointer:
     async_save: write files in a background thread (the default); False blocks in `maybe_save`.
     read_only: only list and restore (e.g. an evaluator beside a running trainer): nothing is
       created, and leftovers of interrupted saves are not removed (the writer does that).
+    verify: check each restored checkpoint against the checksums saved with it (saves always
+      record them).
 
   On opening (unless read_only), process 0 removes what interrupted saves of an earlier run left:
   step directories without a commit marker, and tmp directories (orbax, in the background,
@@ -129,7 +161,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | Path, save_every: int, keep: int, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, verify: bool = True):
     if save_every < 1:
       raise ValueError(f"Checkpointer: save_every must be >= 1, got {save_every}")
     if keep < 1:
@@ -138,9 +170,10 @@ class Checkpointer:
     self.save_every = save_every
     self.keep = keep
     self.read_only = read_only
+    self.verify = verify
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_every,
-        max_to_keep=keep,
+        save_interval_steps=0 if read_only else save_every,  # what orbax sets (and warns) itself
+        max_to_keep=None if read_only else keep,
         enable_async_checkpointing=async_save,
         create=not read_only,
         read_only=read_only,
@@ -150,6 +183,7 @@ class Checkpointer:
     # the first save, so a fresh one (a resumed run) could not read metadata before restoring.
     handlers = {"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._checksums: dict[int, dict[str, str] | None] = {}  # per step, read with its `extra`
     incomplete = self._incomplete_steps()
     if incomplete and not read_only and jax.process_index() == 0:
       log.warning("checkpoint directory %s: removing incomplete step directories %s (no %s: their "
@@ -183,6 +217,7 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return False  # already saved (e.g. a forced save at the last step that was also periodic)
     self.check_saves()
+    extra = integrity.sealed(extra, state)  # before the save: the checksums commit with it
     # Older steps beyond `keep` are deleted only after this save commits: it needs room of its own.
     problem = space_problem(self.directory, state_bytes(state))
     if problem:
@@ -285,15 +320,23 @@ class Checkpointer:
       raise CheckpointCorruptError(
           f"{where}: cannot read its arrays ({_brief(e)}); the files are corrupt or "
           f"incomplete. Other complete steps: {[s for s in steps if s != step]}") from e
+    recorded = self._checksums.get(step)
+    if self.verify and recorded is not None:
+      bad = integrity.mismatches(state, recorded)
+      if bad:
+        why = f"checksum mismatch in {_shorten(['state/' + b for b in bad], 3)}"
+        raise CheckpointIntegrityError(f"{where}: {why}", why)
+    elif self.verify:
+      log.warning("%s has no checksums (saved without them): restored unverified", where)
     return state, extra
 
   def restore_newest_good(self, restore: Callable[[int], tuple[Any, dict]], step: int | None = None,
                           problem: Callable[[Any], str | None] = lambda state: None,
-                          ) -> tuple[Any, dict, list[str]]:
+                          ) -> tuple[Any, dict, list[tuple[int, str]]]:
     """(state, extra, skipped) of the newest complete checkpoint that `restore(step)` reads and
     in whose state `problem` finds nothing (it returns None, else why the state is bad); with
-    `step`, that checkpoint or an error. `skipped`: one "step s (why)" per newer checkpoint
-    passed over, for the caller to report.
+    `step`, that checkpoint or an error. `skipped`: (step, why) per newer checkpoint passed
+    over, for the caller to report (and move aside).
 
     Raises NoCheckpointError when there is no checkpoint (or no complete `step`), and
     CheckpointCorruptError when none is good (or `step` is not). CheckpointMismatchError from
@@ -311,6 +354,8 @@ class Checkpointer:
       for s in candidates:
         try:
           state, extra = restore(s)
+        except CheckpointIntegrityError as e:
+          why = e.why
         except CheckpointCorruptError as e:
           why = f"unreadable: {_brief(e.__cause__ or e, 160)}"
         else:
@@ -319,8 +364,9 @@ class Checkpointer:
             return state, extra, skipped
         if step is not None:
           raise CheckpointCorruptError(f"checkpoint step {s} in {self.directory}: {why}")
-        skipped.append(f"step {s} ({why})")
-    raise CheckpointCorruptError(f"no good checkpoint in {self.directory}: {'; '.join(skipped)}")
+        skipped.append((s, why))
+    raise CheckpointCorruptError(f"no good checkpoint in {self.directory}: "
+                                 + "; ".join(f"step {s} ({why})" for s, why in skipped))
 
   def read_extra(self, step: int | None = None) -> tuple[int, dict]:
     """(step, its `extra` dict) of checkpoint `step` (default: the latest complete one), without
@@ -344,6 +390,9 @@ class Checkpointer:
       raise CheckpointCorruptError(f"{where}: cannot read its `extra` item ({_brief(e)})") from e
     if not isinstance(extra, dict):
       raise CheckpointCorruptError(f"{where}: its `extra` item is {type(extra).__name__}, expected a dict")
+    extra, self._checksums[step], damage = integrity.unseal(extra)
+    if damage and self.verify:
+      raise CheckpointIntegrityError(f"{where}: {damage}", damage)
     return step, extra
 
   def _check_tree(self, step: int, where: str, abstract_state: Any) -> None:

@@ -12,7 +12,9 @@ iterator's state is the step counter, saved in each checkpoint's `extra` with th
 A run resumed from step s therefore trains on exactly the batches and learning rates the
 uninterrupted run would have, and its losses are identical. A run into a directory with
 checkpoints resumes from the newest good one (`checkpoint.step` picks another); one that is
-unreadable or not finite is skipped, saying so in one line. Checkpoints are taken every
+unreadable, unlike its checksums or not finite is skipped, saying so in one line, and renamed
+aside so the run saves that step again. Every check that can refuse a run into an existing
+directory runs before anything is written there. Checkpoints are taken every
 `checkpoint.every` steps and where the run ends.
 
 Stopping. `train.stop_at_step`, `train.max_seconds`, SIGTERM and SIGINT end a run at a step
@@ -56,7 +58,7 @@ from distca_jax.train import metrics as metrics_lib
 from distca_jax.train import profile as profile_lib
 from distca_jax.train import rundir
 from distca_jax.train import stopping
-from distca_jax.train.checkpoint import Checkpointer, space_problem, state_bytes
+from distca_jax.train.checkpoint import Checkpointer, move_aside, space_problem, state_bytes
 from distca_jax.train.agreement import PlanDisagreementError
 from distca_jax.train.finite import NonFiniteError, check_step
 from distca_jax.train.resume import restore_any_layout, resume
@@ -141,6 +143,7 @@ class Job:
     """Tokens each source gave the run's first `steps` steps."""
     now = self.source.tokens_by_source(steps * self.config.train.microbatches)
     return {k: v + self.tokens_base.get(k, 0) for k, v in now.items()}
+  moved_aside: list[str] = dataclasses.field(default_factory=list)  # "step s (why) -> path"
 
 
 @dataclasses.dataclass
@@ -217,7 +220,7 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   source = make_source(config, mesh.shape["data"])
   if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
     raise ConfigError("train.profile_start and train.profile_steps: must be >= 1")
-  out_dir, ck_dir, named = _run_dir(config, name, main, log)
+  out_dir, ck_dir, named, has_steps = _run_dir(config, name)
   last_step = config.train.steps
   if config.train.stop_at_step is not None:
     last_step = min(last_step, config.train.stop_at_step)
@@ -227,17 +230,23 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   from_source = config.model.init_from is not None
   state = trainer.abstract_state() if from_source else trainer.init_state(config.train.seed)
   shapes = StepShapes()
-  checkpointer, start_step, extra = None, 0, None
+  checkpointer, start_step, newer, extra = None, 0, [], None
   if config.checkpoint.every > 0:
-    checkpointer, state, start_step, extra = _open_checkpoints(
-        config.checkpoint, ck_dir, trainer, state, shapes, main and not named, log)
+    state, start_step, newer, extra = _resume(config.checkpoint, ck_dir, trainer, state, shapes,
+                                              main and not named, log)
   if from_source and start_step == 0:
     state = trainer.init_state(config.train.seed)
   job = Job(config=config, mesh=mesh, trainer=trainer, source=source, out_dir=out_dir, main=main,
             last_step=last_step, checkpointer=checkpointer, start_step=start_step, shapes=shapes,
-            init_s=time.perf_counter() - t0)
+            init_s=0.0)
   if extra is not None:
     job.tokens_base = _resumed_data(job, extra.get("data"), log)
+  # Every check that can refuse the run is behind: only from here is its directory written.
+  _claim_run_dir(config, out_dir, named, has_steps, main, log)
+  if config.checkpoint.every > 0:
+    job.checkpointer, job.moved_aside = _open_checkpoints(config.checkpoint, ck_dir, newer, main,
+                                                          log)
+  job.init_s = time.perf_counter() - t0
   return job, state
 
 
@@ -261,13 +270,20 @@ def _resumed_data(job: Job, saved: dict | None, log) -> dict[str, int]:
   return {k: v for k, v in base.items() if v}
 
 
-def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bool]:
-  """(the run's directory, its checkpoint directory, whether the directory was named here),
-  refusing one whose checkpoints the run would ignore; process 0 writes config.json (after
-  saying how it differs from the one a resumed run had) and links runs/latest."""
+def _run_dir(config: Config, name: str) -> tuple[Path, Path, bool, bool]:
+  """(the run's directory, its checkpoint directory, whether the directory was named here (a new,
+  empty one), whether it holds checkpoints), refusing one whose checkpoints the run would
+  ignore. Writes nothing into an existing directory."""
   out_dir, named = rundir.choose(config.train.out_dir, name)
   ck_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else out_dir / "checkpoints"
   has_steps = rundir.check_reuse(ck_dir, config.checkpoint.every, config.checkpoint.resume)
+  return out_dir, ck_dir, named, bool(has_steps)
+
+
+def _claim_run_dir(config: Config, out_dir: Path, named: bool, has_steps: bool, main: bool,
+                   log) -> None:
+  """Process 0 writes config.json (after saying how it differs from the one a resumed run had)
+  and links runs/latest: only once nothing can refuse the run any more."""
   if main:
     changes = rundir.config_changes(out_dir / "config.json", config) if has_steps else []
     if changes:
@@ -278,25 +294,46 @@ def _run_dir(config: Config, name: str, main: bool, log) -> tuple[Path, Path, bo
     if named:
       rundir.link_latest(out_dir)
     log(f"run directory {out_dir}" + (f" ({rundir.RUNS / rundir.LATEST} links it)" if named else ""))
-  return out_dir, ck_dir, named
 
 
-def _open_checkpoints(ck, ck_dir: Path, trainer: Trainer, state, shapes: StepShapes, say: bool,
-                      log) -> tuple[Checkpointer, Any, int, dict | None]:
-  """(checkpointer, state, first step, the checkpoint's `extra` or None): the disk's room for a
-  checkpoint checked before the first step, and with `checkpoint.resume` the newest good
-  checkpoint restored (its step capacities into `shapes`). `say`: report a start from step 0."""
+def _resume(ck, ck_dir: Path, trainer: Trainer, state, shapes: StepShapes, say: bool,
+            log) -> tuple[Any, int, list[tuple[int, str]], dict | None]:
+  """(state, first step, the checkpoints newer than it, each with why it was passed over, the
+  checkpoint's `extra` or None): the
+  disk's room for a checkpoint checked before the first step, and with `checkpoint.resume` the
+  newest good checkpoint restored (its step capacities into `shapes`), read only: a refusal
+  leaves the directory as it was. `say`: report a start from step 0."""
   problem = space_problem(ck_dir, state_bytes(state))
   if problem:
     raise ConfigError(f"checkpoint.dir: {problem}")
-  checkpointer = Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep)
   if not ck.resume:
-    return checkpointer, state, 0, None
-  state, extra = resume(checkpointer, trainer, state, ck.step, say, log)
+    return state, 0, [], None
+  with Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep, read_only=True,
+                    verify=ck.verify) as reader:
+    state, extra, newer = resume(reader, trainer, state, ck.step, say, log)
   if extra is None:
-    return checkpointer, state, 0, None
+    return state, 0, [], None
   shapes.sizes.update(extra.get("step_shapes", {}))
-  return checkpointer, state, int(extra["step"]), extra
+  return state, int(extra["step"]), newer, extra
+
+
+def _open_checkpoints(ck, ck_dir: Path, newer: list[tuple[int, str]], main: bool,
+                      log) -> tuple[Checkpointer, list[str]]:
+  """(the run's checkpointer, "step s (why) -> where" per checkpoint moved aside): the
+  checkpoints newer than the one the run resumed from are renamed, not deleted, so the run saves
+  those steps again (`checkpoint.move_aside`)."""
+  moved = []
+  if newer:
+    if main:
+      for step, why in newer:
+        target = move_aside(ck_dir, step)
+        moved.append(f"step {step} ({why}) -> {target}")
+        log(f"moved checkpoint step {step} to {target} (kept; this run saves step {step} again)")
+    if jax.process_count() > 1:  # the others open the directory once process 0 renamed
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices("distca: checkpoints moved aside")
+  return Checkpointer(ck_dir, save_every=ck.every, keep=ck.keep, verify=ck.verify), moved
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -499,8 +536,9 @@ def _save(job: Job, p: Progress, step: int) -> None:
   # stages of its parameter layout, and the step capacities its steps had reached, so a resumed
   # run does not compile its way back up to them; the data layout a resume must continue and the
   # tokens each source gave.
-  if p.saved_step != step and job.checkpointer.maybe_save(step, p.state, extra, force=True):
-    p.saved_step = step
+  if p.saved_step != step and (job.checkpointer.maybe_save(step, p.state, extra, force=True)
+                               or step in job.checkpointer.all_steps()):
+    p.saved_step = step  # saved now, or that step's checkpoint is already there
 
 
 def _close(job: Job, p: Progress, prefetch: Prefetcher, report, quiet: bool) -> None:
@@ -546,6 +584,7 @@ def _summary(job: Job, p: Progress) -> Summary:
       microbatches=job.config.train.microbatches, pipeline_bubble=bubble,
       colocated_steps=p.colocated_steps, step_shapes=job.shapes.growths,
       attention=job.config.attention.impl, out_dir=str(job.out_dir), saved_step=p.saved_step,
+      moved_aside=job.moved_aside or None,
       interrupted=p.interrupted, packing=job.config.data.packing,
       token_imbalance=float(np.mean(p.token_imbalances)) if p.token_imbalances else None,
       wlb_cp_steps=dict(p.wlb_cp_steps) or None,

@@ -1,9 +1,10 @@
 """Where a run starts: the newest good checkpoint of its directory (or `checkpoint.step`),
 restored into the current mesh and pipeline layout, or step 0.
 
-A checkpoint that cannot be read (a truncated array file) or that holds a NaN or Inf is passed
-over for the next older one, and the run says so in one line; a checkpoint of another model is
-refused with how to resume it or start afresh.
+A checkpoint that cannot be read (a truncated array file), that differs from its checksums or
+that holds a NaN or Inf is passed over for the next older one, and the run says so in one line;
+the caller moves the checkpoints newer than the one resumed aside, so the run saves those steps
+again. A checkpoint of another model is refused with how to resume it or start afresh.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ from distca_jax.train.finite import first_nonfinite_leaf
 
 
 def resume(checkpointer: Checkpointer, trainer, state, step: int | None, main: bool,
-           log) -> tuple[Any, dict[str, Any] | None]:
-  """(state, its checkpoint's `extra`) to start from: the newest good checkpoint (or `step`),
-  or the fresh `state` and None when the directory has none. `trainer`: the run's `Trainer`
-  (shape, pipeline stages, relayout); `main`: whether this process reports skipped checkpoints
-  and a start from step 0."""
+           log) -> tuple[Any, dict[str, Any] | None, list[tuple[int, str]]]:
+  """(state, its checkpoint's `extra`, (step, why) per checkpoint newer than it) to start from:
+  the newest good checkpoint (or `step`), or the fresh `state`, None and [] when the directory
+  has none. Newer checkpoints are the ones passed over as bad, and with `step` the ones after
+  it. `trainer`: the run's `Trainer` (shape, pipeline stages, relayout); `main`: whether this
+  process reports skipped checkpoints and a start from step 0."""
   if step is None and checkpointer.latest_step() is None:
     if main:
       init_from = trainer.config.model.init_from
       log(f"no complete checkpoint in {checkpointer.directory}: starting from step 0"
           + (f" with the parameters of {init_from}" if init_from else ""))
-    return state, None
+    return state, None, []
   expect = {"model": trainer.shape.record()}
 
   def problem(tree) -> str | None:
@@ -44,11 +46,14 @@ def resume(checkpointer: Checkpointer, trainer, state, step: int | None, main: b
         f"to start afresh, another train.out_dir") from None
   start = int(extra["step"])
   if skipped and main:
-    log(f"skipped checkpoint {'; '.join(skipped)}: resuming from step {start}")
+    log(f"skipped checkpoint {'; '.join(f'step {s} ({why})' for s, why in skipped)}: resuming "
+        f"from step {start}")
+  skipped += [(s, f"newer than checkpoint.step={step}") for s in checkpointer.all_steps()
+              if step is not None and s > step]
   saved = extra.get("pipeline_stages", 1)
   log(f"resumed from checkpoint at step {start}" + (
       f" (saved with {saved} pipeline stages, now {trainer.stages})" if saved != trainer.stages else ""))
-  return restored, extra
+  return restored, extra, skipped
 
 
 def restore_any_layout(checkpointer, trainer, state, expect: dict[str, Any],

@@ -34,16 +34,22 @@ OPERATIONAL = ("train.steps", "train.stop_at_step", "train.max_seconds", "train.
 
 def choose(out_dir: str | None, name: str) -> tuple[Path, bool]:
   """(the run's directory, whether it was named here): `out_dir`, or a new
-  `runs/<name>-<timestamp>[-k]` that every process agrees on (process 0's clock and listing)."""
+  `runs/<name>-<timestamp>[-k]` that every process agrees on (process 0's clock), created here,
+  empty: runs started in the same second each get their own."""
   if out_dir is not None:
     path = Path(out_dir)
     return (path.resolve() if path.is_symlink() else path), False  # e.g. runs/latest
   import jax
 
-  stamp = np.asarray([time.time() // 86400, time.time() % 86400, 0], np.int32)
+  now = time.time()
+  stamp = np.asarray([now // 86400, now % 86400, 0], np.int32)
   if jax.process_index() == 0:
-    while _named(name, stamp).exists():
-      stamp[2] += 1
+    while True:  # mkdir is the claim: an existence check and then a mkdir could share one
+      try:
+        _named(name, stamp).mkdir(parents=True)
+        break
+      except FileExistsError:
+        stamp[2] += 1
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
 

@@ -52,8 +52,12 @@ class Summary:
   attention: str = "colocated"
   # The run's directory (config.json, summary.json, checkpoints/, tb/).
   out_dir: str = ""
-  # The newest checkpoint this invocation committed (None: none).
+  # The checkpoint of the state the run ended with: committed by this invocation, or that step's
+  # checkpoint already there (None: none).
   saved_step: int | None = None
+  # Checkpoints newer than the one the run resumed from, renamed (kept) so the run saves those
+  # steps again: "step s (why) -> new path" (None: none moved).
+  moved_aside: list[str] | None = None
   # The signal that stopped the run at a step boundary ("SIGTERM", "SIGINT"; None: not stopped).
   interrupted: str | None = None
   # data.packing of the run ("in_order", or "wlb": the WLB-LLM baseline, whose attention
