@@ -383,7 +383,7 @@ def validate(config: Config) -> None:
     raise ConfigError(f"mesh.tensor: {m.tensor} must divide model.ffn ({shape.ffn})")
   a = config.attention
   if a.gate_profile is not None:
-    from distca_jax.gate import read_profile  # lazy: keeps config importable alone
+    from distca_jax.gate_profile import read_profile
 
     try:
       read_profile(a.gate_profile)

@@ -3,7 +3,7 @@
 Numpy only (no JAX): the trainer's host thread, the launchers and the tests all price steps with
 it. The cost model itself takes numbers and lives beside the planner
 (`distca_jax/schedule/gate_cost.py`); this module reads a config into them: the fitted cost
-profile (`costs`: the file `attention.gate_profile` names, `read_profile`, by default the shipped
+profile (`costs`: the file `attention.gate_profile` names, `gate_profile.read_profile`, by default the shipped
 `gate_fit.json`; its attention cost the one measured for the run's kernel), the model's FLOPs, the
 exchange's bytes as its transport carries them (`exchange_bytes`), and the decisions
 (`worth_planning`, `gate_refuses`: below `attention.min_gain` a step runs colocated,
@@ -21,14 +21,13 @@ import numpy as np
 
 from distca_jax.config import AttentionConfig
 from distca_jax.data.packing import Layout
+from distca_jax.gate_profile import FIT_DATA, PROFILE_COSTS as _PROFILE_COSTS, read_profile
 from distca_jax.models.presets import ModelShape
 from distca_jax.schedule import gate_cost
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.gate_cost import GateCosts, ModelFlops, attention_load_per_device, imbalance
 from distca_jax.schedule.transport import TILED_POOL_LIMIT, relay_for
-
-FIT_DATA = Path(__file__).with_name("gate_fit.json")
 
 
 @functools.cache
@@ -44,30 +43,6 @@ GATE_ATTENTION_COST: dict[str, float] = dict(fit_data()["attention_cost"])
 KERNEL_COST_RATIO: dict[str, float] = dict(fit_data()["kernel_cost_ratio"])
 FIT_DEVICES: int = fit_data()["setup"]["devices"]
 FIT_SETUP: tuple[str, ...] = tuple(fit_data()["setup"]["overrides"])
-
-
-# A cost profile's numbers (`attention_cost` is per kernel, `fit_kernel` names the fit's).
-_PROFILE_COSTS = ("exchange_fixed", "exchange_flops_per_byte", "network_byte_cost")
-
-
-@functools.cache
-def read_profile(path: str | None = None) -> dict:
-  """The gate's fitted cost profile at `path` (`attention.gate_profile`; None: the shipped
-  `gate_fit.json`): `fit_kernel`, `attention_cost` per kernel, and `_PROFILE_COSTS`, as
-  `launch/fit_gate.py --write-profile` writes it. Raises ValueError saying what is wrong."""
-  where = Path(path) if path else FIT_DATA
-  try:
-    data = json.loads(where.read_text())
-  except (OSError, ValueError) as e:
-    raise ValueError(f"{str(where)!r} is not a readable JSON cost profile ({e})") from None
-  costs = data.get("attention_cost") if isinstance(data, dict) else None
-  if not isinstance(costs, dict) or data.get("fit_kernel") not in costs:
-    raise ValueError(f"{str(where)!r}: a cost profile has `attention_cost` per kernel and its "
-                     "`fit_kernel` among them (launch/fit_gate.py --write-profile writes one)")
-  for name, value in [*costs.items(), *((k, data.get(k)) for k in _PROFILE_COSTS)]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-      raise ValueError(f"{str(where)!r}: {name} must be a number >= 0, got {value!r}")
-  return data
 
 
 def measured_batches() -> dict[tuple[str, int], tuple[float, float]]:
