@@ -18,8 +18,7 @@ import numpy as np
 from distca_jax.data.packing import PAD_SEGMENT, Layout
 from distca_jax.data.sources import Batch
 from distca_jax.dispatch import runs
-from distca_jax.dispatch.format import (DispatchPlan, PlanMismatchError, exchange_offsets,
-                                        rows_selector)
+from distca_jax.dispatch.format import DispatchPlan, PlanMismatchError, rows_selector
 
 
 class _Tables(dict):
@@ -259,13 +258,20 @@ def check_exchange_counts(s: Scope) -> None:
   for name, valid, recv_rows, block, shift in (
       ("q", p.send_q_valid, s.Rq, p.c, p.shift_q), ("kv", p.send_kv_valid, s.Rkv, p.ckv, p.shift_kv),
       ("kv2", p.send_kv2_valid, s.Rkv2, p.ckv2, p.shift_kv2)):
-    count = np.asarray(getattr(p, f"send_{name}_count"), np.int64)
-    send_off, recv_off = exchange_offsets(count)
-    want = {f"recv_{name}_count": count.T, f"send_{name}_off": send_off,
-            f"recv_{name}_off": recv_off, f"peer_{name}_off": recv_off.T,
-            f"back_{name}_off": send_off.T}
-    if (count.shape != (s.N, s.N) or np.diagonal(count).any() or (count < 0).any()
-        or any(not np.array_equal(getattr(p, k), v) for k, v in want.items())):
+    count = getattr(p, f"send_{name}_count")
+    if count.shape != (s.N, s.N) or (count < 0).any():
+      raise PlanMismatchError(f"plan send_{name}_count is not the [N, N] rows of one exchange")
+    # Exclusive prefix sums along each device's sends and each server's receives; each checked
+    # device's rows of the six arrays against them ([N, N] work only in these two sums).
+    send_off = np.cumsum(count, axis=1, dtype=np.int64) - count
+    land = np.cumsum(count, axis=0, dtype=np.int64) - count  # [d, s]: where d's rows land at s
+    mine = lambda a: a[s.rows]
+    cols = lambda a: a[:, s.rows].T
+    want = {f"recv_{name}_count": cols(count), f"send_{name}_off": mine(send_off),
+            f"recv_{name}_off": cols(land), f"peer_{name}_off": mine(land),
+            f"back_{name}_off": cols(send_off)}
+    if (count[s.devices, s.devices].any()
+        or any(not np.array_equal(s.mine(getattr(p, k)), v) for k, v in want.items())):
       raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count and their offsets do "
                               f"not describe one packed exchange (recv the transpose, offsets "
                               f"their prefix sums)")
@@ -274,7 +280,8 @@ def check_exchange_counts(s: Scope) -> None:
       raise PlanMismatchError(f"plan's {name} rows do not fit its buffers: a device sends "
                               f"{int(sent.max())} of {valid.shape[-1]} / receives "
                               f"{int(got.max())} of {recv_rows}")
-    if not np.array_equal(s.mine(valid), np.arange(valid.shape[-1])[None, :] < s.mine(sent)[:, None]):
+    if any(not valid[d, :k].all() or valid[d, k:].any()
+           for d, k in zip(s.devices.tolist(), sent[s.devices].tolist())):
       raise PlanMismatchError(f"plan send_{name}_valid is not the first send_{name}_count rows "
                               f"of each send buffer")
     if block and count.max(initial=0) > block:
