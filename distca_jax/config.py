@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from distca_jax.schema import (ConfigError, Fraction, NonNegFloat, NonNegInt, NonNegStepCount,
-                               OutputDir, PositiveFloat, PositiveInt, Probability, Range, Seed,
+                               OutputDir, PositiveFloat, PositiveInt, Probability, Range, Removed, Seed,
                                StepCount, check, load, parse_override, read_yaml_mapping, to_yaml)
 from distca_jax.schema import to_dict as _to_dict
 
@@ -26,7 +26,7 @@ __all__ = ["Config", "ConfigError", "load_config", "parse_override", "read_yaml_
 
 # Per-GPU bandwidth each way, GB/s: within a node over NVLink (what a tiled all_to_all reached,
 # docs/METHOD.md, "Reference measurements") and across nodes (the paper's network setting).
-# Defaults of the CAD gate's price of a byte between nodes and of the simulator's links.
+# The simulator's links (the gate's shipped price of a byte between nodes is their ratio).
 NVLINK_GBPS = 200.0
 NETWORK_GBPS = 50.0
 
@@ -49,7 +49,8 @@ class ModelConfig:
   # auto: on GPU the first of none / save_proj / save_attn / full whose compiled step fits the
   # device's memory (models/llama.py REMAT_POLICIES, train/step.py); full on CPU and with
   # mesh.pipe > 1.
-  remat: Literal["auto", "none", "save_proj", "save_attn", "save_dots", "full"] = "auto"
+  remat: Annotated[Literal["auto", "none", "save_proj", "save_attn", "full"], Removed(
+      save_dots="no measurement favoured it; use model.remat=save_attn or full")] = "auto"
   dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
 
@@ -62,6 +63,10 @@ class MeshConfig:
   pipe: PositiveInt = 1
   # Shard parameters and optimizer state over `data` (FSDP); replicate them when off.
   fsdp: bool = True
+  # Devices per node (a SLURM job: GPUs per node): consecutive devices of the mesh share a node.
+  # Unset: the trainer groups the devices by their processes' host names. The nodes decide the
+  # exchange's transport (attention.exchange=auto), relays and the gate's price of a byte.
+  devices_per_node: PositiveInt | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +110,18 @@ class DataConfig:
 class AttentionConfig:
   """How core attention runs: where the tokens are (`colocated`) or on attention servers."""
 
+  # Fields removed or renamed, and what to set instead (a config that sets one is told so).
+  RENAMED: ClassVar[dict[str, str]] = {
+      "gate_nodes": "renamed attention.data_rank_nodes; to say how many devices a node holds, set "
+                    "mesh.devices_per_node",
+      "gate_exchange_fixed": "it is part of the gate's cost profile now: set attention.gate_profile to a file launch/fit_gate.py --write-profile writes",
+      "gate_exchange_flops_per_byte": "it is part of the gate's cost profile now: set attention.gate_profile to a file launch/fit_gate.py --write-profile writes",
+      "gate_network_byte_cost": "it is part of the gate's cost profile now: set attention.gate_profile to a file launch/fit_gate.py --write-profile writes",
+  }
+
   impl: Literal["colocated", "distca"] = "colocated"
-  kernel: Literal["auto", "reference", "pallas", "triton", "mosaic", "cudnn"] = "auto"
+  kernel: Annotated[Literal["auto", "reference", "pallas", "triton", "mosaic"], Removed(
+      cudnn="no measurement favoured it; use attention.kernel=auto (triton or mosaic on a GPU)")] = "auto"
   # CAD scheduler tolerance: servers within epsilon * mean load count as balanced.
   epsilon: Probability = 0.1
   # The step gate: the trainer plans the step, predicts the fraction of the colocated step CAD
@@ -117,29 +132,16 @@ class AttentionConfig:
   gate: bool = True
   min_gain: Annotated[float, Range(gt=-1, lt=1, why="a fraction of the step; attention.gate=false "
                                                    "turns the gate off")] = 0.0
-  # The gate's cost model, in matmul-FLOP units: attention's time per FLOP relative to the rest
-  # of the step; the exchange's fixed cost as a fraction of the matmul time; and its cost per
-  # byte the busiest device sends and receives (the tiled exchange: whole padded blocks at the
-  # run's capacities, `gate.exchange_bytes`). The defaults are a fit to one NVLink host's step
-  # times (docs/PERFORMANCE.md); `python launch/fit_gate.py` refits them from measured step times
-  # and prints these three as overrides: refit them for other GPUs or multi-node exchanges. The
-  # attention cost, unset, is the one fit for the kernel the run's attention takes
-  # (`gate.GATE_ATTENTION_COST`, from distca_jax/gate_fit.json; a kernel without one takes
-  # triton's); `fit_gate.py --kernel-logs` fits another's.
+  # The gate's fitted cost profile: a JSON file `python launch/fit_gate.py --write-profile PATH`
+  # writes from measured step times (attention's time per FLOP relative to the matmuls', per
+  # kernel; the exchange's fixed cost and its cost per byte the busiest device moves; a byte
+  # between nodes in NVLink bytes), and the run loads. Unset: the shipped
+  # distca_jax/gate_fit.json, a fit to one NVLink host's step times (docs/PERFORMANCE.md): refit
+  # it for other GPUs or multi-node exchanges.
+  gate_profile: str | None = None
+  # Overrides the profile's attention cost (unset: the profile's for the kernel the run's
+  # attention takes; the trainer records the one it took).
   gate_attention_cost: NonNegFloat | None = None
-  gate_exchange_fixed: NonNegFloat = 0.00936
-  gate_exchange_flops_per_byte: NonNegFloat = 1305.0
-  # Across nodes: a byte the exchange moves between data ranks on different nodes costs this many
-  # NVLink bytes (the fit above is one NVLink host's), and a device's exchange takes as long as
-  # its busier link, within its node or across (`gate.exchange_bytes`, as the simulator
-  # models it). Default 4: NVLINK_GBPS / NETWORK_GBPS (above), not a fit: refit on the
-  # cluster. `gate_nodes`: the node of each data rank (the gate prices bytes by it, and the
-  # planner prefers sources on a server's own node); unset, the trainer finds it (processes
-  # grouped by host name; one process is one node) and records it in the run's config.json. Set
-  # it (a list of mesh.data node numbers) to plan as another topology would, or where host names
-  # do not tell nodes apart (containers that share one name would all count as one node).
-  gate_network_byte_cost: Annotated[float, Range(gt=0, why="in NVLink bytes")] = NVLINK_GBPS / NETWORK_GBPS
-  gate_nodes: tuple[NonNegInt, ...] | None = None
   # A second, cruder gate: a batch whose colocated attention load (max / mean over devices) is
   # below this runs colocated, and a nano-batch (with mesh.pipe > 1: a tick) below it moves
   # nothing. The ratio alone does not say what balancing buys (a batch may gain at a lower ratio
@@ -158,19 +160,33 @@ class AttentionConfig:
   pingpong: bool = True
   pingpong_allow_single: bool = True
   memory_mode: Literal["keep", "resend"] = "keep"
-  # The exchange's transport: `tiled` all_to_all of padded blocks (CPU and GPU); `shifted`, one
-  # ppermute per shift k (block d -> d + k), each shift's blocks at that shift's largest rather
-  # than every pair at the largest pair (CPU and GPU; about half the padded bytes of `tiled`,
-  # docs/PERFORMANCE.md); or `ragged` (GPU only): only the rows that move travel, but XLA 0.11
-  # waits on the host before each call, which makes it slower than `tiled` (docs/PERFORMANCE.md).
-  exchange: Literal["tiled", "shifted", "ragged"] = "tiled"
+  # The node of each data rank: the gate prices bytes between nodes by it, the planner prefers
+  # sources on a server's own node, and `exchange=auto` and relays follow it. Unset, the trainer
+  # finds it (mesh.devices_per_node, else the processes' hosts) and records it in the run's
+  # config.json; set it (a list of mesh.data node numbers) to plan as another topology would.
+  data_rank_nodes: tuple[NonNegInt, ...] | None = None
+  # The exchange's transport (`distca_jax/schedule/transport.py`). auto: `tiled` while the data
+  # ranks fit one node (`data_rank_nodes`), `ragged` across nodes (on GPUs; the run's log says which
+  # and why). `tiled`: an all_to_all of padded blocks (CPU and GPU), whose padding grows with the
+  # pool; `ragged` (GPU only): only the rows that move travel, but XLA 0.11 waits on the host
+  # before each call, which makes it slower than `tiled` on one node (docs/PERFORMANCE.md).
+  exchange: Annotated[Literal["auto", "tiled", "ragged"], Removed(
+      shifted="it carried 7-54x the moving rows; use attention.exchange=ragged")] = "auto"
   # Relayed K/V (`schedule/relay.py`): a layout shard that three or more other servers need is
   # cut into at most this many slices, each sent once by its holder to one of those servers,
   # which forwards it to the others in a second K/V exchange round, so no device sends one long
   # document's K/V prefix to most of the pool. 0: off, every piece sent by its holder. auto: 8
-  # when the servers span more than one node (`gate_nodes`) and the exchange is not `tiled`
+  # when the servers span more than one node (`data_rank_nodes`) and the exchange is not `tiled`
   # (whose second round pads every pair to its largest forward), off otherwise.
   kv_relay_fanout: NonNegInt | Literal["auto"] = "auto"
+
+  def transport(self):
+    """The exchange's `schedule.transport.Transport`: `exchange`, or for `auto` the one the data
+    ranks' nodes (`data_rank_nodes`) call for (`transport.choose`; the trainer resolves `auto` once,
+    with its platform, and records it)."""
+    from distca_jax.schedule.transport import choose  # lazy: keeps config importable alone
+
+    return choose(self.exchange, self.data_rank_nodes)[0]
 
   def min_imbalance_for(self, pipelined: bool) -> float:
     """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
@@ -202,7 +218,7 @@ class TrainConfig:
   steps: StepCount = 30
   seed: Seed = 0
   # Micro-batches per step per data rank, each one buffer of data.tokens_per_device tokens.
-  # With mesh.pipe > 1 they flow through the pipeline (distca_jax/pipeline.py); must be 1 otherwise.
+  # With mesh.pipe > 1 they flow through the pipeline (distca_jax/train/pipeline.py); must be 1 otherwise.
   microbatches: PositiveInt = 1
   log_every: PositiveInt = 1
   # The run's directory (config.json, summary.json, tb/, checkpoints/). None: a new one per run,
@@ -316,12 +332,16 @@ def validate(config: Config) -> None:
   if shape.ffn % m.tensor:
     raise ConfigError(f"mesh.tensor: {m.tensor} must divide model.ffn ({shape.ffn})")
   a = config.attention
-  if a.gate_nodes is not None and m.data != -1 and len(a.gate_nodes) != m.data:
-    raise ConfigError(f"attention.gate_nodes: one node number per data rank, got "
-                      f"{len(a.gate_nodes)} for mesh.data={m.data}")
-  if a.exchange == "shifted" and m.pipe > 1:
-    raise ConfigError("attention.exchange=shifted: not with mesh.pipe > 1 yet (its ppermutes run "
-                      "over `data` alone); use attention.exchange=tiled")
+  if a.gate_profile is not None:
+    from distca_jax.gate import read_profile  # lazy: keeps config importable alone
+
+    try:
+      read_profile(a.gate_profile)
+    except ValueError as e:
+      raise ConfigError(f"attention.gate_profile: {e}") from None
+  if a.data_rank_nodes is not None and m.data != -1 and len(a.data_rank_nodes) != m.data:
+    raise ConfigError(f"attention.data_rank_nodes: one node number per data rank, got "
+                      f"{len(a.data_rank_nodes)} for mesh.data={m.data}")
   if d.source == "corpus":
     _check_corpus(d, shape.vocab_size)
   else:

@@ -5,7 +5,7 @@ is the only place that decides how parameters and activations are partitioned.
 
 Mesh axes: `data` (data parallel; with FSDP it also shards parameters and optimizer state; it is
 the attention-server pool of CAD), `tensor` (heads and MLP columns), `pipe` (pipeline stages,
-`distca_jax/pipeline.py`). Which node each data rank sits on (`data_rank_nodes`) tells the CAD
+`distca_jax/train/pipeline.py`). Which node each data rank sits on (`data_rank_nodes`) tells the CAD
 gate which exchanged bytes cross the network.
 """
 
@@ -40,11 +40,17 @@ def local_rows(mesh: Mesh) -> np.ndarray | None:
   return np.sort(p_idx * data + d_idx)
 
 
-def data_rank_nodes(mesh: Mesh) -> tuple[int, ...]:
-  """The node (host) of each `data` rank: the host of its first device (pipe 0, tensor 0), nodes
-  numbered in order of first appearance. Hosts are told apart by host name, gathered from every
-  process (one process per host or one per GPU alike): a collective when there are several
-  processes, so every process calls it; one process is one node."""
+def data_rank_nodes(mesh: Mesh, devices_per_node: int | None = None) -> tuple[int, ...]:
+  """The node (host) of each `data` rank: the node of its first device (pipe 0, tensor 0), nodes
+  numbered in order of first appearance. With `devices_per_node`, consecutive devices of the
+  mesh (its (data, pipe, tensor) order, the device list's) share a node. Else hosts are told
+  apart by host name, gathered from every process (one process per host or one per GPU alike):
+  a collective when there are several processes, so every process calls it; one process is one
+  node."""
+  if devices_per_node:
+    per_rank = mesh.shape["pipe"] * mesh.shape["tensor"]
+    node = [r * per_rank // devices_per_node for r in range(mesh.shape["data"])]
+    return nodes_of(node, {n: n for n in node})
   process = [int(d.process_index) for d in mesh.devices[:, 0, 0]]
   if jax.process_count() == 1:
     return (0,) * len(process)

@@ -12,8 +12,12 @@ A field's type says what it accepts; `Annotated` adds the checks:
   tuple[X, ...]               a YAML list of X
   tuple[D, ...], D a schema   a list of mappings, each over D's defaults
   D, a schema                 a mapping over the current value (YAML, then overrides)
-  Annotated[X, rule, ...]     rules: `Range`, `NON_EMPTY`, `WRITABLE_DIR`; and `ONE_OR_LIST`,
-                              which lets a tuple field take one value for a one-item list
+  Annotated[X, rule, ...]     rules: `Range`, `NON_EMPTY`, `WRITABLE_DIR`; `ONE_OR_LIST`,
+                              which lets a tuple field take one value for a one-item list; and
+                              `Removed`, values a field no longer takes and what to use instead
+
+A schema class may name its removed or renamed fields in a `RENAMED` class attribute (field ->
+what to set instead): a config that still sets one gets an error saying so, not "unknown field".
 
 Types are checked while the YAML and the overrides are merged; the rules once, on the merged
 config (so a later override may fix an earlier value). Every error is a `ConfigError` whose message
@@ -112,6 +116,19 @@ class _Marker:
     return self.name
 
 
+class Removed:
+  """Values a field took once and no longer does, each with what to use instead:
+  `Removed(shifted="use ragged")`. Giving one is a ConfigError that says it."""
+
+  def __init__(self, **instead: str):
+    self.instead = tuple(instead.items())
+
+  def check(self, path: str, value) -> None:
+    for old, why in self.instead:
+      if value == old:
+        raise ConfigError(f"{path}: {old!r} was removed; {why}")
+
+
 # A tuple field that must hold at least one item.
 NON_EMPTY = _Marker("NON_EMPTY", "non-empty")
 # A tuple field that also takes a single value, read as a one-item list (`gpus=64`).
@@ -185,6 +202,9 @@ def _coerce(path: str, annotation, value, current=None, rules: bool = False):
   origin, args = typing.get_origin(kind), typing.get_args(kind)
   if ONE_OR_LIST in meta and not isinstance(value, (list, tuple)):
     value = [value]
+  for rule in meta:
+    if isinstance(rule, Removed):
+      rule.check(path, value)
   if origin is Literal:
     if isinstance(value, bool) or value not in args:
       raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {list(args)}")
@@ -274,9 +294,12 @@ def merge(obj, updates: dict, prefix: str = ""):
     raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {updates!r}")
   hints = _hints(type(obj))
   names = [f.name for f in dataclasses.fields(obj)]
+  renamed = getattr(type(obj), "RENAMED", {})
   changes = {}
   for key, value in updates.items():
     path = f"{prefix}{key}"
+    if key in renamed and key not in names:
+      raise ConfigError(f"{path}: removed; {renamed[key]}")
     if key not in names:
       raise ConfigError(f"{path}: unknown field; known fields are {sorted(names)}")
     changes[key] = _coerce(path, hints[key], value, current=changes.get(key, getattr(obj, key)))
@@ -451,7 +474,8 @@ def _comments(cls) -> dict[str, str]:
     if stripped.startswith("#"):
       block.append(stripped.lstrip("#").strip())
       continue
-    match = re.match(r"\s+(\w+):[^=]*=[^#]*(#\s*(.*))?$", line)
+    # A field's first line (`name: type = default`, or a type continued on the next lines).
+    match = re.match(r"\s+(\w+): [^#]*?(#\s*(.*))?$", line)
     if match:
       text = " ".join(block) or (match.group(3) or "")
       sentences = re.split(r"(?<=\.)\s", text)

@@ -1,5 +1,5 @@
 """The WLB-LLM-style baseline in the trainer (`data.packing=wlb`): re-packed batches and their
-colocated attention with per-document context parallelism (docs/METHOD.md, "baseline").
+colocated attention with per-document context parallelism (docs/METHOD.md, "The baseline").
 
 Host side, per step: `schedule.wlb` packs the step's documents across the data ranks into
 buffers of the token cap (`WlbPacking`); `repack_batch` moves the batch's tokens there, each

@@ -6,9 +6,7 @@
 oracle; any platform), `pallas` (block-sparse Pallas flash attention; GPU through the Pallas Triton
 lowering, CPU in interpret mode), `triton` (the same kernels in Triton via jax-triton; GPU),
 `mosaic` (Mosaic GPU forward and one-kernel FA3-style backward; Hopper GPU, bf16/fp16, head
-dim 64 or 128), `cudnn` (cuDNN fused attention forward on packed segments, each task as
-prefix part + causal square merged by LSE, with our Triton or Pallas backward; Hopper GPU);
-`auto` picks per platform and head dim (`FASTEST`, `LEADS_AT`). All return O [T, H, D] in q's
+dim 64 or 128); `auto` picks per platform and head dim (`FASTEST`, `LEADS_AT`). All return O [T, H, D] in q's
 dtype and LSE [T, H] float32, and are differentiable in q, k, v (dK/dV summed over the query
 heads of a group and over tasks sharing key rows); rows outside every task give O = 0,
 LSE = -inf and zero gradients.
@@ -26,17 +24,16 @@ import jax.numpy as jnp
 from .common import installed
 from .tasks import TaskTable, causal_area, make_task_table, row_bounds, row_owner
 
-BACKENDS = ("reference", "pallas", "triton", "mosaic", "cudnn")
+BACKENDS = ("reference", "pallas", "triton", "mosaic")
 
 
 # Backends per platform, first choice first, by the kernels' forward+backward time against dense
 # cuDNN causal attention (launch/bench_kernels.py; docs/PERFORMANCE.md, Kernels): on a GPU triton,
-# mosaic (first where it runs: `LEADS_AT`), cudnn (cuDNN's forward with our Triton backward, level
-# with triton), pallas.
+# mosaic (first where it runs: `LEADS_AT`), pallas.
 # `auto` takes the first one that is installed and runs the call's head dim, dtype and GPU
 # (`unsupported`), after putting first the backends that lead at that head dim (`LEADS_AT`). On
 # CPU only the reference is fast enough to matter (Pallas runs interpreted).
-FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "cudnn", "pallas")}
+FASTEST = {"cpu": ("reference",), "gpu": ("triton", "mosaic", "pallas")}
 # mosaic leads at head dims 64 and 128, where it was also measured faster than triton in whole
 # training steps, compile included (docs/PERFORMANCE.md, Kernels).
 LEADS_AT = {"mosaic": (64, 128)}
@@ -56,7 +53,7 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
   """Why `backend` cannot run attention of this head dim and dtype on `platform` (default: JAX's
   default backend), or None if it can. Without head dim and dtype: whether it runs here at all."""
   platform = platform or jax.default_backend()
-  if backend in ("triton", "mosaic", "cudnn") and platform != "gpu":
+  if backend in ("triton", "mosaic") and platform != "gpu":
     return f"the {backend} kernel backend needs a GPU (this platform is {platform})"
   if backend == "triton" and not installed("triton"):
     return f"the {backend} kernel backend needs jax-triton, which is not installed"
@@ -78,14 +75,6 @@ def unsupported(backend: str, head_dim: int | None = None, dtype=None, platform:
     if cc[:1] != (9,):  # wgmma is Hopper's alone: Blackwell's tensor cores take tcgen05
       return ("the mosaic kernel backend needs a Hopper GPU (its kernels use wgmma and TMA); "
               f"this one is compute capability {'.'.join(map(str, cc))}")
-  if backend == "cudnn":
-    if dtype not in (jnp.bfloat16, jnp.float16):
-      return f"the cudnn kernel backend takes bf16 or fp16, not {dtype.name}"
-    if head_dim % 8 or head_dim > 256:
-      return f"the cudnn kernel backend takes head dims in multiples of 8 up to 256, not {head_dim}"
-    cc = compute_capability or _compute_capability()
-    if cc < (9,):
-      return "the cudnn kernel backend's packed layout needs a Hopper or later GPU"
   return None
 
 
@@ -129,10 +118,8 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, backend: str = "au
     from . import pallas as impl
   elif backend == "triton":
     from . import triton as impl
-  elif backend == "mosaic":
-    from . import mosaic as impl
   else:
-    from . import cudnn as impl
+    from . import mosaic as impl
   return impl.attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks, scale=scale)
 
 

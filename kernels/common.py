@@ -141,18 +141,3 @@ def backward_stats(do_TxHxD, o_TxHxD, lse_HxT, dlse_HxT):
   delta_HxT = row_delta(do_TxHxD, o_TxHxD).T - dlse_HxT
   lse2_HxT = jnp.where(jnp.isfinite(lse_HxT), lse_HxT * LOG2E, 0.0)
   return lse2_HxT, delta_HxT
-
-
-def from_stats(backward, cfg: Config, q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD,
-               lse_TxH, do_TxHxD, dlse_TxH, scale: float):
-  """dQ, dK, dV from saved O and LSE through `backward` (a backend's padded-shape backward,
-  called as backward(q, k, v, tasks, o, lse_HxT, do, dlse_HxT, scale, cfg)): pads the rows and
-  the table, runs it, cuts the padding off."""
-  T, S = q_TxHxD.shape[0], k_SxKxD.shape[0]
-  Tp, Sp, tasks = padded(cfg, T, S, tasks)
-  lse_HxT = jnp.pad(lse_TxH.T, [(0, 0), (0, Tp - T)], constant_values=NEG_INF)
-  dlse_HxT = jnp.pad(dlse_TxH.T.astype(jnp.float32), [(0, 0), (0, Tp - T)])
-  dq, dk, dv = backward(pad_rows(q_TxHxD, Tp), pad_rows(k_SxKxD, Sp), pad_rows(v_SxKxD, Sp),
-                        tasks, pad_rows(o_TxHxD, Tp), lse_HxT, pad_rows(do_TxHxD, Tp),
-                        dlse_HxT, scale, cfg)
-  return dq[:T], dk[:S], dv[:S]

@@ -2,8 +2,7 @@
 
 The forward (`mosaic_fwd.py`) is after JAX's `attention_mgpu`, with persistent CTAs looping over
 the (query tile, head) units; the backward (`mosaic_bwd.py`) computes dQ, dK and dV in one
-kernel, FA3-style, with dQ reduce-added by the TMA unit. The `cudnn` backend can take this
-backward behind cuDNN's forward (`backward="mosaic"`). Against dense cuDNN causal attention of
+kernel, FA3-style, with dQ reduce-added by the TMA unit. Against dense cuDNN causal attention of
 equal causal area the pair's forward+backward is measured in docs/PERFORMANCE.md (Kernels), and
 so is the Triton pair's; `launch/tools/ab_mosaic.py` times versions of these kernels side by
 side.

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .blocks import key_task_ranges, query_schedule, task_q_blocks
-from .common import (CPU_CONFIG, LN2, LOG2E, NEG_INF, Config, backward_stats, from_stats,
+from .common import (CPU_CONFIG, LN2, LOG2E, NEG_INF, Config, backward_stats,
                      gpu_config, pad_rows, padded)
 from .tasks import TaskTable
 
@@ -319,14 +319,3 @@ def attention(q_TxHxD: jax.Array, k_SxKxD: jax.Array, v_SxKxD: jax.Array, tasks:
   o, lse_HxT = _attention(pad_rows(q_TxHxD, Tp), pad_rows(k_SxKxD, Sp), pad_rows(v_SxKxD, Sp),
                           tasks, scale, cfg, bool(interpret))
   return o[:T], lse_HxT[:, :T].T
-
-
-def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
-                        dlse_TxH, scale: float, config: Config | None = None,
-                        interpret: bool | None = None):
-  """dQ, dK, dV from saved O and LSE (any backend's forward): the Pallas backward kernels alone."""
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  cfg = config or (CPU_CONFIG if interpret else gpu_config(q_TxHxD.shape[-1]))
-  return from_stats(functools.partial(_backward, interpret=bool(interpret)), cfg, q_TxHxD,
-                    k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_TxH, do_TxHxD, dlse_TxH, scale)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .blocks import key_task_ranges, query_schedule
-from .common import LOG2E, Config, backward_stats, from_stats, gpu_config, pad_rows, padded
+from .common import LOG2E, Config, backward_stats, gpu_config, pad_rows, padded
 from .tasks import TaskTable
 
 
@@ -356,11 +356,3 @@ def attention(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, *, scale: float | Non
   o, lse_HxT = _attention(pad_rows(q_TxHxD, Tp), pad_rows(k_SxKxD, Sp),
                           pad_rows(v_SxKxD, Sp), tasks, scale, cfg)
   return o[:T], lse_HxT[:, :T].T
-
-
-def backward_from_stats(q_TxHxD, k_SxKxD, v_SxKxD, tasks: TaskTable, o_TxHxD, lse_TxH, do_TxHxD,
-                        dlse_TxH, scale: float, config: Config | None = None):
-  """dQ, dK, dV from saved O and LSE (any backend's forward): the Triton backward kernels alone."""
-  cfg = config or gpu_config(q_TxHxD.shape[-1])
-  return from_stats(_backward, cfg, q_TxHxD, k_SxKxD, v_SxKxD, tasks, o_TxHxD, lse_TxH, do_TxHxD,
-                    dlse_TxH, scale)

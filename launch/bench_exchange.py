@@ -5,12 +5,11 @@
 At each device count it plans the trainer's steps (`dispatch.plan_step`, ping-pong on, gate off)
 of Pretrain, ProLong and short-document-heavy batches (`doclens.stress_lengths`) and prints the
 rows each transport carries over the rows that move (query and K/V separately; `ragged` carries
-exactly the moving rows, `shifted` every shift at its largest block, `tiled` every pair at the
-largest pair's), and the packed send + receive buffers over the busiest sender's plus the
+exactly the moving rows, `tiled` every pair at the largest pair's), and the packed send + receive buffers over the busiest sender's plus the
 busiest receiver's moving rows. At the `--compile` counts it also compiles the query and K/V
 exchanges of the plan moving the most query rows (planned for each transport) on that many
-simulated CPU devices and reads the buffers XLA allocates (`memory_analysis`) for the packed
-`shifted` transport and the `tiled` one, against the same moving rows: the transport alone, and
+simulated CPU devices and reads the buffers XLA allocates (`memory_analysis`) for the `tiled`
+transport (the one that runs on the CPU), against the same moving rows: the transport alone, and
 with the row gathers around it. The targets: rows carried <= 1.25x the rows moved, buffers <=
 1.5x the busiest device's moving rows.
 
@@ -33,6 +32,7 @@ import sys
 import numpy as np
 
 from distca_jax.data.doclens import stress_lengths
+from distca_jax.schedule.transport import RAGGED, TILED, TRANSPORTS
 
 
 def main(argv=None):
@@ -91,10 +91,10 @@ def _mocked_clusters(args) -> int:
 EXCHANGE_DISTS = ("pretrain", "prolong", "short")
 
 
-def _step_contexts(dist: str, n: int, t: int, batches: int, exchange: str = "tiled"):
+def _step_contexts(dist: str, n: int, t: int, batches: int, exchange: str = TILED.name):
   """The trainer's CAD host contexts (`dispatch.plan_step`: ping-pong on, gate off) of `batches`
   sampled batches, each at its own buckets, planned for `exchange` (the plans are the same for
-  every transport but for the static sizes each one's exchange takes: tiled blocks, shifts)."""
+  every transport but for the static sizes each one's exchange takes: tiled blocks)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import make_batch
@@ -116,17 +116,15 @@ def _step_contexts(dist: str, n: int, t: int, batches: int, exchange: str = "til
 def _carried(d, name: str) -> dict[str, float]:
   """Rows each transport carries for one plan's query ("q") or K/V ("kv") exchange, the rows that
   move, and the packed buffers against the busiest sender's and receiver's moving rows."""
-  from distca_jax.schedule.items import buffer_bucket, exchange_capacity
+  from distca_jax.schedule.items import exchange_capacity
 
   count = np.asarray(getattr(d, f"send_{name}_count"), np.int64)
   n = count.shape[0]
   moved = int(count.sum())
-  k = np.arange(n)
-  shifts = [buffer_bucket(int(count[k, (k + s) % n].max())) for s in range(1, n)]
   buffers = getattr(d, f"send_{name}_idx").shape[-1] + getattr(d, f"recv_{name}")
   busiest = int(count.sum(1).max() + count.sum(0).max())
-  return {"moved": moved, "ragged": moved, "shifted": n * sum(shifts),
-          "tiled": n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
+  return {"moved": moved, RAGGED.name: moved,
+          TILED.name: n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
           "buffers": buffers, "busiest": busiest}
 
 
@@ -190,10 +188,10 @@ def _compiled_step_bytes(n: int, t: int, dist: str, variants, *overrides: str) -
   for variant in variants:
     impl, _, exchange = variant.partition(":")
     config = load_config(None, [*overrides, f"data.tokens_per_device={t}", f"mesh.data={n}",
-                                f"attention.impl={impl}", f"attention.exchange={exchange or 'tiled'}",
+                                f"attention.impl={impl}", f"attention.exchange={exchange or TILED.name}",
                                 "attention.gate=false", "attention.min_imbalance=1",
                                 # one node: a mocked cluster has no hosts to ask
-                                "attention.gate_nodes=[" + ",".join(["0"] * n) + "]",
+                                "attention.data_rank_nodes=[" + ",".join(["0"] * n) + "]",
                                 "data.length_scale=1", f"data.distribution={dist}"])
     trainer = Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:n]))
     batch = make_source(config, n).batch(0)
@@ -219,21 +217,21 @@ def exchange_table(args):
     faulthandler.dump_traceback_later(max(1, int(os.environ["DISTCA_MOCK_TIMEOUT"]) - 5))
 
     jax.config.update("jax_mock_gpu_topology", f"1x{mocked}x1")
-    modes = ("ragged", "shifted", "tiled")
+    modes = tuple(TRANSPORTS.values())
   else:
     if want and "xla_force_host_platform_device_count" not in flags:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={want}".strip()
       os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    modes = ("shifted", "tiled")  # jax.lax.ragged_all_to_all does not run on the CPU
+    modes = tuple(m for m in TRANSPORTS.values() if not m.needs_gpu)
   t = args.tokens
   print(f"# packed exchange, llama3_8b, {t} tokens per device, ping-pong on, gate off, "
         f"{args.batches} batches per row; carried / moved rows per transport (mean over plans, "
         f"worst in brackets); buffers: send + receive rows over the busiest sender's + receiver's "
         f"moving rows")
-  print("| devices | dist | Q moved | Q ragged | Q shifted | Q tiled | K/V moved | K/V ragged | "
-        "K/V shifted | K/V tiled | Q buffers / busiest | K/V buffers / busiest |")
+  print("| devices | dist | Q moved | Q ragged | Q tiled | K/V moved | K/V ragged | K/V tiled | "
+        "Q buffers / busiest | K/V buffers / busiest |")
   # "busiest": the step's busiest sender's plus busiest receiver's moving rows, over its plans.
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   compiled_rows = []
   for n in args.devices:
     for dist in EXCHANGE_DISTS:
@@ -241,7 +239,7 @@ def exchange_table(args):
       steps = [c.dispatch for c in ctxs if c.cad]
       plans = [d for ds in steps for d in ds]
       if not plans:
-        print(f"| {n} | {dist} | nothing moves | | | | | | | | | |")
+        print(f"| {n} | {dist} | nothing moves | | | | | | | |")
         continue
       cells = []
       for name in ("q", "kv"):
@@ -252,7 +250,7 @@ def exchange_table(args):
         buffers = [r[0]["buffers"] / max(x["busiest"] for x in r) for r in per_step
                    if max(x["busiest"] for x in r)]
         cells.append((int(np.mean([r["moved"] for r in rows])),
-                      *((np.mean(ratio(k)), np.max(ratio(k))) for k in ("ragged", "shifted", "tiled")),
+                      *((np.mean(ratio(k)), np.max(ratio(k))) for k in (RAGGED.name, TILED.name)),
                       (np.mean(buffers), np.max(buffers))))
       fmt = lambda m: f"{m[0]:.2f}x ({m[1]:.2f}x)"
       (qm, *qr, qb), (km, *kr, kb) = cells
@@ -263,8 +261,8 @@ def exchange_table(args):
         # are sized for the busier of its plans (Ping and Pong), so is the denominator.
         i, j = max(((i, j) for i, ds in enumerate(steps) for j in range(len(ds))),
                    key=lambda ij: int(np.asarray(steps[ij[0]][ij[1]].send_q_count).sum()))
-        others = {mode: _step_contexts(dist, n, t, args.batches, mode)[2] for mode in modes
-                  if mode != "tiled"}
+        others = {mode: _step_contexts(dist, n, t, args.batches, mode.name)[2] for mode in modes
+                  if mode is not TILED}
         step_of = lambda mode: [c.dispatch for c in (others.get(mode) or ctxs) if c.cad][i]
         got = _compiled_buffers({mode: step_of(mode)[j] for mode in modes}, n)
         busy = {name: max(_carried(d, name)["busiest"] for d in steps[i]) * 8 * 128 * 2
@@ -278,7 +276,7 @@ def exchange_table(args):
           "transport alone (its send and receive buffers and what it allocates) / with the row "
           "gathers around it (_compiled_buffers)")
     print("| devices | dist | exchange | busiest moving MB | "
-          + " | ".join(f"{mode}: alone / with gathers" for mode in modes) + " |")
+          + " | ".join(f"{mode.name}: alone / with gathers" for mode in modes) + " |")
     print("|---|---|---|---|" + "---|" * len(modes))
     for n, dist, busy, got in compiled_rows:
       for name, label in (("q", "Q"), ("kv", "K/V")):
@@ -289,7 +287,7 @@ def exchange_table(args):
   step = os.environ.get("DISTCA_MOCK_STEP")
   if mocked and step:
     layers, dist = step.split(":")
-    variants = ("colocated", *(f"distca:{m}" for m in modes))
+    variants = ("colocated", *(f"distca:{m.name}" for m in modes))
     got = _compiled_step_bytes(int(mocked), t, dist, variants, "model.preset=llama3_8b",
                                f"model.layers={layers}", "model.remat=full", "mesh.tensor=1")
     print()

@@ -1,6 +1,6 @@
 """Benchmark the CA-task attention backends on a GPU, beside cuDNN dense causal attention.
 
-    python3 launch/bench_kernels.py --out $OUT --backends pallas,cudnn,triton
+    python3 launch/bench_kernels.py --out $OUT --backends pallas,triton
 
 (needs the package importable as `distca_jax.kernels`: `pip install -e .`, or on a machine without
 network a PYTHONPATH folder holding distca_jax/ with kernels/ copied in as distca_jax/kernels.)
@@ -113,9 +113,6 @@ def time_backend(backend, tasks, T, S, attn=None, fwd_only=False):
 
 def backend_timer(backend, tasks, T, S, attn=None, fwd_only=False):
   """`time_backend` as a `timer`: compiled once, run as often as asked."""
-  if attn is None and backend.startswith("cudnn/"):  # cuDNN forward, backward after the slash
-    from distca_jax.kernels import cudnn
-    attn = lambda q, k, v, t: cudnn.attention(q, k, v, t, backward=backend.split("/")[1])
   if attn is None:
     attn = lambda q, k, v, t: kernels.attention(q, k, v, t, backend=backend)
   q, k, v, do = inputs(T, S)
@@ -213,9 +210,8 @@ def dense_equivalent(area):
 
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--backends", default="pallas,cudnn,triton",
-                  help="comma list (also mosaic); cudnn/<triton|mosaic|pallas|cudnn>: cuDNN "
-                       "forward, that backward")
+  ap.add_argument("--backends", default="pallas,triton",
+                  help="comma list (also mosaic, reference)")
   ap.add_argument("--contexts", default="65536,131072,262144,524288",
                   help="tokens a batch fills (64K-512K; at 512K the mosaic backward's float32 dQ "
                        "buffer alone is 8 GiB)")
@@ -259,8 +255,7 @@ def print_geometry(datasets, contexts, max_shard):
 
 def tune(backend, batch, results, over):
   """Times `tune_configs(backend)` on one batch; the rest of the run (batches, sweep) uses the
-  fastest tiles: GPU_CONFIGS is shared by the pallas and triton backends (and the cudnn
-  backend's triton/pallas backward)."""
+  fastest tiles: GPU_CONFIGS is shared by the pallas and triton backends."""
   from distca_jax.kernels import common
   name, tasks, T, S, f = batch["name"], batch["tasks"], batch["T"], batch["S"], batch["flops"]
   mod = __import__(f"distca_jax.kernels.{backend}", fromlist=["attention"])

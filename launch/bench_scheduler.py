@@ -164,7 +164,7 @@ def main(argv=None):
 
     def plan_and_arrays():
       plan = make_plan(lay, comm, 0.05)
-      build_dispatch(plan.tasks, lay, plan.capacities.without_shifts())
+      build_dispatch(plan.tasks, lay, plan.capacities)
       return plan
 
     plan, m, b = _cpu_ms(plan_and_arrays, max(1, args.repeats // 2))

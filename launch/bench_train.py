@@ -167,9 +167,10 @@ def _predicted_saving(config, batch, shape, cache: dict) -> float:
   import dataclasses
 
   from distca_jax import dispatch
+  from distca_jax.schedule.transport import TILED
 
   a = dataclasses.replace(config.attention, impl="distca", gate=False, min_imbalance=1.0,
-                          kernel="auto", exchange="tiled")
+                          kernel="auto", exchange=TILED.name)
   if a not in cache:
     cache[a] = dispatch.plan_step(a, batch, shape).predicted_saving
   return cache[a]
@@ -294,9 +295,6 @@ def main(argv=None) -> int:
                       help="batch on which distca also runs with attention.memory_mode=resend")
   parser.add_argument("--ragged-ablation", default="",
                       help="batch on which distca also runs with attention.exchange=ragged (GPU)")
-  parser.add_argument("--shifted-ablation", default="",
-                      help="batches (space-separated) on which distca also runs with "
-                           "attention.exchange=shifted (one ppermute per shift)")
   parser.add_argument("--ungated-ablation", default="",
                       help="batches (space-separated) on which distca also runs with "
                            "attention.gate=false (moving work however balanced the batch)")
@@ -403,9 +401,6 @@ def main(argv=None) -> int:
       if kind == args.ragged_ablation:  # only the rows that move travel
         variants.append(("distca-ragged", cad + ["attention.pingpong=true",
                                                  "attention.exchange=ragged"]))
-      if kind in args.shifted_ablation.split():  # blocks sized per shift, not per pool
-        variants.append(("distca-shifted", cad + ["attention.pingpong=true",
-                                                  "attention.exchange=shifted"]))
       base_time, saving_cache = None, {}
       for name, ov in variants:
         config = load_config(args.config, args.overrides + ov)

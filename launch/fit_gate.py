@@ -1,4 +1,4 @@
-"""Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "The step gate").
+"""Fit the CAD step gate's cost model to measured step times (docs/PERFORMANCE.md, "Gated runs").
 
     python launch/fit_gate.py [--expect 50] [--sim] [--from cad.json ... --devices N --set ...]
     python launch/fit_gate.py --logs colocated.log distca.log --devices 2 --set ... data.distribution=prolong
@@ -29,7 +29,8 @@ import dataclasses
 
 import numpy as np
 
-from distca_jax import gate
+from distca_jax import gate, gate_fitting
+from distca_jax.schedule.transport import TILED
 
 # The fit's measurements and shipped costs are data (distca_jax/gate_fit.json): (distribution,
 # sampler step) -> (colocated ms, distca ms with CAD running), of SETUP on DEVICES devices.
@@ -47,7 +48,7 @@ def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
   prediction from the gate's cost model, not a measurement. `overrides`: config overrides on
   the default setup (Llama-3-8B shape with 2 layers, 64K tokens per device). `per_node`: data
   ranks per node (consecutive ranks share one; 0: every rank on one node), as the trainer's
-  `attention.gate_nodes` would find them."""
+  `attention.data_rank_nodes` would find them."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -63,7 +64,7 @@ def expect(steps: int, devices=(4, 2), overrides=(), per_node: int = 0) -> None:
   for n in devices:
     attention = cfg.attention
     if per_node:
-      attention = dataclasses.replace(attention, gate_nodes=tuple(i // per_node for i in range(n)))
+      attention = dataclasses.replace(attention, data_rank_nodes=tuple(i // per_node for i in range(n)))
     for dist in ("pretrain", "prolong"):
       src = synthetic_from_config(dataclasses.replace(cfg.data, distribution=dist),
                                   shape.vocab_size, n)
@@ -132,7 +133,7 @@ def main() -> None:
   ap.add_argument("--expect-set", nargs="*", default=[],
                   help="config overrides for --expect (e.g. data.tokens_per_device=131072)")
   ap.add_argument("--expect-per-node", type=int, default=0, metavar="N",
-                  help="--expect with N data ranks per node (attention.gate_nodes; 0: one node)")
+                  help="--expect with N data ranks per node (attention.data_rank_nodes; 0: one node)")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
   ap.add_argument("--logs", nargs=2, action="append", default=[], metavar=("COLOCATED", "DISTCA"),
@@ -145,6 +146,8 @@ def main() -> None:
                        "setup: --set); see kernel_cost()")
   ap.add_argument("--no-fit", action="store_true",
                   help="skip the 4-GPU fit (e.g. with --kernel-logs or --expect)")
+  ap.add_argument("--write-profile", metavar="PATH",
+                  help="write the fit as a cost profile a run loads (attention.gate_profile=PATH)")
   args = ap.parse_args()
   if args.kernel_logs:
     kernel_cost(args.kernel_logs, tuple(args.set))
@@ -156,11 +159,38 @@ def main() -> None:
       pairs = from_train_logs(col, cad, args.devices, tuple(args.set))
       print(f"{len(pairs)} CAD steps from {col} / {cad} join the fit")
       extra += pairs
-    fit(extra=extra)
+    fitted = fit(extra=extra)
+    if args.write_profile:
+      write_profile(args.write_profile, fitted)
   if args.expect:
     expect(args.expect, args.expect_devices, args.expect_set, args.expect_per_node)
   if args.sim:
     fit_simulator()
+
+
+def write_profile(path, fitted: dict) -> dict:
+  """Writes `fit`'s costs as a cost profile (`gate.read_profile`'s format) at `path`: the fit's
+  kernel's attention cost, and each other kernel's scaled by its measured ratio
+  (`KERNEL_COST_RATIO`); the exchange's two costs; the shipped price of a byte between nodes (not
+  fitted: the measurements are one node's). Returns it."""
+  import json
+  from pathlib import Path
+
+  shipped = gate.read_profile()
+  att = fitted["attention_cost"]
+  profile = {
+      "about": "A cost profile of the step gate, written by launch/fit_gate.py --write-profile "
+               "(attention.gate_profile loads it; distca_jax/gate_fit.json says what each field is).",
+      "fit_kernel": gate.GATE_FIT_KERNEL,
+      "attention_cost": {gate.GATE_FIT_KERNEL: att,
+                         **{k: att * r for k, r in KERNEL_COST_RATIO.items()}},
+      "exchange_fixed": fitted["exchange_fixed"],
+      "exchange_flops_per_byte": fitted["exchange_flops_per_byte"],
+      "network_byte_cost": shipped["network_byte_cost"],
+  }
+  Path(path).write_text(json.dumps(profile, indent=2) + "\n")
+  print(f"wrote the cost profile {path}: run with attention.gate_profile={path}")
+  return profile
 
 
 def kernel_cost(paths, setup: tuple) -> list[dict]:
@@ -183,7 +213,7 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
   print("| kernel log | steps | matmul TF/s | attention TF/s | step ms (min-max) | fit RMS ms "
         "| attention per FLOP vs first | gate_attention_cost |\n|---|---|---|---|---|---|---|---|")
   for path in paths:
-    steps = {s: v for s, v in gate.read_step_log(path).items() if not v["compiled"]}
+    steps = {s: v for s, v in gate_fitting.read_step_log(path).items() if not v["compiled"]}
     if len(steps) < 3:
       raise SystemExit(f"{path}: {len(steps)} uncompiled steps, too few to fit")
     # Log step s trained on the sampler's batch s - 1.
@@ -191,7 +221,7 @@ def kernel_cost(paths, setup: tuple) -> list[dict]:
                       for s in steps])
     ms = np.array([v["step_s"] * 1e3 for v in steps.values()])
     try:
-      c_lin, c_att, rms = gate.fit_kernel_cost(flops, ms)
+      c_lin, c_att, rms = gate_fitting.fit_kernel_cost(flops, ms)
     except ValueError as e:
       raise SystemExit(f"{path}: {e}") from None
     fits.append(dict(path=path, steps=len(ms), c_lin=c_lin, c_att=c_att, rms=rms))
@@ -239,37 +269,37 @@ def from_train_logs(colocated_log: str, distca_log: str, devices: int, setup: tu
 
   dist = load_config(None, list(setup)).data.distribution
   rest = tuple(o for o in setup if not o.startswith("data.distribution="))
-  col, cad = gate.read_step_log(colocated_log), gate.read_step_log(distca_log)
+  col, cad = gate_fitting.read_step_log(colocated_log), gate_fitting.read_step_log(distca_log)
   out = []
   for s in sorted(col.keys() & cad.keys()):
     c, d = col[s], cad[s]
     if c["compiled"] or d["compiled"] or d.get("cad") != 1.0:
       continue
-    if "exchange_q_rows" not in d:  # another transport's capacities (train/metrics.exchange_rows)
+    rows = lambda k: f"{TILED.log_prefix}_{k}_rows"  # the tiled exchange's logged capacities
+    if rows("q") not in d:  # another transport's capacities (`Transport.log_rows`)
       raise SystemExit(f"{distca_log}: step {s} ran CAD without the tiled exchange's capacities "
-                       "(exchange_q_rows): --logs fits the gate's exchange costs on "
+                       f"({rows('q')}): --logs fits the gate's exchange costs on "
                        "attention.exchange=tiled runs")
-    kv2 = d.get("exchange_kv2_rows")
-    caps = Capacities(c=int(d["exchange_q_rows"]), ckv=int(d["exchange_kv_rows"]),
+    kv2 = d.get(rows("kv2"))
+    caps = Capacities(c=int(d[rows("q")]), ckv=int(d[rows("kv")]),
                       ckv2=None if kv2 is None else int(kv2))
     out.append((devices, rest, dist, s - 1, c["step_s"] * 1e3, d["step_s"] * 1e3, caps))
   return out
 
 
 def logged_over(own, logged):
-  """`own` capacities (a step's plan's) with each size `logged` gives (not None) and each
-  shift list it gives (not empty) in their place."""
+  """`own` capacities (a step's plan's) with each size `logged` gives (not None) in its place."""
   return dataclasses.replace(own, **{
       f.name: getattr(logged, f.name) for f in dataclasses.fields(logged)
-      if getattr(logged, f.name) not in (None, ())})
+      if getattr(logged, f.name) is not None})
 
 
 def fit(verbose: bool = True, extra=()) -> dict:
-  """The fit above (`gate.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
+  """The fit above (`gate_fitting.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
   distribution, step, colocated ms, CAD ms[, capacities]) tuples); prints it (and the per-batch
-  table) when `verbose`. Returns the cost model it implies (`gate_attention_cost`,
-  `gate_exchange_fixed`, `gate_exchange_flops_per_byte`, the `attention.` fields) and, per batch,
-  the measured and the shipped gate's predicted saving (fractions of the colocated step)."""
+  table) when `verbose`. Returns the cost profile's fitted costs (`attention_cost` of the fit's
+  kernel, `exchange_fixed`, `exchange_flops_per_byte`: `StepCostFit.costs`) and, per batch, the
+  measured and the shipped gate's predicted saving (fractions of the colocated step)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -289,9 +319,9 @@ def fit(verbose: bool = True, extra=()) -> dict:
     # log says (from_train_logs), else the step's own (a benchmark compiles each batch).
     ran = logged_over(ctx.capacities, caps[0]) if caps and caps[0] else ctx.capacities
     moved_bytes = gate.exchange_bytes(cfg.attention, shape, ctx.plans, ran).max() * shape.layers
-    batches.append(gate.FitBatch(
+    batches.append(gate_fitting.FitBatch(
         colocated_ms=col, distca_ms=cad, linear_flops=linear.max(), attention_flops=attn.max(),
-        planned_flops=gate.attention_flops_per_area(shape) * planned.max(),
+        planned_flops=gate.model_flops(shape).attention_per_area * planned.max(),
         exchange_bytes=moved_bytes))
     rows.append(dict(
         batch=f"{dist}@{step}" + ("" if (devices, setup) == (DEVICES, SETUP) else f" ({devices} dev)"),
@@ -299,7 +329,7 @@ def fit(verbose: bool = True, extra=()) -> dict:
         gain=gate.predicted_cad_gain(shape, batch.layout, attention_config=cfg.attention),
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
         predicted=ctx.predicted_saving, attention=cfg.attention))
-  result = gate.fit_step_costs(batches)
+  result = gate_fitting.fit_step_costs(batches)
   say = print if verbose else (lambda *a, **k: None)
   say(f"colocated step = matmul FLOPs at {1e-9 / result.ms_per_linear_flop:.0f} TF/s + attention "
       f"FLOPs at {1e-9 / result.ms_per_attention_flop:.0f} TF/s (effective)")
@@ -307,11 +337,9 @@ def fit(verbose: bool = True, extra=()) -> dict:
       f"{result.exchange_ms_per_byte * 1e9:.3f} ms per GB the busiest device moves (residuals "
       f"{result.max_residual_ms:.0f} ms at most)")
   fitted = result.costs
-  a = rows[0]["attention"]
-  a = dataclasses.replace(a, gate_attention_cost=gate.gate_attention_cost(
-      a, gate.GATE_FIT_KERNEL))  # the shipped cost of the kernel these batches ran
-  say("fitted:  " + " ".join(f"attention.{k}={v:.4g}" for k, v in fitted.items()))
-  say("shipped: " + " ".join(f"attention.{k}={getattr(a, k):.4g}" for k in fitted) + "\n")
+  shipped = gate.costs(rows[0]["attention"])  # the profile's, of the kernel these batches ran
+  say("fitted:  " + " ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
+  say("shipped: " + " ".join(f"{k}={getattr(shipped, k):.4g}" for k in fitted) + "\n")
   out = dict(fitted, batches={})
   say("| batch | imbalance | predicted gain | rows moved | fitted step ms | measured saving "
       "| net saving, leave-one-out | predicted_cad_saving |")

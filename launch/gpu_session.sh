@@ -12,7 +12,6 @@
 #          CAD_RESEND: the batch that also runs memory_mode=resend (temp memory per mode),
 #          CAD_RAGGED: the batch that also runs attention.exchange=ragged, CAD_UNGATED: batches
 #          that also run distca with attention.gate=false (balancing however small the gain),
-#          CAD_SHIFTED: batches that also run attention.exchange=shifted,
 #          CAD_TRACE: where to trace the first batch's distca step, "" for no trace (traced: the
 #          communication beside compute, launch/tools/overlap_report.py), CAD_EXTRA: more
 #          key=value overrides, e.g. data.elongate_factor=2; a batch "prolong@N" is the
@@ -52,7 +51,7 @@
 #          --kernel-logs on them (each kernel's attention time per FLOP in training steps; F_TIMEOUT)
 # The exchange (launch/bench_exchange.py):
 #   exchange 1 GPU: the CAD exchange compiled for mocked GPU clusters of X_DEVICES (default
-#          "8 16 32 64") GPUs: XLA's GPU buffers per transport (ragged, shifted, tiled) over the
+#          "8 16 32 64") GPUs: XLA's GPU buffers per transport (ragged, tiled) over the
 #          busiest device's moving rows, X_BATCHES (1) batches, X_TOKENS (65536) tokens per device,
 #          X_TIMEOUT (240 s) a cluster size; X_STEP_LAYERS (2; 0: none): also whole training steps
 #          of llama3_8b with that many layers, colocated and CAD per transport (temporaries)
@@ -89,7 +88,7 @@ for suite in "$@"; do
     cad) timeout -k 10 ${CAD_TIMEOUT:-330} python3 -P launch/bench_train.py --suite cad --warmup 1 --steps 3 --json "$OUT/cad.json" \
            --batches ${CAD_BATCHES:-pretrain prolong skewed uniform} --pingpong-ablation "${CAD_ABLATION-pretrain}" \
            --resend-ablation "${CAD_RESEND-skewed}" --ragged-ablation "${CAD_RAGGED-prolong}" \
-           --ungated-ablation "${CAD_UNGATED-}" --shifted-ablation "${CAD_SHIFTED-}" \
+           --ungated-ablation "${CAD_UNGATED-}" \
            --wlb-cp "${CAD_WLB_CP-auto}" ${CAD_TRACE:+--trace-dir $CAD_TRACE} model.preset=llama3_8b model.layers=2 data.tokens_per_device=${CAD_TOKENS:-65536} \
            data.length_scale=1 ${CAD_EXTRA:-} 2>&1 | grep -v -i warn | tee "$OUT/cad.log"
          if [ -n "$CAD_TRACE" ]; then

@@ -12,7 +12,7 @@ into <train.out_dir>/trace. Writes <train.out_dir>/profile.json and attention_lo
 attention load without and with the CAD scheduler) and prints the report. Same config and
 multi-host arguments as launch/train.py; overrides given here win over the ones it sets.
 
-(Not `launch/profile.py`: a script's folder comes first on sys.path, so that file would shadow
+(Not named `profile.py`: a script's folder comes first on sys.path, so that file would shadow
 the standard library's `profile`, which cProfile imports, for every script in launch/.)
 """
 

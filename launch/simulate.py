@@ -1,6 +1,6 @@
 """At-scale simulation of core attention disaggregation against its baselines.
 
-  python launch/simulate.py [--config configs/sim_X.yaml] [key=value ...] [--dump-plans DIR]
+  python launch/simulate.py [--config configs/sim_<name>.yaml] [key=value ...] [--dump-plans DIR]
 
 Runs every point of the sweep (models × gpus × tokens_per_rank × distributions ×
 pipeline_parallel, or the union of `sweeps`) on `batches` sampled batches and prints one table
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     bar = tqdm(total=total, desc="simulate", unit="batch", file=sys.stderr)
   rows, first_loads, speedups, by_imbalance = [], None, [], []
+  transports = {}  # each transport the points ran on, and why
   for p in pts:
     sim = make_simulator(cfg, p)
     pp = p.pipeline
@@ -106,12 +107,15 @@ def main(argv=None) -> int:
                    "microbatches": cfg.microbatches_for(pp), "bubble": getattr(sim, "bubble", 0.0),
                    "tokens_per_rank": p.tokens_per_rank, "distribution": Path(p.distribution).stem,
                    "system": name, **{k: s[k] for k in s}, "appendix_a_bound": sim.appendix_a_s,
-                   "kv_relay_fanout": sim.relay.fanout if sim.relay else 0})
+                   "kv_relay_fanout": sim.relay.fanout if sim.relay else 0,
+                   "exchange": sim.transport.name})
+    transports[sim.transport] = sim.transport_reason
     speedups.append((p, summary))
   if bar:
     bar.close()
 
-  print(f"CAD's exchange modelled as {cfg.exchange!r} ({_EXCHANGE_NOTE[cfg.exchange]})"
+  print("CAD's exchange modelled as " + ", ".join(f"{t.name!r} ({t.carries}; {why})"
+                                                 for t, why in transports.items())
         + _relay_note(cfg.kv_relay_fanout)
         + (f"; CAD overheads {cfg.cad_fixed_overhead} of linear time + {cfg.cad_ms_per_gb} ms/GB"
            if cfg.cad_fixed_overhead or cfg.cad_ms_per_gb else "; no CAD overhead terms (ideal)"))
@@ -120,8 +124,6 @@ def main(argv=None) -> int:
     print("\nCAD (ungated) over colocated by colocated attention imbalance, all batches:")
     for line in gate_table(by_imbalance):
       print(line)
-  for r in rows:
-    r["exchange"] = cfg.exchange
   with open(out_dir / "sim.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
@@ -131,12 +133,6 @@ def main(argv=None) -> int:
         + (f", plans in {dump}" if dump else ""))
   return 0
 
-
-_EXCHANGE_NOTE = {
-    "ragged": "only the rows that move travel",
-    "shifted": "one ppermute per shift, each device sending the shift's bucketed capacity",
-    "tiled": "every (rank, server) pair padded to the largest pair's bucket",
-}
 
 GATE_BINS = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0, 2.5, 3.0, float("inf"))
 

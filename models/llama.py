@@ -219,11 +219,9 @@ class Llama(nnx.Module):
 #              work (RMSNorm, RoPE, SwiGLU's product).
 #   save_attn  as save_proj without the MLP's projections: the backward recomputes the gate and
 #              up matmuls (two of the block's seven).
-#   save_dots  the whole block recomputed except matmul outputs; the attention kernel's forward
-#              runs again in the backward.
 #   full       only the block's input kept; the whole block, attention included, runs again.
-REMAT_POLICIES = ("none", "save_proj", "save_attn", "save_dots", "full")
-AUTO_ORDER = ("none", "save_proj", "save_attn", "full")
+REMAT_POLICIES = ("none", "save_proj", "save_attn", "full")
+AUTO_ORDER = REMAT_POLICIES
 _SAVED_NAMES = {"save_proj": ("attn_out", "mlp_gate", "mlp_up"), "save_attn": ("attn_out",)}
 
 
@@ -244,7 +242,6 @@ def _remat_block(block: Block, remat: str):
       return finish(block, xs, os)
 
     return call
-  if remat not in ("save_dots", "full"):
+  if remat != "full":
     raise ValueError(f"remat: one of {REMAT_POLICIES}, got {remat!r}")
-  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "save_dots" else None
-  return functools.partial(nnx.remat(Block.__call__, policy=policy), block)
+  return functools.partial(nnx.remat(Block.__call__), block)

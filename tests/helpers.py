@@ -262,7 +262,7 @@ def dispatch_of(plan, layout):
   """The `DispatchPlan` of a scheduler plan (its tasks at its capacities, tiled exchange)."""
   from distca_jax.dispatch import build_dispatch
 
-  return build_dispatch(plan.tasks, layout, plan.capacities.without_shifts())
+  return build_dispatch(plan.tasks, layout, plan.capacities)
 
 
 # ----------------------------------------------------------------------------- CAD steps in tests
@@ -322,7 +322,7 @@ def plan_for_layout(attention_config, layout, shape, devices=None):
   plan = make_plan(layout, gate_lib.comm_model(shape, attention_config),
                    epsilon=attention_config.epsilon,
                    min_imbalance=attention_config.min_imbalance_for(pipelined=False))
-  d = dispatch.build_dispatch(plan.tasks, layout, plan.capacities.without_shifts(), devices=devices)
+  d = dispatch.build_dispatch(plan.tasks, layout, plan.capacities, devices=devices)
   dispatch.validate_plan(d, layout, devices)
   return plan, d
 

@@ -82,7 +82,7 @@ def test_scheduler_bench_modes(capsys):
 def test_exchange_bench_table(capsys):
   """bench_exchange.py at 4 devices: a row per distribution, `ragged` carrying
   exactly the moving rows and `tiled` more, and the compiled exchanges' buffers per transport
-  (the CPU's: shifted and tiled, query and K/V, alone and with the row gathers)."""
+  (the CPU's: tiled, query and K/V, alone and with the row gathers)."""
   bench = launch_script("bench_exchange")
   bench.main(["4", "--compile", "4", "--batches", "1", "--tokens", "8192"])
   out = capsys.readouterr().out.splitlines()
@@ -90,17 +90,16 @@ def test_exchange_bench_table(capsys):
   carried, compiled = rows[:3], rows[3:]
   assert [r[1] for r in carried] == ["pretrain", "prolong", "short"]
   for r in carried:
-    assert r[3] == r[7] == "1.00x (1.00x)"  # ragged: query and K/V
-    assert float(r[5].split("x")[0]) > 1 and float(r[9].split("x")[0]) >= 1  # tiled pads
+    assert r[3] == r[6] == "1.00x (1.00x)"  # ragged: query and K/V
+    assert float(r[4].split("x")[0]) > 1 and float(r[7].split("x")[0]) >= 1  # tiled pads
   assert [(r[1], r[2]) for r in compiled] == [(d, x) for d in ("pretrain", "prolong", "short")
                                               for x in ("Q", "K/V")]
   cell = lambda c: [float(v.strip().rstrip("x")) for v in c.split("/")]  # alone, with gathers
   for r in compiled:
-    assert len(r) == 6
-    shifted, tiled = cell(r[4]), cell(r[5])
+    assert len(r) == 5
     # The tiled transport's blocks are every pair padded to the largest: more than the moving rows.
-    assert tiled[0] > 1 and tiled[0] > shifted[0] > 0
-  assert cell(compiled[0][5])[1] > 1  # Q tiled with its gathers
+    assert cell(r[4])[0] > 1
+  assert cell(compiled[0][4])[1] > 1  # Q tiled with its gathers
 
 
 def test_exchange_bench_compiles_whole_steps():
@@ -109,11 +108,11 @@ def test_exchange_bench_compiles_whole_steps():
   take the dispatch plans as arguments besides colocated's. Off a mocked GPU the option is
   refused (the CPU's analysis does not size a GPU step)."""
   bench = launch_script("bench_exchange")
-  got = bench._compiled_step_bytes(4, 1024, "pretrain", ("colocated", "distca:tiled", "distca:shifted"),
+  got = bench._compiled_step_bytes(4, 1024, "pretrain", ("colocated", "distca:tiled"),
                                    "model.preset=tiny", "model.layers=1", "model.remat=full")
-  assert set(got) == {"colocated", "distca:tiled", "distca:shifted"}
+  assert set(got) == {"colocated", "distca:tiled"}
   assert all(temp > 0 for temp, _ in got.values())
-  assert got["distca:tiled"][1] > got["colocated"][1] and got["distca:shifted"][1] > got["colocated"][1]
+  assert got["distca:tiled"][1] > got["colocated"][1]
   with pytest.raises(SystemExit):
     bench.main(["4", "--step-layers", "1"])
 

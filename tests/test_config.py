@@ -42,9 +42,9 @@ def test_unknown_key_lists_known_fields():
 
 @pytest.mark.parametrize("override, field, allowed", [
     ("attention.impl=foo", "attention.impl", ["colocated", "distca"]),
-    ("attention.kernel=flash", "attention.kernel", ["auto", "reference", "pallas", "triton", "cudnn"]),
+    ("attention.kernel=flash", "attention.kernel", ["auto", "reference", "pallas", "triton", "mosaic"]),
     ("model.preset=gpt2", "model.preset", ["tiny", "llama_1b", "llama3_8b", "llama_34b", "custom"]),
-    ("model.remat=some", "model.remat", ["none", "full", "save_dots"]),
+    ("model.remat=some", "model.remat", ["none", "full", "save_attn"]),
     ("data.source=web", "data.source", ["synthetic", "corpus"]),
     ("attention.memory_mode=drop", "attention.memory_mode", ["keep", "resend"]),
 ])
@@ -53,6 +53,49 @@ def test_bad_literal_lists_allowed_values(override, field, allowed):
   assert msg.startswith(f"{field}:")
   for value in allowed:
     assert repr(value) in msg
+
+
+@pytest.mark.parametrize("override, instead", [
+    ("attention.exchange=shifted", "attention.exchange=ragged"),
+    ("attention.kernel=cudnn", "attention.kernel=auto"),
+    ("model.remat=save_dots", "model.remat=save_attn"),
+])
+def test_a_removed_value_names_what_to_use_instead(override, instead):
+  field, value = override.split("=")
+  msg = _error(override)
+  assert msg.startswith(f"{field}: {value!r} was removed") and instead in msg
+
+
+@pytest.mark.parametrize("override, instead", [
+    ("attention.gate_nodes=[0,1]", "mesh.devices_per_node"),
+    ("attention.gate_exchange_fixed=0.1", "attention.gate_profile"),
+    ("attention.gate_exchange_flops_per_byte=1", "attention.gate_profile"),
+    ("attention.gate_network_byte_cost=4", "attention.gate_profile"),
+])
+def test_a_removed_field_names_the_new_one(override, instead):
+  field = override.split("=")[0]
+  msg = _error(override)
+  assert msg.startswith(f"{field}: removed") and instead in msg
+
+
+def test_the_gate_profile_is_a_file_the_run_loads(tmp_path):
+  """`attention.gate_profile`: a readable profile loads; an unreadable or incomplete one is a
+  config error naming the field."""
+  import json
+
+  from distca_jax import gate
+
+  good = tmp_path / "profile.json"
+  good.write_text(json.dumps({**gate.read_profile(), "exchange_fixed": 0.5}))
+  cfg = load_config(None, [f"attention.gate_profile={good}"])
+  assert gate.costs(cfg.attention).exchange_fixed == 0.5
+  assert gate.costs(load_config(None, []).attention).exchange_fixed == (
+      gate.read_profile()["exchange_fixed"])  # unset: the shipped profile
+  for bad in ({"fit_kernel": "triton"}, {**gate.read_profile(), "exchange_fixed": -1}):
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert _error(f"attention.gate_profile={tmp_path / 'bad.json'}").startswith(
+        "attention.gate_profile:")
+  assert "not a readable" in _error(f"attention.gate_profile={tmp_path / 'missing.json'}")
 
 
 @pytest.mark.parametrize("override, field", [
@@ -64,8 +107,8 @@ def test_bad_literal_lists_allowed_values(override, field, allowed):
     ("data.distribution=3", "data.distribution"),
     ("model.hidden=wide", "model.hidden"),  # int | None
     ("train.peak_tflops=[1]", "train.peak_tflops"),
-    ("attention.gate_nodes=3", "attention.gate_nodes"),  # a list of node numbers
-    ("attention.gate_nodes=[0,a]", "attention.gate_nodes[1]"),
+    ("attention.data_rank_nodes=3", "attention.data_rank_nodes"),  # a list of node numbers
+    ("attention.data_rank_nodes=[0,a]", "attention.data_rank_nodes[1]"),
 ])
 def test_wrong_type_named(override, field):
   assert _error(override).startswith(f"{field}:")
@@ -76,8 +119,8 @@ def test_section_must_be_a_mapping():
 
 
 def test_list_field_becomes_a_tuple_and_matches_the_mesh():
-  assert load_config(None, ["attention.gate_nodes=[0, 0, 1]"]).attention.gate_nodes == (0, 0, 1)
-  assert _error("mesh.data=4", "attention.gate_nodes=[0,1]").startswith("attention.gate_nodes:")
+  assert load_config(None, ["attention.data_rank_nodes=[0, 0, 1]"]).attention.data_rank_nodes == (0, 0, 1)
+  assert _error("mesh.data=4", "attention.data_rank_nodes=[0,1]").startswith("attention.data_rank_nodes:")
 
 
 def test_int_accepted_where_float_expected():
@@ -108,10 +151,9 @@ def test_tokens_per_device_multiple_of_128(tokens):
     ("attention.epsilon=1.5", "attention.epsilon"),
     ("attention.min_imbalance=0.9", "attention.min_imbalance"),
     ("attention.min_gain=-1", "attention.min_gain"),
-    ("attention.gate_exchange_fixed=-0.1", "attention.gate_exchange_fixed"),
     ("attention.gate_attention_cost=-0.5", "attention.gate_attention_cost"),
-    ("attention.gate_network_byte_cost=0", "attention.gate_network_byte_cost"),
-    ("attention.gate_nodes=[0,-1]", "attention.gate_nodes"),
+    ("mesh.devices_per_node=0", "mesh.devices_per_node"),
+    ("attention.data_rank_nodes=[0,-1]", "attention.data_rank_nodes"),
     ("attention.min_gain=1", "attention.min_gain"),
     ("optim.lr=-1", "optim.lr"),
     ("train.steps=0", "train.steps"),
@@ -353,7 +395,6 @@ def test_every_numeric_field_declares_its_range(schema):
     ("checkpoint.every=-1", "checkpoint.every", "[0, 2**31)"),
     ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
     ("attention.epsilon=.nan", "attention.epsilon", "finite"),
-    ("attention.gate_exchange_flops_per_byte=-1", "attention.gate_exchange_flops_per_byte", ">= 0"),
     ("train.steps=99999999999999999999", "train.steps", "64 bits"),
 ])
 def test_range_refused_at_load(override, field, phrase):
@@ -516,12 +557,12 @@ def _print_config(script, argv, capsys) -> str:
 
 
 def test_print_config_round_trips(tmp_path, capsys):
-  argv = ["attention.impl=distca", "attention.gate_nodes=[0, 0, 1, 1]", "mesh.data=4",
+  argv = ["attention.impl=distca", "attention.data_rank_nodes=[0, 0, 1, 1]", "mesh.data=4",
           "optim.lr=1e-4", "train.out_dir=runs/x y", "data.full_context_replacement=true"]
   printed = _print_config("train", argv, capsys)
   path = _write(tmp_path, "printed.yaml", printed)
   assert load_config(path, []) == load_config(None, argv)
-  assert load_config(path, []).attention.gate_nodes == (0, 0, 1, 1)
+  assert load_config(path, []).attention.data_rank_nodes == (0, 0, 1, 1)
 
 
 def test_sim_print_config_round_trips(tmp_path, capsys):

@@ -328,43 +328,6 @@ def test_ragged_exchange_equals_tiled():
   assert tree_rel_err(out["ragged"][1], out["tiled"][1]) <= 1e-6
 
 
-@pytest.mark.parametrize("n,tensor,pingpong,layout", [
-    (2, 1, True, "long_on_one"), (4, 1, False, "prolong"), (8, 1, True, "pretrain"),
-    (4, 2, True, "prolong")])  # tensor 2: each tensor rank's ppermutes among its own servers
-def test_shifted_exchange_equals_tiled(n, tensor, pingpong, layout):
-  """attention.exchange=shifted (one ppermute per shift, each at its own capacity): loss and
-  every gradient as with the tiled all_to_all, which sends more."""
-  if layout in ("prolong", "pretrain"):
-    data_cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=128",
-                            f"data.distribution={layout}")
-    batch = synthetic_from_config(data_cfg.data, 512, n).batch(5)
-  else:
-    batch = layout_batch(layout, n, 0)
-  out = {}
-  for exchange in ("tiled", "shifted"):
-    cfg = small_config(f"mesh.data={n}", f"mesh.tensor={tensor}",
-                       f"data.tokens_per_device={batch.layout.buffer_len}",
-                       "attention.impl=distca", f"attention.pingpong={str(pingpong).lower()}",
-                       "model.layers=1", "attention.kernel=reference", f"attention.exchange={exchange}")
-    out[exchange] = run_step(cfg, batch, n * tensor)
-  ctx = out["shifted"][4]
-  assert any(p.stats.moves > 0 for p in ctx.plans)
-  d = ctx.dispatch[0]
-  assert len(d.shift_q) == n - 1 and max(d.shift_q) > 0
-  assert out["tiled"][4].dispatch[0].shift_q == ()
-  assert abs(out["shifted"][0] - out["tiled"][0]) <= 1e-6 * abs(out["tiled"][0])
-  assert tree_rel_err(out["shifted"][1], out["tiled"][1]) <= 1e-6
-  # Per-shift blocks never send more bytes than one block size for every pair, and fewer when
-  # a shift moves nothing (at T = 128 every non-empty block is one 128-row bucket).
-  shape = out["shifted"][3]
-  caps = largest(*(p.capacities for p in ctx.plans))  # both exchanges' sizes
-  sent = {x: gate_lib.exchange_bytes(small_config(f"attention.exchange={x}").attention, shape,
-                                     ctx.plans, caps).max() for x in ("tiled", "shifted")}
-  assert sent["shifted"] <= sent["tiled"]
-  if 0 in d.shift_q + d.shift_kv:
-    assert sent["shifted"] < sent["tiled"]
-
-
 def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
   cfg = small_config("mesh.data=2", "attention.impl=distca")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2])
@@ -386,8 +349,6 @@ RELAY_CASES = [
     # devices, tokens per device, exchange, ping-pong, memory mode, fanout
     (4, 512, "tiled", False, "keep", 1),
     (8, 384, "tiled", True, "resend", 2),
-    (8, 256, "shifted", False, "resend", 2),
-    (4, 512, "shifted", True, "keep", 1),
 ]
 
 

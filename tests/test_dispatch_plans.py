@@ -167,7 +167,7 @@ def test_build_dispatch_refuses_a_kv_row_gathered_twice():
   position) have no inverse and are refused, as the same requests once are not."""
   batch, plan = global_plan(4, "pretrain")
   kv = kv_requests(plan.tasks, batch.layout)
-  caps = plan.capacities.without_shifts()
+  caps = plan.capacities
   dispatch.build_dispatch(plan.tasks, batch.layout, caps, kv=kv)
   own = np.flatnonzero((kv.piece_src == kv.pair_server[kv.piece_pair]) & (kv.piece_rows > 1))
   assert own.size, "want a server reading rows of its own buffer"
@@ -294,48 +294,18 @@ def test_a_process_builds_only_its_devices_plan(dist):
         assert not y[others].any(), f
 
 
-def test_shifted_plan_that_overflows_a_shift_is_refused():
-  """A shifted plan whose block carries more rows than its shift's capacity would drop rows on
-  the wire: refused before the step runs."""
-  cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
-                     "attention.pingpong=false", "attention.exchange=shifted",
-                     "data.distribution=prolong")
-  batch = synthetic_from_config(cfg.data, 512, 4).batch(5)
-  ctx = attn.host_context(cfg.attention, batch, Trainer(cfg, mesh_lib.make_mesh(
-      cfg.mesh, jax.devices()[:4])).shape)
-  d = ctx.dispatch[0]
-  rows = np.asarray(d.send_q_count)
-  per_shift = [int(rows[np.arange(4), (np.arange(4) + k) % 4].max()) for k in (1, 2, 3)]
-  k = int(np.argmax(per_shift)) + 1  # the shift that carries the most rows
-  assert 0 < per_shift[k - 1] <= d.shift_q[k - 1]
-  small = tuple(x if i != k - 1 else per_shift[k - 1] - 1 for i, x in enumerate(d.shift_q))
-  with pytest.raises(dispatch.PlanMismatchError, match=f"shift {k}'s capacity"):
-    dispatch.validate_plan(dataclasses.replace(d, shift_q=small), batch.layout)
-  with pytest.raises(dispatch.PlanMismatchError, match="one capacity"):
-    dispatch.validate_plan(dataclasses.replace(d, shift_q=d.shift_q[:-1]), batch.layout)
-
-
 def test_step_shapes_restore_a_checkpoint_s_sizes():
   """`StepShapes.sizes` is what a checkpoint keeps: restored, a run starts from those capacities
-  (a step needing less gets them; one needing more grows them); an older checkpoint's shifts,
-  written as q1.. / kv1.., read back as the record's shift_q / shift_kv."""
+  (a step needing less gets them; one needing more grows them)."""
   saved = dispatch.StepShapes()
-  grown = Capacities(c=256, ckv=512, skv=1024, ctask=16, shift_q=(128, 256, 0),
-                     shift_kv=(512, 0, 128))
+  grown = Capacities(c=256, ckv=512, skv=1024, ctask=16)
   saved.fit("cad@128", grown)
   restored = dispatch.StepShapes()
   restored.sizes.update(saved.sizes)
-  small = Capacities(c=128, ckv=128, skv=512, ctask=8, shift_q=(128, 0, 0), shift_kv=(0, 0, 128))
+  small = Capacities(c=128, ckv=128, skv=512, ctask=8)
   assert restored.fit("cad@128", small) == grown and restored.growths == 1
-  larger = dataclasses.replace(small, c=512, shift_q=(384, 0, 0))
-  assert restored.fit("cad@128", larger) == dataclasses.replace(grown, c=512, shift_q=(384, 256, 0))
-  old = {"cad@128.c": 256, "cad@128.ckv": 512, "cad@128.skv": 1024, "cad@128.ctask": 16,
-         "cad@128.q1": 128, "cad@128.q2": 256, "cad@128.q3": 0,
-         "cad@128.kv1": 512, "cad@128.kv2": 0, "cad@128.kv3": 128}
-  legacy = dispatch.StepShapes()
-  legacy.sizes.update(old)
-  assert legacy.stored("cad@128", Capacities) == grown
-  assert legacy.fit("cad@128", small) == grown
+  larger = dataclasses.replace(small, c=512, skv=2048)
+  assert restored.fit("cad@128", larger) == dataclasses.replace(grown, c=512, skv=2048)
 
 
 # ----------------------------------------------------------------------------- relayed K/V
@@ -409,8 +379,7 @@ def test_relayed_plan_with_a_wrong_round_two_is_refused():
     dispatch.build_dispatch(tasks, layout, Capacities(), kv=dataclasses.replace(kv, piece_via=via))
 
 
-@pytest.mark.parametrize("exchange", ["tiled", "shifted"])
-def test_relays_on_the_host_path(exchange):
+def test_relays_on_the_host_path():
   """attention.kv_relay_fanout: the step's plans carry the relayed capacities and traffic (the
   busiest device sends fewer K/V rows), its arrays a second round, and the gate's exchange
   bytes count round 2's blocks."""
@@ -419,7 +388,7 @@ def test_relays_on_the_host_path(exchange):
 
   n = 8
   base = [f"mesh.data={n}", "data.tokens_per_device=256", "attention.impl=distca",
-          "attention.pingpong=false", "attention.gate=false", f"attention.exchange={exchange}"]
+          "attention.pingpong=false", "attention.gate=false", "attention.exchange=tiled"]
   batch = layout_batch("wide_prefix", n, seed=n, T=256)
   shape = resolve(small_config(*base).model)
   off = dispatch.plan_step(small_config(*base).attention, batch, shape)
@@ -433,16 +402,13 @@ def test_relays_on_the_host_path(exchange):
   np.testing.assert_array_equal(d.send_kv_count.sum(1) + d.send_kv2_count.sum(1),
                                 on.plans[0].traffic.kv_rows_out)
   caps = on.capacities
-  if exchange == "tiled":
-    assert caps.ckv2 > 0
-  else:
-    assert len(caps.shift_kv2) == n - 1 and max(caps.shift_kv2) > 0
-  plain = dataclasses.replace(caps, ckv2=0, shift_kv2=())
+  assert caps.ckv2 > 0
+  plain = dataclasses.replace(caps, ckv2=0)
   with_round2 = gate_lib.exchange_bytes(cfg.attention, shape, on.plans, caps)
   assert (with_round2 > gate_lib.exchange_bytes(cfg.attention, shape, on.plans, plain)).any()
 
 
-@pytest.mark.parametrize("exchange", ["tiled", "shifted", "ragged"])
+@pytest.mark.parametrize("exchange", ["tiled", "ragged"])
 def test_relays_by_default_where_the_servers_span_nodes(exchange):
   """attention.kv_relay_fanout=auto (the default) relays with AUTO_FANOUT slices when the
   servers span more than one node and the transport carries only moving rows; on one node, or
@@ -458,13 +424,13 @@ def test_relays_by_default_where_the_servers_span_nodes(exchange):
   shape = resolve(small_config(*base).model)
   assert small_config(*base).attention.kv_relay_fanout == "auto"
   plan = lambda *extra: dispatch.plan_step(small_config(*base, *extra).attention, batch, shape)
-  one_node = plan(f"attention.gate_nodes=[{','.join(['0'] * n)}]")
-  two_nodes = plan("attention.gate_nodes=[0,0,0,0,1,1,1,1]")
+  one_node = plan(f"attention.data_rank_nodes=[{','.join(['0'] * n)}]")
+  two_nodes = plan("attention.data_rank_nodes=[0,0,0,0,1,1,1,1]")
   assert one_node.capacities.recv_kv2 == plan().capacities.recv_kv2 == 0
   if exchange == "tiled":
     assert two_nodes.capacities.recv_kv2 == 0
   else:
-    assert relay_of(small_config(*base, "attention.gate_nodes=[0,0,0,0,1,1,1,1]")
+    assert relay_of(small_config(*base, "attention.data_rank_nodes=[0,0,0,0,1,1,1,1]")
                     .attention).fanout == AUTO_FANOUT
     assert two_nodes.capacities.recv_kv2 > 0
     assert (two_nodes.plans[0].traffic.kv_rows_out.max()
@@ -503,7 +469,7 @@ def test_a_process_plans_from_its_rows_alone(dist, n):
 
 
 def test_the_step_plans_with_the_data_ranks_nodes():
-  """`attention.gate_nodes` reaches the planner: each nano-batch's plan is `make_plan` with
+  """`attention.data_rank_nodes` reaches the planner: each nano-batch's plan is `make_plan` with
   those nodes (which here differs from the flat plan), checked like any other; a layout of
   another size (a pipelined tick's) is planned as one node."""
   from distca_jax import gate as gate_lib
@@ -514,7 +480,7 @@ def test_the_step_plans_with_the_data_ranks_nodes():
   n, nodes = 16, tuple(i // 4 for i in range(16))
   cfg = small_config(f"mesh.data={n}", "data.tokens_per_device=2048", "attention.impl=distca",
                      "data.distribution=pretrain", "attention.gate=false",
-                     "attention.min_imbalance=1", f"attention.gate_nodes={list(nodes)}")
+                     "attention.min_imbalance=1", f"attention.data_rank_nodes={list(nodes)}")
   shape, source = resolve(cfg.model), synthetic_from_config(cfg.data, 512, n)
   comm = gate_lib.comm_model(shape, cfg.attention)
   differs = False

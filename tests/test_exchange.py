@@ -1,4 +1,4 @@
-"""The packed exchange (`dispatch/exchange.py`): its CPU transports against the format's numpy
+"""The packed exchange (`dispatch/exchange.py`): its CPU transport against the format's numpy
 definition (`helpers.simulate_exchange`), forward and reversed, and CAD over them end to end:
 loss and every parameter gradient against a single-device run on random layouts, at 2 to 16
 devices, data and data x tensor meshes, keep and resend (the GPU's `ragged` transport has its
@@ -15,18 +15,13 @@ from distca_jax.data.sources import make_batch
 from distca_jax.dispatch.exchange import Exchange, transport
 from distca_jax.dispatch.format import exchange_offsets
 from distca_jax.mesh import ROW_AXES
+from distca_jax.schedule.transport import TILED
 from helpers import reference_over, run_step, simulate_exchange, small_config, tree_rel_err
 
-CPU_TRANSPORTS = ("tiled", "shifted")
-
-
 def _random_counts(rng, n: int) -> np.ndarray:
-  """[n, n] rows device d sends s: zero diagonal, about a third of the pairs empty, and one
-  shift k whose pairs are all empty (the shifted transport skips it)."""
+  """[n, n] rows device d sends s: zero diagonal, about a third of the pairs empty."""
   count = rng.integers(1, 12, (n, n)) * (rng.random((n, n)) < 0.65)
   np.fill_diagonal(count, 0)
-  k = int(rng.integers(1, n))
-  count[np.arange(n), (np.arange(n) + k) % n] = 0
   return count
 
 
@@ -40,8 +35,7 @@ def _device_exchange(count_NxN):
 
 
 @pytest.mark.parametrize("n", [4, 8, 16])
-@pytest.mark.parametrize("mode", CPU_TRANSPORTS)
-def test_transport_moves_the_counted_rows(n, mode):
+def test_tiled_transport_moves_the_counted_rows(n):
   """Device d's rows for s, at [send_off[d, s], + count) of its send buffer, land in s's receive
   buffer grouped by source in order of d; every other row is zero; the rows past the counts in
   the send buffers (random here) never travel; the reversed exchange brings each row back to the
@@ -53,18 +47,14 @@ def test_transport_moves_the_counted_rows(n, mode):
   S = int(count.sum(1).max()) + 3  # send buffers with padding rows past the counts
   R = int(count.sum(0).max()) + 2
   send_NxSxE = rng.standard_normal((n, S, 2, 3)).astype(np.float32)
-  # The tiled block one row past the largest pair (a padded block); each shift exactly its largest.
-  block = int(count.max()) + 1 if mode == "tiled" else 0
-  shifts = (tuple(int(count[np.arange(n), (np.arange(n) + k) % n].max()) for k in range(1, n))
-            if mode == "shifted" else ())
-  assert mode != "shifted" or 0 in shifts
+  block = int(count.max()) + 1  # one row past the largest pair: a padded block
   arrays = _device_exchange(count)
   mesh = mesh_lib.make_mesh(small_config(f"mesh.data={n}").mesh, jax.devices()[:n])
 
   def local(x, arrays):
-    ex = Exchange(**{k: v[0] for k, v in arrays.items()}, block=block, shifts=shifts)
-    got = transport(x[0], R, ex, mode)
-    return got[None], transport(got, S, ex.reversed(), mode)[None]
+    ex = Exchange(**{k: v[0] for k, v in arrays.items()}, block=block)
+    got = transport(x[0], R, ex, TILED)
+    return got[None], transport(got, S, ex.reversed(), TILED)[None]
 
   spec = P(ROW_AXES)
   run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
@@ -131,18 +121,16 @@ def dense_reference_loss(p: dict, shape, batch, eps: float = 1e-5):
   return -jnp.sum(picked * mask) / jnp.maximum(mask.sum(), 1.0)
 
 
-# Each memory mode with each transport, each with and without tensor parallelism; 16 devices
-# once per transport. Small: one layer, the reference kernel, 128-256 tokens per device.
+# Each memory mode with and without tensor parallelism, 2 to 16 devices. Small: one layer, the
+# reference kernel, 128-256 tokens per device. (The GPU's ragged transport: tests/test_dispatch.py.)
 EQUIVALENCE_CASES = [
     # data ranks, tensor, memory mode, transport, tokens per device
     (2, 1, "keep", "tiled", 128),
-    (2, 2, "resend", "shifted", 256),
+    (2, 2, "resend", "tiled", 256),
     (4, 1, "resend", "tiled", 256),
-    (4, 2, "keep", "shifted", 128),
-    (8, 1, "keep", "shifted", 128),
+    (4, 2, "keep", "tiled", 128),
     (8, 2, "resend", "tiled", 128),
     (16, 1, "keep", "tiled", 128),
-    (16, 1, "resend", "shifted", 128),
 ]
 
 
@@ -160,7 +148,6 @@ def test_cad_matches_a_single_device_run(data, tensor, mode, exchange, T):
   loss, grads, params, shape, ctx = run_step(cfg, batch, data * tensor)
   (d,) = ctx.dispatch
   assert d.recv_q > 0 and d.recv_kv > 0  # queries and K/V rows travel
-  assert (d.shift_q != ()) == (exchange == "shifted")
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(
       lambda p: dense_reference_loss(p, shape, batch)))(params)
   assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))

@@ -3,6 +3,7 @@ charges (padded blocks, bytes across nodes), its decisions on plans, and its fit
 (`launch/fit_gate.py`, `launch/tools/gate_report.py`) against the recorded measurements."""
 
 import dataclasses
+import json
 import sys
 
 import jax
@@ -17,6 +18,7 @@ from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.dispatch import host
 from distca_jax.schedule.capacities import Capacities, largest
+from distca_jax.schedule.transport import RAGGED, TILED
 from distca_jax.train import metrics
 from helpers import launch_script, layout_batch, small_config
 
@@ -45,7 +47,7 @@ def test_predicted_gain():
   assert 0 < gains[0] < gains[1] < gains[2] < 1 - 1 / N, gains
 
 
-def test_gate_on_the_plan(monkeypatch):
+def test_gate_on_the_plan(monkeypatch, tmp_path):
   """The gate decides from the step's own plans: `attention.min_gain` just above their predicted
   saving runs colocated attention, just below it CAD with those plans; a plan that moves nothing
   is predicted to cost the exchange's fixed part; a batch that cannot reach `min_gain` even
@@ -79,9 +81,13 @@ def test_gate_on_the_plan(monkeypatch):
   step = linear + 3.5 * gate_lib.gate_attention_cost(a) * 4.0 * shape.head_dim * shape.heads * \
       shape.layers * area
   assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, a) == pytest.approx(
-      -a.gate_exchange_fixed * linear / step)
-  # The cost model is the config's: a free exchange leaves exactly the (here zero) balance gain.
-  free = dataclasses.replace(a, gate_exchange_fixed=0.0, gate_exchange_flops_per_byte=0.0)
+      -gate_lib.costs(a).exchange_fixed * linear / step)
+  # The cost model is the config's profile: a free exchange leaves exactly the (here zero)
+  # balance gain.
+  profile = tmp_path / "free.json"
+  profile.write_text(json.dumps({**gate_lib.read_profile(), "exchange_fixed": 0.0,
+                                 "exchange_flops_per_byte": 0.0}))
+  free = dataclasses.replace(a, gate_profile=str(profile))
   assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, free) == 0.0
 
   def no_dispatch(*a, **k):
@@ -165,9 +171,9 @@ def test_gate_decides_alike_on_every_process(dist):
                 == (min_gain > want))
 
 
-def test_gate_constants_are_the_fit_of_the_recorded_measurements():
-  """The gate's default cost model (attention.gate_*) is what launch/fit_gate.py fits to the step times it records
-  (4 x H100, docs/PERFORMANCE.md "The step gate"): a change to the planner, the traffic model or
+def test_gate_constants_are_the_fit_of_the_recorded_measurements(tmp_path):
+  """The gate's shipped cost profile (distca_jax/gate_fit.json) is what launch/fit_gate.py fits to the step times it records
+  (4 x H100, docs/PERFORMANCE.md, "Gated runs"): a change to the planner, the traffic model or
   the data that moves the fit leaves them stale, and this says so. And the shipped gate takes
   CAD's side on every measured batch that gained more than 2%, colocated's on every one that lost
   more than 2% (the batches were measured with the ping-pong split before it stopped cutting
@@ -179,14 +185,17 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements():
   fitted = fit_gate.fit(verbose=False)
   shipped = AttentionConfig()
   assert shipped.gate_attention_cost is None  # per kernel: the fit's kernel's, and scaled ones
-  assert fitted["gate_attention_cost"] == pytest.approx(
+  assert fitted["attention_cost"] == pytest.approx(
       gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL], rel=0.02)
   assert set(gate_lib.GATE_ATTENTION_COST) == {gate_lib.GATE_FIT_KERNEL, *fit_gate.KERNEL_COST_RATIO}
   for kernel, ratio in fit_gate.KERNEL_COST_RATIO.items():
     assert gate_lib.GATE_ATTENTION_COST[kernel] == pytest.approx(
         gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL] * ratio, rel=2e-3), kernel
-  for name in ("gate_exchange_fixed", "gate_exchange_flops_per_byte"):
-    assert fitted[name] == pytest.approx(getattr(shipped, name), rel=0.02), name
+  for name in ("exchange_fixed", "exchange_flops_per_byte"):
+    assert fitted[name] == pytest.approx(gate_lib.read_profile()[name], rel=0.02), name
+  written = fit_gate.write_profile(tmp_path / "profile.json", fitted)  # what a run then loads
+  loaded = gate_lib.costs(dataclasses.replace(shipped, gate_profile=str(tmp_path / "profile.json")))
+  assert written["exchange_fixed"] == loaded.exchange_fixed == fitted["exchange_fixed"]
   assert len(fitted["batches"]) == 14
   for name, (measured, predicted) in fitted["batches"].items():
     if abs(measured) > 0.02:
@@ -255,7 +264,7 @@ def test_fit_gate_reads_bench_json(tmp_path):
   fitted = fit_gate.fit(verbose=False, extra=got)
   assert len(fitted["batches"]) == 14  # the same two batches again: same names, same fit
   # Two points counted twice move the small exchange terms; the step-time fit barely.
-  assert fitted["gate_attention_cost"] == pytest.approx(
+  assert fitted["attention_cost"] == pytest.approx(
       gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL], rel=0.02)
 
 
@@ -353,26 +362,25 @@ def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):
 
 
 def test_gate_charges_bytes_between_nodes_more():
-  """With data ranks on two nodes (`attention.gate_nodes`) a device's exchange takes as long as
+  """With data ranks on two nodes (`attention.data_rank_nodes`) a device's exchange takes as long as
   its busier link: its bytes within the node, or its bytes across nodes counted at
-  `gate_network_byte_cost` NVLink bytes each (the tiled exchange's blocks by their pair, the
-  shifted one's by each shift's partner, the ragged one's moved bytes by the share of the
+  the cost profile's `network_byte_cost` NVLink bytes each (the tiled exchange's blocks by their pair, the
+  ragged one's moved bytes by the share of the
   device's peers on the other node); so the gate predicts less saving. One node prices as
   before."""
   from distca_jax.models.presets import resolve
 
   cfg = small_config("mesh.data=4", "data.tokens_per_device=2048", "data.distribution=prolong",
-                     "attention.impl=distca", "attention.exchange=shifted")
+                     "attention.impl=distca")
   shape = resolve(cfg.model)
   batch = synthetic_from_config(cfg.data, 512, 4).batch(2)
   ctx = attn.host_context(cfg.attention, batch, shape)
   plans, comm = ctx.plans, gate_lib.comm_model(shape, cfg.attention)
   caps = largest(*(p.capacities for p in plans))  # every exchange's sizes (the step keeps its own)
   P = len(plans)
-  one_node = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 0, 0))
-  two = dataclasses.replace(cfg.attention, gate_nodes=(0, 0, 1, 1), gate_network_byte_cost=4.0)
-  node = lambda i: i // 2
-  for exchange in ("tiled", "shifted", "ragged"):
+  one_node = dataclasses.replace(cfg.attention, data_rank_nodes=(0, 0, 0, 0))
+  two = dataclasses.replace(cfg.attention, data_rank_nodes=(0, 0, 1, 1))  # the shipped 4.0
+  for exchange in ("tiled", "ragged"):
     unset, one, split = (gate_lib.exchange_bytes(dataclasses.replace(a, exchange=exchange), shape,
                                                  plans, caps)
                          for a in (cfg.attention, one_node, two))
@@ -381,48 +389,44 @@ def test_gate_charges_bytes_between_nodes_more():
       block = caps.c * comm.q_row_bytes + caps.ckv * comm.kv_row_bytes
       np.testing.assert_allclose(unset, 2 * 3 * block * P)
       np.testing.assert_allclose(split, max(2 * 1, 4 * 2 * 2) * block * P)
-    elif exchange == "shifted":  # shift k: d sends b_k to d + k and receives b_k from d - k
-      b = [q * comm.q_row_bytes + kv * comm.kv_row_bytes
-           for q, kv in zip(caps.shift_q, caps.shift_kv)]
-      assert len(b) == 3
-      for d in range(4):
-        links = {True: 0.0, False: 0.0}  # within, across
-        for k in (1, 2, 3):
-          links[node(d) == node((d + k) % 4)] += b[k - 1] * P
-          links[node(d) == node((d - k) % 4)] += b[k - 1] * P
-        assert split[d] == pytest.approx(max(links[True], 4 * links[False]))
-        assert unset[d] == pytest.approx(links[True] + links[False])
     else:  # 1 of 3 peers within the node
       np.testing.assert_allclose(split, np.maximum(unset / 3, 4 * unset * 2 / 3))
     assert (split >= unset).all() and (split > unset).any()
     saving = lambda a, x: gate_lib.predicted_cad_saving(shape, batch.layout, plans, a, x)
     assert saving(two, split) < saving(one_node, one)
   with pytest.raises(ValueError, match="2 node numbers for 4 data ranks"):
-    gate_lib.same_node(dataclasses.replace(cfg.attention, gate_nodes=(0, 1)), 4)
+    gate_lib.exchange_bytes(dataclasses.replace(cfg.attention, data_rank_nodes=(0, 1)), shape, plans,
+                            caps)
 
 
 def test_trainer_records_the_nodes_of_its_data_ranks():
-  """One process is one node; a config's own node map is kept, and must cover the data ranks."""
-  from distca_jax.train.step import with_gate_nodes
+  """One process is one node; `mesh.devices_per_node` groups consecutive devices; a config's own
+  node map is kept, and must cover the data ranks."""
+  from distca_jax.train.step import with_nodes
 
   cfg = small_config("mesh.data=4", "attention.impl=distca")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])
-  assert with_gate_nodes(cfg, mesh).attention.gate_nodes == (0, 0, 0, 0)
-  mine = small_config("mesh.data=4", "attention.gate_nodes=[0,0,1,1]")
-  assert with_gate_nodes(mine, mesh).attention.gate_nodes == (0, 0, 1, 1)
-  with pytest.raises(ConfigError, match="attention.gate_nodes: one node number per data rank"):
-    with_gate_nodes(small_config("attention.gate_nodes=[0,1]"), mesh)
+  assert with_nodes(cfg, mesh).attention.data_rank_nodes == (0, 0, 0, 0)
+  mine = small_config("mesh.data=4", "attention.data_rank_nodes=[0,0,1,1]")
+  assert with_nodes(mine, mesh).attention.data_rank_nodes == (0, 0, 1, 1)
+  per_node = small_config("mesh.data=4", "mesh.devices_per_node=2")
+  assert with_nodes(per_node, mesh).attention.data_rank_nodes == (0, 0, 1, 1)
+  wide = small_config("mesh.data=2", "mesh.tensor=2", "mesh.devices_per_node=2")  # a rank a node
+  mesh_2x2 = mesh_lib.make_mesh(wide.mesh, jax.devices()[:4])
+  assert with_nodes(wide, mesh_2x2).attention.data_rank_nodes == (0, 1)
+  with pytest.raises(ConfigError, match="attention.data_rank_nodes: one node number per data rank"):
+    with_nodes(small_config("attention.data_rank_nodes=[0,1]"), mesh)
   # Host names by process: ranks numbered by the first rank on each host.
   assert mesh_lib.nodes_of([0, 0, 1, 1, 2, 3], ["b", "b", "a", "a"]) == (0, 0, 0, 0, 1, 1)
   # The run's log names the nodes when there are several, and whether K/V is relayed.
-  assert gate_lib.describe_gate_nodes(with_gate_nodes(cfg, mesh).attention) == ""
-  two = dataclasses.replace(mine.attention, gate_nodes=(0, 1, 1, 1), gate_network_byte_cost=2.5)
-  assert gate_lib.describe_gate_nodes(two) == (
-      "; 2 nodes (1, 3 data ranks), a byte between them 2.5 NVLink bytes; K/V relay off "
-      "(kv_relay_fanout=auto)")  # the default exchange, tiled
-  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, exchange="shifted")).endswith(
-      "; K/V relay fanout 8 (kv_relay_fanout=auto)")
-  assert gate_lib.describe_gate_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
+  assert gate_lib.describe_nodes(with_nodes(cfg, mesh).attention) == ""
+  two = dataclasses.replace(mine.attention, data_rank_nodes=(0, 1, 1, 1))
+  assert gate_lib.describe_nodes(two) == (  # exchange=auto: ragged across nodes
+      "; 2 nodes (1, 3 data ranks), a byte between them 4 NVLink bytes; K/V relay fanout 8 "
+      "(kv_relay_fanout=auto)")
+  assert gate_lib.describe_nodes(dataclasses.replace(two, exchange="tiled")).endswith(
+      "; K/V relay off (kv_relay_fanout=auto)")
+  assert gate_lib.describe_nodes(dataclasses.replace(two, kv_relay_fanout=4)).endswith(
       "; K/V relay fanout 4")
 
 
@@ -441,9 +445,9 @@ def test_fit_gate_expect_plans_as_the_trainer(capsys):
     assert speedup <= own_speedup + 1e-9  # padding to the run's capacities never helps
   # The same steps on 4 devices, as one node and as two of 2: bytes across nodes cost more, so
   # with each step's own buckets (no capacities carried between steps) the gate gives CAD no
-  # more steps and predicts no more than on one node.
+  # more steps and predicts no more than on one node (the same transport on both).
   def table(**kw):
-    launch_script("fit_gate").expect(4, devices=(4,), **kw)
+    launch_script("fit_gate").expect(4, devices=(4,), overrides=("attention.exchange=tiled",), **kw)
     rows = [l.split("|")[1:-1] for l in capsys.readouterr().out.splitlines() if l.startswith("| 4 |")]
     return {r[1].strip(): tuple(float(x) for x in r[4].split(",")) for r in rows}
 
@@ -500,7 +504,7 @@ def test_fit_gate_reads_train_logs(tmp_path, monkeypatch):
 
 
 def test_exchange_padding_report(capsys):
-  """launch/exchange_padding.py: the tiled exchange sends at least what one block size for all
+  """launch/tools/exchange_padding.py: the tiled exchange sends at least what one block size for all
   pairs needs, which is at least what per-shift blocks need, which is at least what moves."""
   assert launch_script("tools/exchange_padding").main(["--steps", "2"]) == 0
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| all |")]
@@ -511,37 +515,34 @@ def test_exchange_padding_report(capsys):
 def test_the_log_says_when_the_tiled_exchange_will_keep_steps_colocated():
   cfg = small_config("attention.impl=distca")
   tiled = cfg.attention
-  shifted = dataclasses.replace(tiled, exchange="shifted")
+  ragged = dataclasses.replace(tiled, exchange="ragged")
   assert gate_lib.describe_exchange(tiled, 8) == ""  # one node's data ranks
-  assert gate_lib.describe_exchange(shifted, 64) == ""
+  assert gate_lib.describe_exchange(ragged, 64) == ""
   note = gate_lib.describe_exchange(tiled, 64)
-  assert note.startswith("attention.exchange=tiled on 64 data ranks") and "shifted" in note
+  assert note.startswith("attention.exchange=tiled on 64 data ranks") and "ragged" in note
 
 
 def test_step_logs_name_each_transports_capacities(tmp_path):
   """A CAD step's log line carries its exchange's capacities in that transport's terms (tiled
-  blocks, shifted rows over all shifts, ragged send buffers; the relayed round's only while the
+  blocks, ragged send buffers; the relayed round's only while the
   run has one); gate_report reads each as the step's shape, and fit_gate --logs, whose exchange
   cost is the tiled one's, refuses another transport's log rather than fit it at zero bytes."""
-  caps = Capacities(send_q=4096, send_kv=2048, send_kv2=512, c=1024, ckv=768, ckv2=256,
-                    shift_q=(128, 0, 256), shift_kv=(64, 64, 0), shift_kv2=(0, 32, 0))
-  assert metrics.exchange_rows(caps, "tiled") == {
+  caps = Capacities(send_q=4096, send_kv=2048, send_kv2=512, c=1024, ckv=768, ckv2=256)
+  assert TILED.log_rows(caps) == {
       "exchange_q_rows": 1024, "exchange_kv_rows": 768, "exchange_kv2_rows": 256}
-  assert metrics.exchange_rows(caps, "shifted") == {
-      "exchange_shift_q_rows": 384, "exchange_shift_kv_rows": 128, "exchange_shift_kv2_rows": 32}
-  assert metrics.exchange_rows(caps, "ragged") == {
+  assert RAGGED.log_rows(caps) == {
       "exchange_send_q_rows": 4096, "exchange_send_kv_rows": 2048, "exchange_send_kv2_rows": 512}
-  assert metrics.exchange_rows(dataclasses.replace(caps, ckv2=0), "tiled") == {
+  assert TILED.log_rows(dataclasses.replace(caps, ckv2=0)) == {
       "exchange_q_rows": 1024, "exchange_kv_rows": 768}
   report = launch_script("tools/gate_report")
   fields = lambda d: {k: float(v) for k, v in d.items()}
-  assert report.exchange_shape({**fields(metrics.exchange_rows(caps, "shifted")),
-                                "nano_batches": 2.0}) == (384, 128, 32, 2)
-  assert report.exchange_shape(fields(metrics.exchange_rows(caps, "ragged"))) == (4096, 2048, 512, 0)
+  assert report.exchange_shape({**fields(RAGGED.log_rows(caps)),
+                                "nano_batches": 2.0}) == (4096, 2048, 512, 2)
+  assert report.exchange_shape(fields(TILED.log_rows(caps))) == (1024, 768, 256, 0)
   line = lambda n, extra="": f"step {n}: loss=1 step_s=2 compile_count=1{extra}"
   (tmp_path / "c.log").write_text("\n".join([line(1), line(2)]))
-  shifted = " cad=1 " + " ".join(f"{k}={v}" for k, v in metrics.exchange_rows(caps, "shifted").items())
-  (tmp_path / "d.log").write_text("\n".join([line(1, shifted), line(2, shifted)]))
+  ragged = " cad=1 " + " ".join(f"{k}={v}" for k, v in RAGGED.log_rows(caps).items())
+  (tmp_path / "d.log").write_text("\n".join([line(1, ragged), line(2, ragged)]))
   fit_gate = launch_script("fit_gate")
   with pytest.raises(SystemExit, match="attention.exchange=tiled"):
     fit_gate.from_train_logs(tmp_path / "c.log", tmp_path / "d.log", 2, fit_gate.SETUP)

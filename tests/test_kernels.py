@@ -1,7 +1,7 @@
 """Kernels against an independent float64 NumPy oracle: forward (O, LSE) and dQ, dK, dV.
 
 Every backend available on the machine runs: `reference` and `pallas` (interpret mode) on CPU;
-`triton` and `cudnn` need a GPU and are skipped on CPU with the reason. Tolerances: relative error
+`triton` and `mosaic` need a GPU and are skipped on CPU with the reason. Tolerances: relative error
 (max abs error / max abs value) < 1e-5 in float32, < 1e-2 in bfloat16 (GPU). Shapes are small
 because Pallas interpret mode is slow on CPU.
 """
@@ -37,8 +37,6 @@ def _backends():
       not (ON_GPU and _have_jax_triton()), reason="triton backend needs a GPU and jax-triton")))
   out.append(pytest.param("mosaic", marks=pytest.mark.skipif(
       not ON_GPU, reason="mosaic backend needs a Hopper GPU")))
-  out.append(pytest.param("cudnn", marks=pytest.mark.skipif(
-      not ON_GPU, reason="cudnn backend needs a GPU")))
   return out
 
 
@@ -260,34 +258,6 @@ def test_pallas_fused_backward_float32():
     assert _rel(g, w) < 1e-5, f"fused {name}: rel err {_rel(g, w):.2e}"
 
 
-def test_pallas_backward_from_stats_float32():
-  """The backward fed another forward's O and LSE (what the cudnn backend does) against the
-  oracle, with a non-zero LSE cotangent."""
-  if ON_GPU:
-    pytest.skip("float32 accuracy is specified on CPU")
-  from distca_jax.kernels import pallas, reference
-  tasks, T, S, H, K, D = case_mixed()
-  q, k, v, do, dlse = _inputs(T, S, H, K, D, jnp.float32)
-  o, lse = reference.attention(q, k, v, tasks)
-  dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
-  got = pallas.backward_from_stats(q, k, v, tasks, o, lse, do, dlse, D ** -0.5)
-  want = oracle(q, k, v, tasks, do, dlse)[2:]
-  for name, g, w in zip(("dq", "dk", "dv"), got, want):
-    assert _rel(g, w) < 1e-5, f"{name}: rel err {_rel(g, w):.2e}"
-
-
-_BWD_VARIANTS = {
-    "default": {},
-    "untransposed": dict(bwd_transposed=False),  # Triton's dK/dV step as S = Q K^T
-    "fused": dict(fused_bwd=True, bwd_transposed=False),
-    "dkv32x128": dict(block_q_dkv=32, block_k_dkv=128),
-}
-
-
-@pytest.mark.skipif(not ON_GPU, reason="GPU kernels")
-@pytest.mark.parametrize("backend", ["pallas", "triton"])
-@pytest.mark.parametrize("variant", list(_BWD_VARIANTS))
-@pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes])
 def test_bfloat16_backward_variants(backend, variant, case):
   """The backward variants of the GPU kernels (two kernels, Triton's dK/dV transposed or not;
   fused with atomic dQ; other dK/dV tiles), bf16."""
@@ -645,11 +615,11 @@ def test_auto_backend_on_cpu():
   with pytest.raises(ValueError):
     kernels.resolve_backend("nope")
   with pytest.raises(ValueError, match="needs a GPU"):
-    kernels.resolve_backend("cudnn")
+    kernels.resolve_backend("triton")
   tasks = make_task_table([0], [4], [0], [4], capacity=1)
   q = jnp.zeros((4, 2, 8), jnp.float32)
   with pytest.raises(ValueError, match="needs a GPU"):
-    kernels.attention(q, q[:, :1], q[:, :1], tasks, backend="cudnn")
+    kernels.attention(q, q[:, :1], q[:, :1], tasks, backend="mosaic")
 
 
 @pytest.mark.parametrize("triton_installed", [True, False])
@@ -663,13 +633,11 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
   # mosaic leads at head dims 64 and 128 whether jax-triton is installed or not (it needs none).
   assert r("auto", 128, jnp.bfloat16) == "mosaic"
   assert r("auto", 64, jnp.bfloat16) == "mosaic"
-  assert r("auto", 96, jnp.bfloat16) == "cudnn"  # Triton and Pallas tiles need powers of two
+  assert r("auto", 96, jnp.bfloat16) == "reference"  # Triton and Pallas tiles need powers of two
   assert r("auto", 128, jnp.float32) == ("triton" if triton_installed else "pallas")
   assert r("auto", 96, jnp.float32) == "reference"  # nothing fast runs it: the oracle, warned
   with pytest.raises(ValueError, match="power-of-two"):
     r("pallas", 96, jnp.bfloat16)
-  with pytest.raises(ValueError, match="bf16 or fp16"):
-    r("cudnn", 128, jnp.float32)
   with pytest.raises(ValueError, match="head dim 64 or 128"):
     r("mosaic", 256, jnp.bfloat16)
   with pytest.raises(ValueError, match="jax-triton" if not triton_installed else "power-of-two"):
@@ -678,139 +646,16 @@ def test_auto_backend_per_shape_on_gpu(monkeypatch, triton_installed):
   assert r("auto", 96, jnp.bfloat16) == "reference"
   assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "pallas")
   with pytest.raises(ValueError, match="Hopper"):
-    r("cudnn", 128, jnp.bfloat16)
-  with pytest.raises(ValueError, match="Hopper"):
     r("mosaic", 128, jnp.bfloat16)
   # A JAX whose Mosaic GPU does not import: auto passes over mosaic, a named one says why.
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (9, 0))
   monkeypatch.setattr(kernels, "installed", lambda b: b not in ("triton", "mosaic"))
-  assert r("auto", 128, jnp.bfloat16) == "cudnn"
+  assert r("auto", 128, jnp.bfloat16) == "pallas"
   with pytest.raises(ValueError, match="Mosaic GPU"):
     r("mosaic", 128, jnp.bfloat16)
   monkeypatch.setattr(kernels, "installed", lambda b: b != "triton" or triton_installed)
-  # Blackwell: no wgmma, so no mosaic; the cuDNN forward runs there.
+  # Blackwell: no wgmma, so no mosaic.
   monkeypatch.setattr(kernels, "_compute_capability", lambda: (10, 0))
-  assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "cudnn")
+  assert r("auto", 128, jnp.bfloat16) == ("triton" if triton_installed else "pallas")
   with pytest.raises(ValueError, match="Hopper GPU.*compute capability 10.0"):
     r("mosaic", 128, jnp.bfloat16)
-
-
-# ------------------------------------------------------------------- cuDNN backward, decomposed
-
-
-def test_interval_colors():
-  """Live intervals of one colour never overlap, dead ones get -1, and the colour count is the
-  deepest overlap (greedy colouring by start is optimal for intervals)."""
-  from distca_jax.kernels.cudnn import interval_colors
-  rng = np.random.default_rng(0)
-  colour = jax.jit(interval_colors)
-  C = 12
-  for _ in range(40):
-    start = rng.integers(0, 40, C).astype(np.int32)
-    length = rng.integers(0, 15, C).astype(np.int32)
-    live = (rng.random(C) > 0.2) & (length > 0)
-    colors, n = (np.asarray(a) for a in colour(start, length, live))
-    assert (colors[~live] == -1).all() and (colors[live] >= 0).all()
-    for a in np.flatnonzero(live):
-      for b in np.flatnonzero(live):
-        if a < b and colors[a] == colors[b]:
-          assert start[a] + length[a] <= start[b] or start[b] + length[b] <= start[a]
-    depth = max([int(((start <= x) & (x < start + length) & live).sum()) for x in range(60)],
-                default=0)
-    assert int(n) == depth
-
-
-class _EmulatedCudnnBackward:
-  """cuDNN's packed-layout backward as JAX calls it, in jnp on the CPU, with the two traits the
-  cudnn backend must work around: dQ/dK/dV are *written* per segment (a later segment over the
-  same key rows overwrites an earlier one's dK/dV) and rows of no segment hold garbage (NaN)."""
-
-  @staticmethod
-  def bind(q, k, v, bias, qsl, kvsl, qo, ko, pk, pv, stats_MxHxT, o, do, *, scale, mask_type,
-           **_):
-    from distca_jax.kernels import cudnn
-    q, k, v, o, do = (x[0].astype(jnp.float32) for x in (q, k, v, o, do))
-    T, H, D = q.shape
-    S, K, _ = k.shape
-    G = H // K
-    qsl, kvsl, qo, ko = qsl[0], kvsl[0], qo[0, :-1], ko[0, :-1]
-    valid = qsl >= 0
-    rank = jnp.cumsum(valid) - 1
-    rows, cols = jnp.arange(T), jnp.arange(S)
-    qg, dog = q.reshape(T, K, G, D), do.reshape(T, K, G, D)
-    delta = jnp.sum(do * o, -1).reshape(T, K, G).transpose(1, 2, 0)[..., None]
-    dq, dk, dv = (jnp.full(x.shape, jnp.nan, jnp.float32) for x in (q, k, v))
-    for m in range(qsl.shape[0]):
-      in_q = valid[m] & (rows >= qo[m]) & (rows < qo[m] + qsl[m])
-      in_k = valid[m] & (cols >= ko[m]) & (cols < ko[m] + kvsl[m])
-      mask = in_q[:, None] & in_k[None, :]
-      if mask_type == cudnn._fa().MaskType.PADDING_CAUSAL:
-        mask &= (cols[None, :] - ko[m]) <= (rows[:, None] - qo[m])
-      lse = stats_MxHxT[jnp.clip(rank[m], 0), :, jnp.clip(rows - qo[m], 0, T - 1)]  # [T, H]
-      lse = lse.reshape(T, K, G).transpose(1, 2, 0)[..., None]
-      s = jnp.einsum("tkgd,skd->kgts", qg, k) * scale
-      p = jnp.where(mask, jnp.exp(s - jnp.where(mask, lse, 0)), 0)
-      ds = p * (jnp.einsum("tkgd,skd->kgts", dog, v) - delta)
-      dq = jnp.where(in_q[:, None, None], scale * jnp.einsum("kgts,skd->tkgd", ds, k
-                                                             ).reshape(T, H, D), dq)
-      dk = jnp.where(in_k[:, None, None], scale * jnp.einsum("kgts,tkgd->skd", ds, qg), dk)
-      dv = jnp.where(in_k[:, None, None], jnp.einsum("kgts,tkgd->skd", p, dog), dv)
-    return dq[None], dk[None], dv[None]
-
-
-def case_deep():
-  """One document in four shards over one prefix (three overlapping part-A key ranges), a second
-  document whole, tasks out of document order."""
-  docs = [50, 20]
-  shards = [(0, 0, 8), (0, 8, 20), (0, 20, 33), (0, 33, 50), (1, 0, 20)]
-  tasks, T, S = _layout(docs, shards, gaps=[2, 0, 1], capacity=7, order=[3, 4, 1, 0, 2])
-  return tasks, T, S, 4, 2, 8
-
-
-@pytest.mark.parametrize("case", ["mixed", "deep", "random3"])
-def test_cudnn_backward_decomposition_emulated(case, monkeypatch):
-  """The cudnn backend's backward (per part, per colour of overlapping key ranges, merged
-  statistics) against the oracle, with cuDNN's backward call emulated on the CPU: shards sharing
-  a prefix would overwrite each other's dK/dV without the colouring, and unmasked garbage rows
-  would leak NaN."""
-  if ON_GPU:
-    pytest.skip("float32 accuracy is specified on CPU; GPU dots default to TF32")
-  from types import SimpleNamespace
-  from distca_jax.kernels import cudnn, reference
-  real = cudnn._fa()
-  fake = SimpleNamespace(MaskType=real.MaskType, AttentionLayout=real.AttentionLayout,
-                         _dot_product_attention_bwd_p_wrapper=_EmulatedCudnnBackward)
-  monkeypatch.setattr(cudnn, "_fa", lambda: fake)
-  make = {"deep": case_deep, "random3": lambda: case_random(3)}.get(case) or CASES[case]
-  tasks, T, S, H, K, D = make()
-  q, k, v, do, _ = _inputs(T, S, H, K, D, jnp.float32)
-  o, lse = reference.attention(q, k, v, tasks)
-  got = jax.jit(cudnn._cudnn_backward, static_argnums=7)(
-      q, k, v, kernels.TaskTable(*(jnp.asarray(a) for a in tasks)), o, lse, do, D ** -0.5)
-  want = oracle(q, k, v, tasks, do, np.zeros((T, H)))[2:]
-  if case == "deep":
-    colors = [int(cudnn.interval_colors(*cudnn._part_keys(tasks, p))[1]) for p in "AB"]
-    assert colors == [3, 1], colors
-  for name, g, w in zip(("dq", "dk", "dv"), got, want):
-    assert not np.isnan(np.asarray(g)).any(), name
-    assert _rel(g, w) < 1e-5, f"{case} {name}: rel err {_rel(g, w):.2e}"
-
-
-@pytest.mark.skipif(not ON_GPU, reason="cuDNN")
-@pytest.mark.parametrize("backward", ["cudnn", "pallas", "triton", "mosaic"])
-@pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes, case_deep])
-def test_cudnn_backward_bfloat16(case, backward):
-  """The cudnn backend's backward choices on the GPU, bf16, with a zero LSE cotangent (cuDNN's own
-  per part and colour; a non-zero cotangent takes ours, covered by test_bfloat16)."""
-  if backward == "triton" and not _have_jax_triton():
-    pytest.skip("jax-triton missing")
-  from distca_jax.kernels import cudnn
-  tasks, T, S, H, K, _ = case()
-  q, k, v, do, _ = _inputs(T, S, H, K, 128, jnp.bfloat16)
-  f = jax.jit(lambda q, k, v: jax.vjp(
-      lambda q, k, v: cudnn.attention(q, k, v, tasks, backward=backward)[0], q, k, v)[1](do))
-  got = f(q, k, v)
-  want = oracle(q, k, v, tasks, do, np.zeros((T, H)))[2:]
-  for name, g, w in zip(("dq", "dk", "dv"), got, want):
-    assert not np.isnan(np.asarray(g, np.float32)).any(), name
-    assert _rel(g, w) < 1e-2, f"{backward} {name}: rel err {_rel(g, w):.2e}"

@@ -173,7 +173,7 @@ def _grad_of_policy(remat, layers=1):
 def test_remat_policies_same_gradients_and_what_they_recompute():
   """Every policy gives the gradients of no remat. The matmuls the backward recomputes: none
   under save_proj (core attention and the projections kept), the MLP's gate and up under
-  save_attn, attention's own under save_dots, all of them under full."""
+  save_attn, all of them under full."""
   from distca_jax.models.llama import AUTO_ORDER, REMAT_POLICIES
 
   assert set(AUTO_ORDER) <= set(REMAT_POLICIES) and AUTO_ORDER[0] == "none" and AUTO_ORDER[-1] == "full"
@@ -184,7 +184,6 @@ def test_remat_policies_same_gradients_and_what_they_recompute():
   for remat, g in grads.items():
     assert tree_rel_err(g, grads["none"]) < 1e-6, remat
   assert dots["none"] == dots["save_proj"] < dots["save_attn"] < dots["full"]
-  assert dots["save_proj"] < dots["save_dots"] < dots["full"]
 
 
 def test_remat_auto_takes_the_first_policy_that_fits(monkeypatch):

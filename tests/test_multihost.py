@@ -121,7 +121,7 @@ def test_two_processes_match_one_process(tmp_path, impl, request):
   # Both processes run on this host: the gate's node map (host names gathered from every
   # process) is one node.
   config = json.loads((out / "config.json").read_text())
-  assert config["attention"]["gate_nodes"] == [0] * data
+  assert config["attention"]["data_rank_nodes"] == [0] * data
   # Process 1 ran the same steps but wrote no files and printed no per-step lines.
   log1 = (base / "two_logs" / "process_1.log").read_text()
   assert "step 1:" not in log1 and "loss " in log1

@@ -159,8 +159,6 @@ def test_pipeline_trains_end_to_end(tmp_path):
     (["mesh.pipe=2", "attention.pingpong=false", "model.remat=none"], "model.remat"),
     (["mesh.pipe=3", "model.layers=3", "attention.pingpong=false", "data.tokens_per_device=128"],
      "multiple of mesh.pipe"),
-    (["mesh.pipe=2", "attention.pingpong=false", "attention.exchange=shifted",
-      "model.remat=full"], "exchange=shifted"),
 ])
 def test_pipeline_config_errors(overrides, match):
   with pytest.raises(ConfigError, match=match):

@@ -452,18 +452,19 @@ def test_simulator_tiled_exchange_costs_more_than_ragged():
 
 
 @pytest.mark.parametrize("fanout", [0, 16])
-def test_exchanges_bytes_ordered_ragged_shifted_tiled(lens, fanout):
+def test_exchanges_bytes_ordered_ragged_tiled(lens, fanout):
   """On a sampled batch, per (device, server) pair and round: ragged carries the rows that move
-  (the planner's `traffic`), shifted pads each pair to its shift's capacity, tiled to the
-  largest pair's, so ragged <= shifted <= tiled pair by pair, and strictly in total."""
+  (the planner's `traffic`), tiled pads every pair to the largest pair's, so ragged <= tiled
+  pair by pair, and strictly in total."""
   from distca_jax.schedule.traffic import traffic
   from distca_jax.schedule.relay import Relay
+  from distca_jax.schedule.transport import named
   from distca_jax.sim.transport import exchange_rounds
 
   layout = pack(lens, N, T)
   tasks, _ = balance(layout, COMM, 0.05)
   relay = Relay(fanout) if fanout else None
-  by = {ex: exchange_rounds(tasks, layout, COMM, ex, relay) for ex in ("ragged", "shifted", "tiled")}
+  by = {ex: exchange_rounds(tasks, layout, COMM, named(ex), relay) for ex in ("ragged", "tiled")}
   assert {len(r) for r, _ in by.values()} == {len(by["ragged"][0])}
   ragged, moved = by["ragged"]
   assert np.allclose(sum(ragged), traffic(tasks, layout, COMM, pairwise=True, relay=relay).pair_bytes)
@@ -471,15 +472,10 @@ def test_exchanges_bytes_ordered_ragged_shifted_tiled(lens, fanout):
   tiled = traffic(tasks, layout, COMM, pairwise=True, tiled=True, relay=relay).pair_bytes
   assert np.allclose(sum(by["tiled"][0]), tiled)
   for k in range(len(ragged)):
-    r, s, t = (by[ex][0][k] for ex in ("ragged", "shifted", "tiled"))
-    assert (r <= s + 1e-6).all() and (s <= t + 1e-6).all()
-    d = np.arange(N)
-    for shift in range(1, N):  # every block of a shift is that shift's capacity
-      assert np.unique(s[d, (d + shift) % N]).size == 1
+    assert (by["ragged"][0][k] <= by["tiled"][0][k] + 1e-6).all()
   total = {ex: sum(r).sum() for ex, (r, _) in by.items()}
-  assert total["ragged"] < total["shifted"] < total["tiled"]
-  for ex in ("shifted", "tiled"):  # the padded transports move the same rows
-    assert np.allclose(by[ex][1], moved)
+  assert total["ragged"] < total["tiled"]
+  assert np.allclose(by["tiled"][1], moved)  # the padded transport moves the same rows
 
 
 def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
@@ -487,6 +483,7 @@ def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
   its K/V prefix to each; relayed, the busiest device's bytes drop, the bytes on the wire do not
   change, and the simulator charges the second round after the first."""
   from distca_jax.schedule.relay import Relay
+  from distca_jax.schedule.transport import named
   from distca_jax.sim.transport import exchange_rounds
 
   n = 32
@@ -494,9 +491,9 @@ def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
   layout = pack(lens, n, T)
   tasks, _ = balance(layout, COMM, 0.05)
   busiest = lambda rounds: max(sum(rounds).sum(1).max(), sum(rounds).sum(0).max())
-  for ex in ("ragged", "shifted", "tiled"):
-    direct, _ = exchange_rounds(tasks, layout, COMM, ex)
-    relayed, moved = exchange_rounds(tasks, layout, COMM, ex, Relay(16))
+  for ex in ("ragged", "tiled"):
+    direct, _ = exchange_rounds(tasks, layout, COMM, named(ex))
+    relayed, moved = exchange_rounds(tasks, layout, COMM, named(ex), Relay(16))
     assert len(direct) == 1 and len(relayed) == 2
     if ex == "ragged":
       assert busiest(relayed) < 0.6 * busiest(direct)
@@ -504,7 +501,7 @@ def test_relay_lowers_the_busiest_devices_bytes_on_a_long_document():
       assert np.allclose(moved, sum(relayed))
   cfg = load_sim_config(None, [f"gpus=[{8 * n}]", "kv_relay_fanout=16"])
   sim = Simulator(cfg, Point("llama3_8b", 8 * n, T, "pretrain"))
-  rounds, _ = exchange_rounds(tasks, layout, COMM, "ragged", sim.relay)
+  rounds, _ = exchange_rounds(tasks, layout, COMM, sim.transport, sim.relay)
   comm_ms, bytes_, _ = sim._cad_exchange(tasks, layout, COMM)
   assert np.allclose(comm_ms, sum(sim._comm_ms_pairwise(r) for r in rounds))
   assert (comm_ms >= sim._comm_ms_pairwise(sum(rounds)) - 1e-9).all()
@@ -519,9 +516,9 @@ def test_simulator_exchange_and_relay_config():
   point = Point("llama3_8b", 128, 131072, "pretrain")
   cad = {ex: Simulator(load_sim_config(None, base + [f"exchange={ex}", "kv_relay_fanout=0"]),
                        point).batch(0)[0]["cad"]
-         for ex in ("ragged", "shifted", "tiled")}
-  assert cad["ragged"].bytes_per_layer < cad["shifted"].bytes_per_layer < cad["tiled"].bytes_per_layer
-  assert cad["ragged"].comm_ms <= cad["shifted"].comm_ms <= cad["tiled"].comm_ms
+         for ex in ("ragged", "tiled")}
+  assert cad["ragged"].bytes_per_layer < cad["tiled"].bytes_per_layer
+  assert cad["ragged"].comm_ms <= cad["tiled"].comm_ms
   assert Simulator(load_sim_config(None, base + ["kv_relay_fanout=0"]), point).relay is None
   relay = Simulator(load_sim_config(None, base + ["kv_relay_fanout=4"]), point).relay
   assert relay.fanout == 4
@@ -529,12 +526,12 @@ def test_simulator_exchange_and_relay_config():
   # the transport carries only moving rows; off on tiled and on one node.
   relay_of = lambda *over, p=point: Simulator(load_sim_config(None, base + list(over)), p).relay
   assert load_sim_config(None, base).kv_relay_fanout == "auto"
-  assert relay_of().fanout == relay_of("exchange=shifted").fanout == AUTO_FANOUT
+  assert relay_of().fanout == relay_of("exchange=ragged").fanout == AUTO_FANOUT
   assert relay_of("exchange=tiled") is None
   one_node = Point("llama3_8b", 64, 131072, "pretrain")
   assert relay_of("gpus=[64]", "hardware.gpus_per_node=64", p=one_node) is None
   assert relay_of("gpus=[64]", "hardware.gpus_per_node=32", p=one_node).fanout == AUTO_FANOUT
-  for bad in ("exchange=padded", "kv_relay_fanout=-1", "kv_relay_fanout=1.5",
+  for bad in ("exchange=padded", "exchange=shifted", "kv_relay_fanout=-1", "kv_relay_fanout=1.5",
               "kv_relay_fanout=many"):
     with pytest.raises(ConfigError, match=bad.split("=")[0]):
       load_sim_config(None, [bad])

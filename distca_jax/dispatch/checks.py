@@ -253,11 +253,11 @@ def check_exchange_counts(s: Scope) -> None:
   """The exchange's counts and offsets describe its packed buffers: no row to itself, what s
   receives from d is what d sends, offsets are the exclusive prefix sums of the counts (so the
   valid rows of a send buffer are its first ones), every buffer holds its rows, and the tiled
-  and shifted exchanges' blocks hold theirs."""
+  exchange's blocks hold theirs."""
   p = s.plan
-  for name, valid, recv_rows, block, shift in (
-      ("q", p.send_q_valid, s.Rq, p.c, p.shift_q), ("kv", p.send_kv_valid, s.Rkv, p.ckv, p.shift_kv),
-      ("kv2", p.send_kv2_valid, s.Rkv2, p.ckv2, p.shift_kv2)):
+  for name, valid, recv_rows, block in (
+      ("q", p.send_q_valid, s.Rq, p.c), ("kv", p.send_kv_valid, s.Rkv, p.ckv),
+      ("kv2", p.send_kv2_valid, s.Rkv2, p.ckv2)):
     count = getattr(p, f"send_{name}_count")
     if count.shape != (s.N, s.N) or (count < 0).any():
       raise PlanMismatchError(f"plan send_{name}_count is not the [N, N] rows of one exchange")
@@ -287,21 +287,6 @@ def check_exchange_counts(s: Scope) -> None:
     if block and count.max(initial=0) > block:
       raise PlanMismatchError(f"plan sends {int(count.max())} {name} rows between two devices, "
                               f"more than the tiled exchange's blocks of {block}")
-    if shift:
-      _check_shift_capacities(name, shift, count, s.N)
-
-
-def _check_shift_capacities(name: str, shift: tuple, send: np.ndarray, N: int):
-  """A shifted exchange moves at most shift[k - 1] rows d -> d + k: none may lie past."""
-  if len(shift) != N - 1:
-    raise PlanMismatchError(f"plan shift_{name} {shift} is not one capacity per shift of {N} "
-                            f"devices")
-  k = (np.arange(N)[None, :] - np.arange(N)[:, None]) % N  # [d, s]: the shift of block d -> s
-  cap = np.asarray((0,) + tuple(shift))[k]
-  if (send > cap).any():
-    d, srv = np.argwhere(send > cap)[0]
-    raise PlanMismatchError(f"plan sends {int(send[d, srv])} {name} rows from device {d} to "
-                            f"{srv}, more than shift {int(k[d, srv])}'s capacity {int(cap[d, srv])}")
 
 
 def check_each_token_has_one_slot(s: Scope) -> None:

@@ -18,15 +18,14 @@ their [local | round-1] rows, to the others; the backward runs them reversed, ro
 
 The transport seam. `transport(x, out_rows, ex, mode)` takes a device's packed send buffer and
 an `Exchange` (its counts and offsets, per peer) and returns its packed receive buffer of
-`out_rows` rows. Every mode gives the same result; they differ in what travels:
+`out_rows` rows; `mode` is a `schedule.transport.Transport`, which says what each carries and
+costs. Every mode gives the same result; they differ in what travels:
   ragged   one `jax.lax.ragged_all_to_all` (GPU): only the rows that move, buffers sized by the
            busiest device's rows; the transport for clusters.
-  shifted  one `ppermute` per shift k that carries rows (d -> d + k), each at that shift's
-           largest block (CPU and GPU).
   tiled    every (device, server) block padded to the largest pair's, one `all_to_all` (CPU and
            GPU; `ragged`'s CPU stand-in: the same result with padded traffic).
 A transport is its own transpose with the exchange reversed (`Exchange.reversed`: counts and
-offsets of the two sides swapped, shifts reversed), which the movers use for their VJPs.
+offsets of the two sides swapped), which the movers use for their VJPs.
 
 Gradients: the row movements are linear maps with explicit transposes (custom VJPs): the Q
 dispatch and the O return are each other's transpose (gathers and the reverse exchange); the
@@ -58,6 +57,7 @@ from distca_jax.colocated import make_colocated_attention
 from distca_jax.dispatch.format import DispatchPlan
 from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
+from distca_jax.schedule.transport import RAGGED, TILED, Transport
 
 log = logging.getLogger("distca_jax.dispatch")
 
@@ -69,8 +69,7 @@ class Exchange:
   """One packed exchange as a device sees it (inside shard_map), [N] int32 per peer j:
   send_count / send_off: its rows for j and where they start in its send buffer; recv_count /
   recv_off: j's rows for it and where they land in its receive buffer; peer_off: where its rows
-  land in j's receive buffer. `block`: the tiled exchange's rows per padded block; `shifts`: the
-  shifted exchange's rows per shift k = 1 .. N-1."""
+  land in j's receive buffer. `block`: the tiled exchange's rows per padded block."""
 
   send_count: Any
   send_off: Any
@@ -79,13 +78,12 @@ class Exchange:
   peer_off: Any
   back_off: Any
   block: int = 0
-  shifts: tuple = ()
 
   def reversed(self) -> "Exchange":
     """The exchange back: what was received is sent back to the slots it was sent from."""
     return Exchange(send_count=self.recv_count, send_off=self.recv_off, recv_count=self.send_count,
                     recv_off=self.send_off, peer_off=self.back_off, back_off=self.peer_off,
-                    block=self.block, shifts=self.shifts[::-1])
+                    block=self.block)
 
   @classmethod
   def of(cls, p: DispatchPlan, name: str) -> "Exchange":
@@ -94,8 +92,7 @@ class Exchange:
     return cls(send_count=get("send_count"), send_off=get("send_off"),
                recv_count=get("recv_count"), recv_off=get("recv_off"),
                peer_off=get("peer_off"), back_off=get("back_off"),
-               block=p.c if name == "q" else getattr(p, f"c{name}"),
-               shifts=getattr(p, f"shift_{name}"))
+               block=p.c if name == "q" else getattr(p, f"c{name}"))
 
 
 def _take_rows(x_SxE, idx, valid):
@@ -128,36 +125,16 @@ def _tiled(x_SxE, out_rows: int, ex: Exchange):
   return _place_rows(out, got, ex.recv_off[:, None] + j, j < ex.recv_count[:, None])
 
 
-def _shifted(x_SxE, out_rows: int, ex: Exchange):
-  """One `ppermute` per shift k = 1 .. N-1 that carries rows: this device's rows for device
-  d + k mod N, `ex.shifts[k - 1]` of them (CPU and GPU). Over `data` alone (config refuses
-  shifted with mesh.pipe > 1): over two axes, ppermute numbers devices in the mesh's axis order
-  while all_to_all and axis_index follow the axis tuple's, and the mesh is (data, pipe, tensor)
-  where rows are (pipe, data)."""
-  N = ex.send_count.shape[0]
-  me = jax.lax.axis_index("data")
-  out = jnp.zeros((out_rows,) + x_SxE.shape[1:], x_SxE.dtype)
-  for k, rows in enumerate(ex.shifts, 1):
-    if rows == 0:
-      continue
-    j = jnp.arange(rows, dtype=jnp.int32)
-    peer, source = (me + k) % N, (me - k) % N
-    block = _take_rows(x_SxE, ex.send_off[peer] + j, j < ex.send_count[peer])
-    got = jax.lax.ppermute(block, "data", perm=[(i, (i + k) % N) for i in range(N)])
-    out = _place_rows(out, got, ex.recv_off[source] + j, j < ex.recv_count[source])
-  return out
+# Each transport's collective: transport(x_SxE, out_rows, ex).
+COLLECTIVES = {TILED: _tiled, RAGGED: _ragged}
 
 
-# `attention.exchange` -> transport(x_SxE, out_rows, ex).
-TRANSPORTS = {"tiled": _tiled, "shifted": _shifted, "ragged": _ragged}
-
-
-def transport(x_SxE, out_rows: int, ex: Exchange, mode: str):
-  """One packed exchange over the server pool (`TRANSPORTS[mode]`): the rows of this device's
+def transport(x_SxE, out_rows: int, ex: Exchange, mode: Transport):
+  """One packed exchange over the server pool (`COLLECTIVES[mode]`): the rows of this device's
   send buffer `x_SxE` for each peer land in that peer's receive buffer of `out_rows` rows.
   Rows past a buffer's counts are zero. Its transpose is `transport(g, S, ex.reversed(), mode)`."""
   with jax.named_scope("exchange"):
-    return TRANSPORTS[mode](x_SxE, out_rows, ex)
+    return COLLECTIVES[mode](x_SxE, out_rows, ex)
 
 
 # ----------------------------------------------------------------------------- row movers
@@ -181,7 +158,7 @@ def _with_transpose(linear, transpose):
   return f
 
 
-def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode="tiled"):
+def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode: Transport = TILED):
   """Home rows -> server-side rows [local T | received Rq] (Q forward, dO backward)."""
   local = _masked(p.local_q_valid, jnp.take(x_TxHxD, p.local_q_idx, axis=0))
   if p.recv_q == 0:
@@ -192,7 +169,7 @@ def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode="tiled"):
   return jnp.concatenate([local, recv])
 
 
-def _rows_to_home(y_RxHxD, p: DispatchPlan, mode="tiled"):
+def _rows_to_home(y_RxHxD, p: DispatchPlan, mode: Transport = TILED):
   """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`
   (every real token sits in exactly one server slot; `validate_plan` checks it). The reverse
   exchange brings each output back to the send slot its query row left from."""
@@ -204,7 +181,7 @@ def _rows_to_home(y_RxHxD, p: DispatchPlan, mode="tiled"):
   return _masked(p.return_valid, jnp.take(y_RxHxD, p.return_idx, axis=0))
 
 
-def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode="tiled"):
+def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode: Transport = TILED):
   """Home K/V rows -> the server's gathered K/V buffer [S] (each document prefix contiguous).
   Round 1 brings the holders' pieces; round 2 (relays on) each relay's forwarded pieces, which
   it gathers from its [local | round-1] rows."""
@@ -218,7 +195,7 @@ def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode="tiled"):
   return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
 
 
-def _kv_grads_to_home(g_SxKxD, p: DispatchPlan, mode="tiled"):
+def _kv_grads_to_home(g_SxKxD, p: DispatchPlan, mode: Transport = TILED):
   """The transpose of `_kv_to_servers`: a gather by the inverse slot map, then each round
   reversed, last first: the reverse exchange and a scatter-add of the returned rows onto the
   rows they were sent from (a row sent to several servers, or forwarded by a relay, sums their
@@ -243,9 +220,9 @@ def kv_return_index(send_kv_idx, send_kv_valid, T: int):
 
 
 @functools.cache
-def _movers(mode: str):
+def _movers(mode: Transport):
   """(rows_to_servers, rows_to_home, kv_to_servers) with explicit transposes, over the exchange
-  `mode` (a key of `TRANSPORTS`)."""
+  `mode`."""
   fs = {f: functools.partial(f, mode=mode)
         for f in (_rows_to_servers, _rows_to_home, _kv_to_servers, _kv_grads_to_home)}
   return (_with_transpose(fs[_rows_to_servers], fs[_rows_to_home]),
@@ -253,7 +230,7 @@ def _movers(mode: str):
           _with_transpose(fs[_kv_to_servers], fs[_kv_grads_to_home]))
 
 
-def _server_exchange(q_TxHxD, k_TxKxD, v_TxKxD, p: DispatchPlan, backend: str, mode: str):
+def _server_exchange(q_TxHxD, k_TxKxD, v_TxKxD, p: DispatchPlan, backend: str, mode: Transport):
   """Steps 1-4 for one device (inside shard_map; plan arrays without their leading N)."""
   to_servers, to_home, kv_to_srv = _movers(mode)
   q_rows = to_servers(q_TxHxD, p)
@@ -267,21 +244,19 @@ def _server_exchange(q_TxHxD, k_TxKxD, v_TxKxD, p: DispatchPlan, backend: str, m
 # ----------------------------------------------------------------------------- core_attention
 
 
-def resolve_exchange(exchange: str) -> str:
-  """`tiled`, `shifted` or `ragged` (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
-  if exchange not in TRANSPORTS:
-    raise ValueError(f"attention.exchange={exchange}: not one of {sorted(TRANSPORTS)}")
-  if exchange == "ragged" and jax.default_backend() != "gpu":
-    raise ValueError(f"attention.exchange=ragged needs GPUs (jax.lax.ragged_all_to_all), this "
-                     f"backend is {jax.default_backend()}; use attention.exchange=tiled")
-  if exchange == "ragged":
+def resolve_exchange(mode: Transport) -> Transport:
+  """`mode`, if it runs on this platform (`ragged_all_to_all` runs on GPU only; refused elsewhere)."""
+  if mode.needs_gpu and jax.default_backend() != "gpu":
+    raise ValueError(f"attention.exchange={mode.name} needs GPUs (jax.lax.{mode.name}_all_to_all), "
+                     f"this backend is {jax.default_backend()}; use attention.exchange=tiled")
+  if mode is RAGGED:
     log.warning("attention.exchange=ragged: XLA's default GPU ragged_all_to_all waits on the host "
                 "before each call, which made the step slower than the tiled exchange; XLA's "
                 "device-initiated kernel, which does not, needs NCCL >= 2.29 and XLA_FLAGS="
                 "--xla_gpu_experimental_ragged_all_to_all_use_device_kernel=true "
-                "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true (docs/PERFORMANCE.md, "
-                "the ragged exchange)")
-  return exchange
+                "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true "
+                "(docs/PERFORMANCE.md, \"Dispatch at scale\")")
+  return mode
 
 
 # Pool size from which the tiled exchange's padding stops hiding under compute (docs/SIMULATOR.md:
@@ -293,7 +268,8 @@ def make_distca_attention(attention_config, mesh: Mesh):
   """The model's `core_attention` for `attention.impl: distca` under `mesh`: CAD for a step's
   `DispatchPlan`, colocated attention for a step the gate stopped (its `ColocatedContext`)."""
   pool = mesh.shape["pipe"] * mesh.shape["data"]
-  if attention_config.exchange == "tiled" and pool > TILED_POOL_LIMIT:
+  mode = resolve_exchange(attention_config.transport())
+  if mode.padded and pool > TILED_POOL_LIMIT:
     log.warning("attention.exchange=tiled over %d attention servers: every block of the "
                 "all_to_all is padded to the largest one, which costs more than it balances beyond "
                 "about %d servers (docs/SIMULATOR.md); attention.exchange=ragged sends only the "
@@ -303,8 +279,7 @@ def make_distca_attention(attention_config, mesh: Mesh):
   kernels.resolve_backend(backend)  # a bad name or platform fails here; `auto` resolves per call
   qkv_spec = P(ROW_AXES, None, "tensor", None)
   plan_spec = P(ROW_AXES)
-  exchange = functools.partial(_server_exchange, backend=backend,
-                               mode=resolve_exchange(attention_config.exchange))
+  exchange = functools.partial(_server_exchange, backend=backend, mode=mode)
   if attention_config.memory_mode == "resend":
     exchange = jax.checkpoint(exchange, policy=jax.checkpoint_policies.nothing_saveable)
 

@@ -29,8 +29,7 @@ ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "s
                 "recv_kv_off", "peer_kv_off", "back_kv_off", "send_kv2_idx", "send_kv2_valid",
                 "send_kv2_count", "recv_kv2_count", "send_kv2_off", "recv_kv2_off",
                 "peer_kv2_off", "back_kv2_off")
-META_FIELDS = ("recv_q", "recv_kv", "recv_kv2", "c", "ckv", "ckv2", "shift_q", "shift_kv",
-               "shift_kv2")
+META_FIELDS = ("recv_q", "recv_kv", "recv_kv2", "c", "ckv", "ckv2")
 
 
 class PlanMismatchError(ValueError):
@@ -83,10 +82,7 @@ class DispatchPlan:
   recv_q, recv_kv, recv_kv2  static: Rq, Rkv and Rkv2, the receive buffers' rows (Rkv2 = 0: no
                              second round, skipped)
   c, ckv, ckv2               static: the tiled exchange's rows per padded (device, server) block
-                             (0 for the other exchanges)
-  shift_q, shift_kv, shift_kv2  static: the shifted exchange's rows per shift k = 1 .. N-1 (device
-                             d's rows for server d + k mod N, one `ppermute` each, every block
-                             of a shift at that shift's largest); () for the other exchanges
+                             (0 for the ragged exchange)
   """
 
   local_q_idx: Any
@@ -131,9 +127,6 @@ class DispatchPlan:
   c: int = 0
   ckv: int = 0
   ckv2: int = 0
-  shift_q: tuple = ()
-  shift_kv: tuple = ()
-  shift_kv2: tuple = ()
 
   KIND = "distca"  # what `core_attention` runs for this context (attention.py's protocol)
 
@@ -166,7 +159,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   tasks: stay-home rows local, the moving rows packed in each device's send and receive
   buffers of `capacities.send_q` / `.recv_q` / `.send_kv` / `.recv_kv` rows (None: the bucket
   the plan needs), the server's K/V buffer and task table of `.skv` / `.ctask`, and the tiled
-  or shifted exchange's static block sizes as given (`.c`, `.ckv`, `.shift_q`, `.shift_kv`).
+  exchange's static block sizes as given (`.c`, `.ckv`, `.ckv2`).
   `devices` (default: all): fill only what those devices hold, send and receive (their rows,
   and the rows they send or receive); the other rows stay zero, never touched (numpy's zeros
   are not committed until written), so a process of a large job pays for its own devices;
@@ -295,8 +288,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
       send_kv2_idx=send_kv2_idx.reshape(n, skvs2), send_kv2_valid=send_kv2_valid.reshape(n, skvs2),
       **_exchange_arrays("q", q_pairs), **_exchange_arrays("kv", kv_pairs),
       **_exchange_arrays("kv2", kv2_pairs), recv_q=rq, recv_kv=rkv, recv_kv2=rkv2, c=caps.c or 0,
-      ckv=caps.ckv or 0, ckv2=caps.ckv2 or 0, shift_q=caps.shift_q, shift_kv=caps.shift_kv,
-      shift_kv2=caps.shift_kv2)
+      ckv=caps.ckv or 0, ckv2=caps.ckv2 or 0)
 
 
 def _relay_sources(kv, korder: np.ndarray, rel: np.ndarray, num_docs: int) -> np.ndarray:

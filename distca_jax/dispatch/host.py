@@ -24,7 +24,9 @@ from distca_jax.dispatch.format import DispatchPlan, build_dispatch
 from distca_jax.schedule.capacities import Capacities, StepShapes, largest
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
-from distca_jax.schedule.relay import Relay, relay_for
+from distca_jax.schedule.gate_cost import attention_load_per_device, imbalance
+from distca_jax.schedule.relay import Relay
+from distca_jax.schedule.transport import relay_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ class StepContext:
     loads, summed over nano-batches)."""
     before = (sum(p.stats.load_before for p in self.plans) if self.load_before is None
               else self.load_before)
-    return gate.imbalance(before), gate.imbalance(sum(p.stats.load_after for p in self.plans))
+    return imbalance(before), imbalance(sum(p.stats.load_after for p in self.plans))
 
   def device_inputs(self, batch: Batch):
     """(per-token arrays, their spec), (dispatch plans, their spec) for the step: one stream's
@@ -75,8 +77,7 @@ def capacities_of(plan: DispatchPlan) -> Capacities:
                     send_kv=plan.send_kv_idx.shape[-1], recv_kv=plan.recv_kv,
                     send_kv2=plan.send_kv2_idx.shape[-1], recv_kv2=plan.recv_kv2, c=plan.c,
                     ckv=plan.ckv, ckv2=plan.ckv2, skv=plan.server_kv_idx.shape[-1],
-                    ctask=plan.q_start.shape[-1], shift_q=plan.shift_q, shift_kv=plan.shift_kv,
-                    shift_kv2=plan.shift_kv2)
+                    ctask=plan.q_start.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,7 @@ def plan_step(attention_config, batch: Batch, shape, devices=None, shapes: StepS
   _check(dispatch, best.layouts, devices, best.batches)
   return StepContext(batches=best.batches, plans=best.plans, dispatch=tuple(dispatch),
                      predicted_saving=best.saving,
-                     load_before=gate.attention_load_per_device(batch.layout))
+                     load_before=attention_load_per_device(batch.layout))
 
 
 def stream_options(attention_config, batch: Batch) -> list[tuple[Batch, ...]]:
@@ -175,18 +176,18 @@ def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
 
 
 def planner_nodes(attention_config, layout: Layout):
-  """The node of each of `layout`'s buffers for the planner (`attention.gate_nodes`, one per data
+  """The node of each of `layout`'s buffers for the planner (`attention.data_rank_nodes`, one per data
   rank), or None: unknown, or a pipelined tick's layout (a buffer per stage and data rank), which
   is planned as one node."""
-  nodes = attention_config.gate_nodes
+  nodes = attention_config.data_rank_nodes
   return nodes if nodes is not None and len(nodes) == layout.num_buffers else None
 
 
 def relay_of(attention_config) -> Relay | None:
   """The K/V relay `attention.kv_relay_fanout` asks for on the servers' nodes
-  (`attention.gate_nodes`; None: off)."""
-  return relay_for(attention_config.kv_relay_fanout, attention_config.exchange,
-                   attention_config.gate_nodes)
+  (`attention.data_rank_nodes`; None: off)."""
+  return relay_for(attention_config.kv_relay_fanout, attention_config.transport(),
+                   attention_config.data_rank_nodes)
 
 
 def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):
@@ -198,9 +199,9 @@ def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):
 def step_capacities(attention_config, plans, buffer_len: int,
                     shapes: StepShapes | None = None) -> Capacities:
   """The capacities the plans of one step need together (each the largest any of them needs;
-  only the sizes `attention.exchange` uses: `Capacities.for_exchange`), grown to the run's
+  only the sizes the exchange's transport uses: `Transport.capacities`), grown to the run's
   (`shapes`, not committed) when given."""
-  caps = largest(*(p.capacities for p in plans)).for_exchange(attention_config.exchange)
+  caps = attention_config.transport().capacities(largest(*(p.capacities for p in plans)))
   return caps if shapes is None else shapes.fit(f"cad@{buffer_len}", caps, commit=False)
 
 

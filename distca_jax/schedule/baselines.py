@@ -1,4 +1,4 @@
-"""Baselines the scheduler is compared with, on the same batches (issue 3, DESIGN.md §1).
+"""Baselines the scheduler is compared with, on the same batches.
 
 Each returns a `SystemLoad`: per rank (a device of the `data` axis, i.e. one tensor-parallel
 group), the attention area it computes, the tokens it holds (memory, and the linear layers'

@@ -21,7 +21,6 @@ from distca_jax.schedule.traffic import KVRequests, exchange_pairs, kv_requests
 
 log = logging.getLogger(__name__)
 
-_SHIFTS = ("shift_q", "shift_kv", "shift_kv2")
 _SIZES = ("send_q", "recv_q", "send_kv", "recv_kv", "send_kv2", "recv_kv2", "c", "ckv", "ckv2",
           "skv", "ctask")
 
@@ -42,12 +41,10 @@ class Capacities:
   skv      K/V rows a server gathers (every document prefix it serves, contiguous)
   ctask    tasks per server
   c, ckv, ckv2  the tiled exchange's rows per padded (device, server) block (the largest
-           pair's), ckv2 for the second K/V round; 0 for the other exchanges
-  shift_q, shift_kv, shift_kv2  the shifted exchange's rows per shift k = 1 .. N-1 (the largest
-           block d -> d + k mod N); () for the other exchanges
+           pair's), ckv2 for the second K/V round; 0 for the ragged exchange
 
-  As `make_plan`'s limits, a size that is None is not fixed (the plan takes the bucket it needs)
-  and empty shifts are not fixed."""
+  As `make_plan`'s limits, a size that is None is not fixed (the plan takes the bucket it
+  needs)."""
 
   send_q: int | None = None
   recv_q: int | None = None
@@ -60,59 +57,31 @@ class Capacities:
   ckv2: int | None = None
   skv: int | None = None
   ctask: int | None = None
-  shift_q: tuple = ()
-  shift_kv: tuple = ()
-  shift_kv2: tuple = ()
 
   def __post_init__(self):
     for name in _SIZES:
       v = getattr(self, name)
       if v is not None and v < 0:
         raise ValueError(f"Capacities.{name}: must be >= 0 or None, got {v}")
-    for name in _SHIFTS:
-      object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
 
   def fits(self, limits: "Capacities") -> bool:
-    """Whether every size is within `limits` (None and empty shifts there: any)."""
-    sizes = all(getattr(limits, k) is None or getattr(self, k) <= getattr(limits, k)
-                for k in _SIZES)
-    shifts = all(not lim or (len(own) == len(lim) and all(a <= b for a, b in zip(own, lim)))
-                 for own, lim in ((getattr(self, k), getattr(limits, k)) for k in _SHIFTS))
-    return sizes and shifts
-
-  def without_shifts(self) -> "Capacities":
-    """The same sizes for an exchange that is not shifted."""
-    return dataclasses.replace(self, shift_q=(), shift_kv=(), shift_kv2=())
-
-  def for_exchange(self, exchange: str) -> "Capacities":
-    """Only the sizes `attention.exchange` uses: the packed buffers always; the padded blocks
-    (`c`, `ckv`, `ckv2`) for `tiled`; the per-shift rows for `shifted`. The others are zeroed so
-    they never grow the run's shapes (each distinct value compiles the step)."""
-    out = self if exchange == "shifted" else self.without_shifts()
-    return out if exchange == "tiled" else dataclasses.replace(out, c=0, ckv=0, ckv2=0)
+    """Whether every size is within `limits` (None there: any)."""
+    return all(getattr(limits, k) is None or getattr(self, k) <= getattr(limits, k)
+               for k in _SIZES)
 
 
 def largest(*records):
-  """The elementwise maximum of records of one dataclass type (int fields, and tuples of ints
-  compared position by position; an empty tuple takes the other's)."""
-  first = records[0]
+  """The elementwise maximum of records of one dataclass type (int fields; None: not known)."""
   out = {}
-  for f in dataclasses.fields(first):
-    values = [getattr(r, f.name) for r in records]
-    if isinstance(values[0], tuple):
-      values = [v for v in values if v] or [()]
-      if len({len(v) for v in values}) > 1:
-        raise ValueError(f"{type(first).__name__}.{f.name}: tuples of different lengths {values}")
-      out[f.name] = tuple(int(max(xs)) for xs in zip(*values)) if values[0] else ()
-    else:
-      known = [v for v in values if v is not None]
-      out[f.name] = max(known) if known else None
-  return type(first)(**out)
+  for f in dataclasses.fields(records[0]):
+    known = [v for v in (getattr(r, f.name) for r in records) if v is not None]
+    out[f.name] = max(known) if known else None
+  return type(records[0])(**out)
 
 
 def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> Capacities:
   """The smallest capacities a task placement needs (before bucketing): the most query / K/V rows
-  one device sends and one receives, the most between two devices (overall and per shift), K/V
+  one device sends and one receives, the most between two devices, K/V
   rows on one server, tasks on one server. `kv`: the tasks' `kv_requests` (with relays, the
   second K/V round's sizes are those of its relayed pieces; default: no relays, all zero). Work
   of the pairs that move rows, never [N, N]."""
@@ -120,38 +89,29 @@ def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> 
   kv = kv_requests(tasks, layout) if kv is None else kv
   q, k1, k2 = exchange_pairs(tasks, layout, kv)
   skv = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n)
-
-  def shifts(pairs):  # the largest block d -> d + k mod n, per shift k = 1 .. n - 1
-    most = np.zeros(n, np.int64)
-    np.maximum.at(most, (pairs.server - pairs.sender) % n, pairs.rows)
-    return tuple(most[1:].tolist())
-
   most = lambda a: int(a.max(initial=0))
   return Capacities(
       send_q=most(q.sent(n)), recv_q=most(q.received(n)), send_kv=most(k1.sent(n)),
       recv_kv=most(k1.received(n)), send_kv2=most(k2.sent(n)), recv_kv2=most(k2.received(n)),
       c=q.largest(), ckv=k1.largest(), ckv2=k2.largest(), skv=int(skv.max(initial=0)),
-      ctask=int(np.bincount(tasks.server, minlength=n).max(initial=0)),
-      shift_q=shifts(q), shift_kv=shifts(k1), shift_kv2=shifts(k2))
+      ctask=int(np.bincount(tasks.server, minlength=n).max(initial=0)))
 
 
 def bucketed(need: Capacities, buffer_len: int, fixed: Capacities = Capacities()) -> Capacities:
-  """`need` in buckets (exchange buffers and shifted blocks: `buffer_bucket`, tiled blocks:
+  """`need` in buckets (exchange buffers: `buffer_bucket`, tiled blocks:
   `exchange_capacity`, 0 when nothing moves; the server's K/V rows: `row_bucket`; tasks:
   `task_bucket`), except what `fixed` fixes."""
   pick = lambda name, bucket: getattr(fixed, name) if getattr(fixed, name) is not None else bucket
   # The tiled exchange's blocks keep the coarse buckets it was measured with (the gate's fit
-  # prices them); the packed buffers and the shifted blocks follow the rows more closely.
+  # prices them); the packed buffers follow the rows more closely.
   block = lambda r: exchange_capacity(r, buffer_len)
-  rows = buffer_bucket
   buffer = lambda name: pick(name, buffer_bucket(getattr(need, name)))
   return Capacities(
       send_q=buffer("send_q"), recv_q=buffer("recv_q"), send_kv=buffer("send_kv"),
       recv_kv=buffer("recv_kv"), send_kv2=buffer("send_kv2"), recv_kv2=buffer("recv_kv2"),
       c=pick("c", block(need.c)), ckv=pick("ckv", block(need.ckv)),
       ckv2=pick("ckv2", block(need.ckv2)),
-      skv=pick("skv", row_bucket(need.skv, buffer_len)), ctask=pick("ctask", task_bucket(need.ctask)),
-      **{k: getattr(fixed, k) or tuple(rows(r) for r in getattr(need, k)) for k in _SHIFTS})
+      skv=pick("skv", row_bucket(need.skv, buffer_len)), ctask=pick("ctask", task_bucket(need.ctask)))
 
 
 class StepShapes:
@@ -169,9 +129,8 @@ class StepShapes:
   One per run, used from the trainer's one prefetch thread; every process sees the same global
   plans in the same order, so every process grows the same capacities at the same step.
 
-  `sizes` is what a checkpoint keeps: "<kind>.<field>" -> rows (a list for a tuple field), e.g.
-  "cad@65536.c"; a checkpoint of an older run wrote a shifted exchange's shifts as "<kind>.q1",
-  "<kind>.kv1", ..., read back here as `shift_q` / `shift_kv`."""
+  `sizes` is what a checkpoint keeps: "<kind>.<field>" -> rows, e.g.
+  "cad@65536.c"."""
 
   def __init__(self):
     self.sizes: dict[str, Any] = {}
@@ -184,13 +143,8 @@ class StepShapes:
     own = {k[len(prefix):]: v for k, v in self.sizes.items() if k.startswith(prefix)}
     if not own:
       return None
-    for field, old in (("shift_q", "q"), ("shift_kv", "kv")):  # an older checkpoint's shifts
-      count = sum(1 for key in own if key.startswith(old) and key[len(old):].isdigit())
-      if count and field not in own:
-        own[field] = [own[f"{old}{k}"] for k in range(1, count + 1)]
     names = {f.name for f in dataclasses.fields(record_type)}
-    return record_type(**{k: tuple(v) if isinstance(v, list) else v
-                          for k, v in own.items() if k in names})
+    return record_type(**{k: v for k, v in own.items() if k in names})
 
   def fit(self, kind: str, need, commit: bool = True):
     """The capacities of `kind` ("cad@T", "colocated@T") for a step that needs `need` (a record
@@ -207,7 +161,6 @@ class StepShapes:
         log.info("%s step capacities grew to %s: the step compiles again", kind, grown)
       prefix = f"{kind}."
       self.sizes = {k: v for k, v in self.sizes.items() if not k.startswith(prefix)}
-      self.sizes.update({f"{prefix}{k}": list(v) if isinstance(v, tuple) else v
-                         for k, v in dataclasses.asdict(grown).items()})
+      self.sizes.update({f"{prefix}{k}": v for k, v in dataclasses.asdict(grown).items()})
       self._used.add(kind)
     return grown

@@ -76,8 +76,8 @@ def fill_ranges(idx_flat: np.ndarray, valid_flat: np.ndarray, dst_start, src_sta
 class Plan:
   """Tasks (with servers), the capacities of their dispatch arrays, and what the planner reports.
 
-  capacities: the bucketed capacities the tasks' dispatch arrays need (with per-shift rows; a
-  caller of an exchange that is not shifted drops them), or the fixed ones asked for.
+  capacities: the bucketed capacities the tasks' dispatch arrays need, or the fixed ones asked
+  for.
   requirements: the smallest capacities the placement needs (unbucketed).
   task_flops: forward FLOPs per task per layer for one server's heads (comm.flops_per_area).
   """
@@ -134,7 +134,7 @@ class Plan:
     """Writes the plan as JSON. Schema (`format` = "distca-plan-v1"):
 
     num_devices, buffer_len, epsilon (the tolerance the plan was made with, after capacity
-    feedback), moves (planner moves), capacities {c, ckv, skv, ctask, shift_q, shift_kv} (the
+    feedback), moves (planner moves), capacities {c, ckv, skv, ctask} (the
     dispatch arrays' capacities, `Capacities`), requirements (the smallest capacities this
     placement needs), load_before / load_after [N]
     (attention area, query-key pairs, per server before and after scheduling),

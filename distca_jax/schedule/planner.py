@@ -34,7 +34,7 @@ spreads each over many servers, its K/V prefix travelling to each. The heaviest 
 first needs fewer moves and fewer bytes, and leaves a smaller hot spot (docs/PERFORMANCE.md,
 "Scheduler").
 
-Nodes (`nodes`, the trainer's `attention.gate_nodes`): a destination first asks the sources on
+Nodes (`nodes`, the trainer's `attention.data_rank_nodes`): a destination first asks the sources on
 its own node, largest surplus first, among those that can give as much as the flat rule's source
 would; the move is as large, and its bytes cross NVLink, not the network. Moves, plan time and
 the balance stay those of the flat rule; fewer bytes cross nodes (docs/PERFORMANCE.md,

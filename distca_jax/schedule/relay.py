@@ -17,7 +17,7 @@ need the whole slice, so the forwards spread over the servers, and a slice is re
 relay then sends less than its holder did, so relaying makes no new hot spot. Relays are chosen
 without regard to nodes: a slice goes on to servers all over the mesh whichever server relays
 it, and choosing relays on the node of most of a slice's servers moved no bytes off the network
-(docs/PERFORMANCE.md, the hot spot).
+(docs/PERFORMANCE.md, "Scheduler").
 
 Every server still receives exactly the rows it needs, once; only who sends them changes, so the
 bytes on the wire are those of the direct exchange. A relayed shard's pieces are split at the
@@ -51,21 +51,9 @@ class Relay:
       raise ValueError(f"Relay.fanout: must be >= 1, got {self.fanout}")
 
 
-# The slices a shard is cut into where relays are on by default (`kv_relay_fanout=auto`).
+# The slices a shard is cut into where relays are on by default (`kv_relay_fanout=auto`,
+# `transport.relay_for`).
 AUTO_FANOUT = 8
-
-
-def relay_for(fanout: int | str, exchange: str, nodes) -> Relay | None:
-  """The relay a `kv_relay_fanout` setting asks for (None: off): a number (0: off), or "auto":
-  `AUTO_FANOUT` slices when the servers span more than one node (`nodes`, one entry per server;
-  None: one node) and the transport carries only the rows each pair moves (`ragged`,
-  `shifted`). Within a node a shard's copies are at most the node's size and cross NVLink; on
-  `tiled` the second round pads every pair to its largest forward and costs more than it saves
-  (docs/METHOD.md, "Relayed K/V")."""
-  if fanout != "auto":
-    return Relay(int(fanout)) if fanout else None
-  spans_nodes = nodes is not None and len(set(np.asarray(nodes).tolist())) > 1
-  return Relay(AUTO_FANOUT) if spans_nodes and exchange != "tiled" else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""WLB-LLM-style packing: the baseline CAD is measured against (docs/METHOD.md, "baseline").
+"""WLB-LLM-style packing: the baseline CAD is measured against (docs/METHOD.md, "The baseline").
 
 One step's documents are re-packed across the `N` data ranks into buffers of `cap` tokens (the
 token cap, a real limit: it is the compiled buffers' length), greedily by workload

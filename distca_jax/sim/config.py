@@ -18,7 +18,8 @@ from typing import Annotated, Literal
 
 from distca_jax.config import NETWORK_GBPS, NVLINK_GBPS
 from distca_jax.schema import (Axis, ConfigError, Fraction, NonNegFloat, NonNegInt, OutputDir,
-                               PositiveFloat, PositiveInt, Probability, Range, Seed, check, load)
+                               PositiveFloat, PositiveInt, Probability, Range, Removed, Seed, check,
+                               load)
 
 Model = Literal["llama3_8b", "llama_34b", "llama_1b"]
 MODELS = typing.get_args(Model)
@@ -66,7 +67,7 @@ class SimConfig:
   tensor_parallel: PositiveInt = 8
   # Decoder layers of every model (0: each preset's own). Fewer layers make the embedding and LM
   # head, which CAD does not change, a larger share of the step: set it to compare with a short
-  # benchmark model (docs/SIMULATOR.md, "Against measurements").
+  # benchmark model (docs/log/simulator-2026-12-07.md, "Against measurements").
   layers: NonNegInt = 0
   # Pipeline stages (4D). GPUs = DP x PP x TP; every stage holds layers / PP layers. 1: the 3D
   # model, unchanged (distca_jax/sim/pipeline.py has the 4D one).
@@ -80,16 +81,22 @@ class SimConfig:
   batches: PositiveInt = 5
   seed: Seed = 0
   # Length multiplier of the sampled documents; 0: tokens_per_rank / 128K (the paper's scheme).
+  # Training's data.elongate_factor has no `0`: its default, 1, keeps the sampled lengths.
   elongate_factor: NonNegInt = 0
   upsample_long_factor: PositiveInt = 2
+  # The scheduler's tolerance (attention.epsilon). Training's default is 0.1; the predictions in
+  # docs/SIMULATOR.md were made at 0.05, so it stays here: `epsilon=0.1` prices training's.
   epsilon: Probability = 0.05
   # A batch whose colocated attention imbalance is below this runs colocated (training's
   # attention.min_imbalance); 1: off, so the simulator shows what CAD costs on balanced batches.
   min_imbalance: Annotated[float, Range(ge=1, why="a max / mean ratio")] = 1.0
   # Training's step gate (attention.gate), here with the simulator's own model as the prediction:
-  # a batch CAD would run slower than colocated runs colocated. Off: every batch runs CAD.
+  # a batch CAD would run slower than colocated runs colocated. Off (training: on), so the
+  # tables show what CAD does on every batch.
   gate: bool = False
-  # Baselines: WLB token cap (× T) and the CP sizes swept (0: every power of two up to 32).
+  # Baselines: WLB token cap (× T) and the CP sizes swept (0: every power of two up to 32). The
+  # simulator prices variable-length WLB at the paper's cap; training's data.wlb_token_cap
+  # (1.03125) is tighter because its compiled buffers compute every padded row.
   wlb_token_cap: Annotated[float, Range(ge=1)] = 1.5
   cp_sizes: Axis[NonNegInt] = (0,)
   # Fraction of the baselines' CP KV all-gather hidden under compute.
@@ -102,10 +109,11 @@ class SimConfig:
   # Fraction of CAD's dispatch traffic that ping-pong can hide at most (1: all of it when the
   # other nano-batch's compute is long enough).
   pingpong_overlap: Fraction = 1.0
-  # CAD's transport (attention.exchange; distca_jax/sim/transport.py): `ragged`, only the rows
-  # that move travel; `shifted`, one ppermute per shift, every device sending that shift's
-  # bucketed capacity; `tiled`, every (device, server) pair padded to the largest pair's bucket.
-  exchange: Literal["ragged", "shifted", "tiled"] = "ragged"
+  # CAD's transport (attention.exchange, the same default; distca_jax/schedule/transport.py):
+  # auto, `tiled` while the ranks fit one node and `ragged` across nodes; `ragged`, only the rows
+  # that move travel; `tiled`, every (device, server) pair padded to the largest pair's bucket.
+  exchange: Annotated[Literal["auto", "tiled", "ragged"], Removed(
+      shifted="it carried 7-54x the moving rows; use exchange=ragged")] = "auto"
   # Relayed K/V (schedule/relay.py, attention.kv_relay_fanout): a shard three or more servers
   # need is cut into at most this many slices, each sent once to a server that forwards it, in
   # a second exchange round after the first. 0: off (every server receives its K/V rows from

@@ -32,7 +32,7 @@ compute nothing. Baselines: each (replica, stage) runs its own micro-batch's sta
 one 3D rank. CAD: the attention of every active (replica, stage) of the tick is balanced by the
 real scheduler over all DP × PP ranks (the tick's micro-batches laid side by side as buffers,
 idle stages as empty buffers that only serve attention), linear work stays with its stage, and
-the backward re-sends Q, K, V (DESIGN.md "Backward": resend mode, used with pipelines). Step =
+the backward re-sends Q, K, V (docs/METHOD.md, "Backward: keep or resend": resend, used with pipelines). Step =
 Σ over ticks. The schedule's bubble fraction is (PP − 1) / (M + PP − 1). PP = 1 with one
 micro-batch is exactly the 3D model above (a test checks it).
 
@@ -59,7 +59,7 @@ from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
 from distca_jax.schedule.wlb import WlbCost
 from distca_jax.schedule.traffic import traffic
-from distca_jax.schedule.relay import relay_for
+from distca_jax.schedule.transport import choose, relay_for
 from distca_jax.sim.config import SimConfig
 from distca_jax.sim.transport import exchange_rounds
 
@@ -142,7 +142,10 @@ class Simulator:
         elongate_factor=elong, full_context_replacement=(point.distribution == "prolong"),
         seed=cfg.seed)
     self.node = np.arange(self.ranks) * tp // h.gpus_per_node
-    self.relay = relay_for(cfg.kv_relay_fanout, cfg.exchange, self.node)
+    # CAD's transport, as the trainer resolves it on these nodes (`exchange=auto`: across nodes,
+    # ragged): the simulator prices GPU clusters.
+    self.transport, self.transport_reason = choose(cfg.exchange, self.node, "gpu")
+    self.relay = relay_for(cfg.kv_relay_fanout, self.transport, self.node)
     # Appendix A: shards in flight with communication hidden, s <= 2 (t B - h_q) / h_kv - 1,
     # t = forward time per token of the non-attention layers (one layer, one GPU's share),
     # B = network bandwidth per GPU, h_q / h_kv = bytes per token of Q / of K and V on one GPU.
@@ -173,7 +176,7 @@ class Simulator:
     transport (`transport.exchange_rounds`): a relay's second round runs after the first, so
     their times add; bytes = max(sent, received) over all rounds; moved = sent + received of the
     rows that move (what `cad_ms_per_gb` charges)."""
-    rounds, moved_NxN = exchange_rounds(tasks, layout, comm, self.cfg.exchange, self.relay)
+    rounds, moved_NxN = exchange_rounds(tasks, layout, comm, self.transport, self.relay)
     comm_ms = sum(self._comm_ms_pairwise(r) for r in rounds)
     total_NxN = sum(rounds)
     return (comm_ms, np.maximum(total_NxN.sum(1), total_NxN.sum(0)),
@@ -267,7 +270,7 @@ class Simulator:
     """CAD's result on one batch and its attention area per rank after scheduling."""
     cfg, n, t = self.cfg, self.ranks, self.t
     # CAD: with ping-pong, one plan per nano-batch (equal tokens, balanced Σl², half buffers);
-    # each nano-batch's dispatch overlaps the other's compute (DESIGN.md "Ping-pong").
+    # each nano-batch's dispatch overlaps the other's compute (docs/METHOD.md, "Ping-pong execution").
     # A document cut between the two is exact: Pong's plan reads its prefix's K/V from Ping's
     # rows (`Layout.prior`), and its cost and traffic count them. As in training, a split that
     # cuts a document longer than half the batch is also tried as one plan, and the faster runs.

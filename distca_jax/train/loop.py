@@ -194,9 +194,10 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
   main = jax.process_index() == 0
   if config.attention.impl == "distca" and config.attention.gate and main:
     log("CAD gate: attention cost " + gate_lib.describe_gate_cost(config.attention, trainer.kernel)
-        + gate_lib.describe_gate_nodes(trainer.config.attention))
+        + gate_lib.describe_nodes(trainer.config.attention))
   if config.attention.impl == "distca" and main:
-    note = gate_lib.describe_exchange(config.attention, mesh.shape["data"])
+    log(f"CAD exchange: {trainer.exchange_reason}")
+    note = gate_lib.describe_exchange(trainer.config.attention, mesh.shape["data"])
     if note:
       log(note)
   config = trainer.config  # with the gate's attention cost of the kernel the run takes
@@ -397,7 +398,7 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
     # 1: a plan stopped short of attention.epsilon (stuck, the move cap, or no gain).
     record["plan_short"] = float(any(p.stats.short for p in ctx.plans))
     # The run's exchange capacities, what the exchange sends.
-    record.update(metrics_lib.exchange_rows(ctx.capacities, job.config.attention.exchange))
+    record.update(job.config.attention.transport().log_rows(ctx.capacities))
   if load_after is not None:
     p.imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
     record["attention_imbalance_after"] = p.imbalances_after[-1]

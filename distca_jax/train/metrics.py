@@ -1,5 +1,5 @@
 """Per-step accounting: model FLOPs (causal attention counted per document), MFU, and the
-attention-load imbalance across devices (`gate.attention_load_per_device`, `gate.imbalance`,
+attention-load imbalance across devices (`gate_cost.attention_load_per_device`, `imbalance`,
 which the step gate weighs too); and the trainer's binding of the gate's attention cost to the
 kernel its run takes."""
 
@@ -12,9 +12,9 @@ import numpy as np
 from distca_jax import kernels
 from distca_jax.config import ConfigError
 from distca_jax.data.packing import Layout
-from distca_jax.gate import (attention_load_per_device, gate_attention_cost, imbalance,
-                             shard_attention_area)
+from distca_jax.gate import gate_attention_cost
 from distca_jax.models.presets import ModelShape
+from distca_jax.schedule.gate_cost import attention_load_per_device, imbalance, shard_attention_area
 
 __all__ = ["PEAK_TFLOPS", "TRAIN_MULTIPLIER", "peak_flops_per_device", "shard_attention_area",
            "attention_load_per_device", "imbalance", "with_kernel_gate_cost", "step_flops"]
@@ -50,30 +50,6 @@ def with_kernel_gate_cost(config, shape: ModelShape):
     raise ConfigError(f"attention.kernel: {e}") from None
   attention = dataclasses.replace(a, gate_attention_cost=gate_attention_cost(a, kernel))
   return dataclasses.replace(config, attention=attention), kernel
-
-
-# Each transport's prefix of the exchange capacities in a CAD step's log line.
-EXCHANGE_PREFIXES = {"tiled": "exchange", "shifted": "exchange_shift", "ragged": "exchange_send"}
-
-
-def exchange_rows(caps, exchange: str) -> dict[str, int]:
-  """A CAD step's exchange capacities for its log line, in its transport's terms (each names the
-  step's compiled shape): `tiled`, rows per padded (device, server) block (`exchange_q_rows`,
-  `exchange_kv_rows`); `shifted`, the rows a device sends over all shifts
-  (`exchange_shift_q_rows`, ...); `ragged`, the rows of the packed send buffer
-  (`exchange_send_q_rows`, ...). The relayed K/V round's key (`..._kv2_rows`) only while the
-  run has that round."""
-  if exchange == "tiled":
-    q, kv, kv2 = caps.c, caps.ckv, caps.ckv2
-  elif exchange == "shifted":
-    q, kv, kv2 = sum(caps.shift_q), sum(caps.shift_kv), sum(caps.shift_kv2)
-  else:
-    q, kv, kv2 = caps.send_q, caps.send_kv, caps.send_kv2
-  prefix = EXCHANGE_PREFIXES[exchange]
-  out = {f"{prefix}_q_rows": int(q or 0), f"{prefix}_kv_rows": int(kv or 0)}
-  if kv2:
-    out[f"{prefix}_kv2_rows"] = int(kv2)
-  return out
 
 
 def step_flops(shape: ModelShape, layout: Layout) -> float:

@@ -33,7 +33,7 @@ import numpy as np
 
 from distca_jax.train import metrics as metrics_lib
 
-# named_scope name -> phase. Keep in sync with distca_jax/dispatch.py and attention.py.
+# named_scope name -> phase. Keep in sync with distca_jax/dispatch/exchange.py and attention.py.
 SCOPE_PHASES = (("dispatch", "dispatch"), ("return", "return"), ("core_attention", "attention"))
 PHASES = ("attention", "dispatch", "return", "other")
 

@@ -28,7 +28,7 @@ OPERATIONAL = ("train.steps", "train.stop_at_step", "train.max_seconds", "train.
                "train.tensorboard", "train.progress", "train.profile", "train.profile_start",
                "train.profile_steps", "train.profile_warmup", "train.compile_cache_dir",
                "train.init_timeout_s", "train.peak_tflops", "train.out_dir", "train.cpu_devices",
-               "train.imbalance_after", "checkpoint.", "mesh.", "attention.gate_nodes",
+               "train.imbalance_after", "checkpoint.", "mesh.", "attention.data_rank_nodes",
                "model.remat")
 
 

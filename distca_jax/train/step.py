@@ -26,6 +26,7 @@ from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
 from distca_jax.models.llama import AUTO_ORDER, Llama
 from distca_jax.models.presets import ModelShape, resolve
+from distca_jax.schedule.transport import choose
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train.finite import tree_all_finite
 from distca_jax.train.loss import chunked_cross_entropy
@@ -61,18 +62,28 @@ def put_global(host_tree: Any, mesh: Mesh, spec: P = P("data")) -> Any:
   return jax.tree.map(one, host_tree)
 
 
-def with_gate_nodes(config: Config, mesh: Mesh) -> Config:
-  """`config` with `attention.gate_nodes` found from the mesh's processes' hosts
-  (`mesh.data_rank_nodes`, a collective with several processes) unless set; a set one must
-  have a node per data rank."""
+def with_nodes(config: Config, mesh: Mesh) -> Config:
+  """`config` with `attention.data_rank_nodes` found unless set: from `mesh.devices_per_node`
+  (consecutive devices of the mesh share a node), else from the mesh's processes' hosts
+  (`mesh.data_rank_nodes`, a collective with several processes); a set one must have a node
+  per data rank."""
   a, data = config.attention, mesh.shape["data"]
-  if a.gate_nodes is not None:
-    if len(a.gate_nodes) != data:
-      raise ConfigError(f"attention.gate_nodes: one node number per data rank, got "
-                        f"{len(a.gate_nodes)} for {data} data ranks")
+  if a.data_rank_nodes is not None:
+    if len(a.data_rank_nodes) != data:
+      raise ConfigError(f"attention.data_rank_nodes: one node number per data rank, got "
+                        f"{len(a.data_rank_nodes)} for {data} data ranks")
     return config
-  nodes = mesh_lib.data_rank_nodes(mesh)
-  return dataclasses.replace(config, attention=dataclasses.replace(a, gate_nodes=nodes))
+  nodes = mesh_lib.data_rank_nodes(mesh, config.mesh.devices_per_node)
+  return dataclasses.replace(config, attention=dataclasses.replace(a, data_rank_nodes=nodes))
+
+
+def with_exchange(config: Config, platform: str) -> tuple[Config, str]:
+  """(`config` with `attention.exchange=auto` resolved on the data ranks' nodes and `platform`,
+  why that transport): `transport.choose`, recorded in the run's config.json so every later
+  reader sees the transport the run took."""
+  transport, why = choose(config.attention.exchange, config.attention.data_rank_nodes, platform)
+  attention = dataclasses.replace(config.attention, exchange=transport.name)
+  return dataclasses.replace(config, attention=attention), why
 
 
 class Trainer:
@@ -87,7 +98,9 @@ class Trainer:
     self.config, self.kernel = metrics_lib.with_kernel_gate_cost(config, self.shape)
     # ... and with the node of each data rank, unless the config sets them: the gate prices the
     # exchange's bytes between nodes higher (`dispatch.exchange_bytes`).
-    self.config = with_gate_nodes(self.config, mesh)
+    self.config = with_nodes(self.config, mesh)
+    # ... and with its exchange's transport: `auto` resolved on those nodes and this platform.
+    self.config, self.exchange_reason = with_exchange(self.config, jax.default_backend())
     config = self.config
     self.rules = mesh_lib.LogicalRules.default(config.mesh.fsdp)
     self.core_attention = attention_lib.make_core_attention(config.attention, mesh)

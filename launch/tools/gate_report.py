@@ -4,13 +4,13 @@ attention against distca with its gate (`bash launch/gpu_session.sh gaterun` wri
     python launch/tools/gate_report.py colocated.log distca.log
 
 Reads each run's per-step log lines (`step N: ... step_s=... compile_count=... cad=...`, written
-with `train.progress=false`; `gate.read_step_log`), keeps the steps on which neither run
+with `train.progress=false`; `gate_fitting.read_step_log`), keeps the steps on which neither run
 compiled, and prints the run-level speedup (sum of colocated step times over the sum of distca's), the same over the steps
 the gate gave CAD and over those it kept colocated, and how often each happened; then, over the
 steps CAD ran, the gate's predicted saving (`cad_predicted_saving`) against the measured one,
 overall and, where the CAD steps ran at more than one exchange shape (the logged capacities
 `exchange_q_rows`, `exchange_kv_rows`, the relayed round's `exchange_kv2_rows` when the run
-has one, or the shifted and ragged exchanges' `exchange_shift_*` / `exchange_send_*`, and
+has one, or the ragged exchange's `exchange_send_*`, and
 `nano_batches`, which only grow over a run), per shape:
 a cost the gate's model misses that grows with the padded blocks shows there; and
 how long the two runs' losses agree (same batches, same initialisation: the same function, until
@@ -23,15 +23,16 @@ import sys
 
 import numpy as np
 
-from distca_jax.gate import read_step_log as read
-from distca_jax.train.metrics import EXCHANGE_PREFIXES
+from distca_jax.gate_fitting import read_step_log as read
+from distca_jax.schedule.transport import TRANSPORTS
 
 
 def exchange_shape(values: dict) -> tuple[int, int, int, int]:
   """(query rows, K/V rows, relayed K/V rows, nano-batches) of a logged CAD step: its exchange
   capacities under its transport's prefix (each value compiles the step once). A log without the
   relayed K/V round has no ..._kv2_rows: read as 0."""
-  prefix = next((p for p in EXCHANGE_PREFIXES.values() if f"{p}_q_rows" in values), "exchange")
+  prefix = next((t.log_prefix for t in TRANSPORTS.values() if f"{t.log_prefix}_q_rows" in values),
+                "exchange")
   return (*(int(values.get(f"{prefix}_{k}_rows", 0)) for k in ("q", "kv", "kv2")),
           int(values.get("nano_batches", 0)))
 
