@@ -85,7 +85,7 @@ def route(relay: Relay, shard: np.ndarray, src: np.ndarray, dst: np.ndarray, row
   out = [(kept, np.zeros(kept.size, np.int64), rows[kept], np.full(kept.size, -1, np.int64))]
   if busy.size:
     # K/V rows each device sends, starting from the direct exchange's; relaying moves them.
-    load = np.bincount(src[remote], weights=rows[remote], minlength=num_devices)
+    load = np.bincount(src[remote], weights=rows[remote], minlength=num_devices).tolist()
     busy = busy[np.lexsort((-rows[busy], shard[busy]))]  # per shard, most rows first
     starts = np.flatnonzero(np.r_[True, shard[busy][1:] != shard[busy][:-1]])
     groups = np.split(busy, starts[1:])
@@ -100,7 +100,7 @@ def route(relay: Relay, shard: np.ndarray, src: np.ndarray, dst: np.ndarray, row
 
 
 def _scatter_shard(relay: Relay, holder: int, pieces: np.ndarray, servers: list[int],
-                   rows: list[int], load: np.ndarray):
+                   rows: list[int], load: list[float]):
   """(parent, start, rows, via) of one relayed shard's pieces. `pieces`, `servers`, `rows`: its
   pieces, most rows first. `load`: rows each device sends, updated for this shard.
 
@@ -140,9 +140,8 @@ def _scatter_shard(relay: Relay, holder: int, pieces: np.ndarray, servers: list[
   return pieces[np.asarray(parent, np.int64)], start, size, via
 
 
-def _least_loaded(servers: list[int], k: int, load: np.ndarray) -> int:
-  """The j < k whose server sends the least so far (ties: the lower server number)."""
-  cand = np.asarray(servers[:k])
-  l = load[cand]
-  ties = np.flatnonzero(l == l.min())
-  return int(ties[np.argmin(cand[ties])])
+def _least_loaded(servers: list[int], k: int, load: list[float]) -> int:
+  """The j < k whose server sends the least so far (ties: the lower server number; a shard's
+  servers are distinct)."""
+  first = servers[:k]
+  return servers.index(min(zip(map(load.__getitem__, first), first))[1])
