@@ -145,12 +145,16 @@ def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _exchange_arrays(name: str, count_NxN: np.ndarray) -> dict[str, np.ndarray]:
-  """The six per-device arrays of one packed exchange (`DispatchPlan`'s `*_{name}_*`)."""
-  send_off, recv_off = exchange_offsets(count_NxN)
-  i32 = lambda a: np.ascontiguousarray(a, np.int32)
-  return {f"send_{name}_count": i32(count_NxN), f"recv_{name}_count": i32(count_NxN.T),
-          f"send_{name}_off": i32(send_off), f"recv_{name}_off": i32(recv_off),
-          f"peer_{name}_off": i32(recv_off.T), f"back_{name}_off": i32(send_off.T)}
+  """The six per-device arrays of one packed exchange (`DispatchPlan`'s `*_{name}_*`), int32.
+  Each is an exclusive prefix sum along the rows or the columns of the counts or of their
+  transpose, computed in place so that only the counts are transposed (a transposing copy of
+  an [N, N] array is several times slower than a prefix sum)."""
+  count = np.ascontiguousarray(count_NxN, np.int32)
+  turned = np.ascontiguousarray(count.T)
+  prefix = lambda a, axis: np.cumsum(a, axis=axis, dtype=np.int32) - a
+  return {f"send_{name}_count": count, f"recv_{name}_count": turned,
+          f"send_{name}_off": prefix(count, 1), f"recv_{name}_off": prefix(turned, 1),
+          f"peer_{name}_off": prefix(count, 0), f"back_{name}_off": prefix(turned, 0)}
 
 
 def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices=None,
@@ -174,7 +178,9 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   counts = pair_rows(tasks, layout, kv)
   caps = _open_capacities(capacities, tasks, layout, kv)
   _check_fits(*counts, caps)
-  offsets = [exchange_offsets(c) for c in counts]  # (send_off, recv_off) of each round
+  rounds = [_exchange_arrays(name, c) for name, c in zip(("q", "kv", "kv2"), counts)]
+  offsets = [(r[f"send_{name}_off"], r[f"recv_{name}_off"])  # of each round
+             for name, r in zip(("q", "kv", "kv2"), rounds)]
   q = _query_arrays(tasks, t, caps, offsets[0], mine)
   k = _kv_arrays(kv, layout, caps, offsets[1], offsets[2], mine)
   tables = _task_tables(q.tasks, kv, k.pair_base, caps.ctask, mine,
@@ -182,8 +188,7 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   as_rows = lambda arrays: {name: a.reshape(n, a.size // n) for name, a in arrays.items()}
   return DispatchPlan(
       **as_rows(q.arrays), **as_rows(k.arrays), **as_rows(tables),
-      **_exchange_arrays("q", counts[0]), **_exchange_arrays("kv", counts[1]),
-      **_exchange_arrays("kv2", counts[2]), recv_q=caps.recv_q, recv_kv=caps.recv_kv,
+      **rounds[0], **rounds[1], **rounds[2], recv_q=caps.recv_q, recv_kv=caps.recv_kv,
       recv_kv2=caps.recv_kv2, c=caps.c or 0, ckv=caps.ckv or 0, ckv2=caps.ckv2 or 0)
 
 
