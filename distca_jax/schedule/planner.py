@@ -44,6 +44,7 @@ the balance stay those of the flat rule; fewer bytes cross nodes (docs/PERFORMAN
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from typing import NamedTuple
@@ -102,6 +103,10 @@ class Candidate(NamedTuple):
   e_bound: float
 
 
+# Candidate from a tuple without a Python call per candidate (a batch hands out thousands).
+_new_candidate = functools.partial(tuple.__new__, Candidate)
+
+
 class Move(NamedTuple):
   """The move chosen: `source` gives rows [x, y) of `cand` (`pairs` of area) to the destination."""
 
@@ -149,13 +154,13 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   scorer = _Scorer(comm, loads.tol)
   moves, stopped = 0, "balanced"
   while True:
-    d, cap_d = loads.next_destination()
+    d, cap_d, max_sur = loads.next_destination()
     if d is None:
       break
     if moves >= max_moves:
       stopped = "move cap"
       break
-    move = _choose(pool, loads, scorer, d, cap_d, max_sources)
+    move = _choose(pool, loads, scorer.score, d, cap_d, max_sur, max_sources)
     if move is None:
       loads.give_up(d, cap_d)
       continue
@@ -216,7 +221,7 @@ class _Pool:
 
   def _candidates(self, idx):
     b = self.base
-    return map(Candidate._make, zip(
+    return map(_new_candidate, zip(
         idx.tolist(), self.lo[idx].tolist(), self.hi[idx].tolist(), self.area[idx].tolist(),
         self.e_whole[idx].tolist(), b.doc[idx].tolist(), b.home_off[idx].tolist(),
         self.e_bound[idx].tolist()))
@@ -257,10 +262,10 @@ class _Pool:
         new[f].append(v)
       if dst == s:
         area = (b - a) * (b + a + 1.0) / 2.0
-        self.handed[s].append(Candidate(
+        self.handed[s].append(_new_candidate((
             self.size0 + len(new["home"]) - 1, float(a), float(b), area,
             area / ((b - a) * qb + b * kvb), doc, off + (a - lo),
-            _subrange_bound(float(a), float(b), qb, kvb, _clip)))
+            _subrange_bound(float(a), float(b), qb, kvb, _clip))))
     self.refresh(s)
 
   def tasks(self) -> Tasks:
@@ -311,13 +316,14 @@ class _Loads:
     return -ts[0] if ts else 0.0
 
   def next_destination(self):
-    """(the server with the largest deficit, that deficit), or (None, 0) once every server is
-    within the tolerance or no destination is left."""
+    """(the server with the largest deficit, that deficit, the largest surplus), or (None, 0, 0)
+    once every server is within the tolerance or no destination is left."""
     td = self._top(self.deficit)
     max_def = max(-td[0] if td else 0.0, self.stuck_max)
-    if (self.max_surplus() <= self.tol and max_def <= self.tol) or td is None:
-      return None, 0.0
-    return td[2], -td[0]
+    max_sur = self.max_surplus()
+    if (max_sur <= self.tol and max_def <= self.tol) or td is None:
+      return None, 0.0, 0.0
+    return td[2], -td[0], max_sur
 
   def source_heaps(self, d: int):
     """The surplus heaps a destination asks, in order: its node's, then all."""
@@ -348,6 +354,9 @@ class _Loads:
       heapq.heappush(self.deficit, (load - target, v, s))
 
 
+_G, _INV_G = float(GRANULE), 1.0 / GRANULE
+
+
 class _Scorer:
   """E of the best move of a given number of pairs out of a piece (`cost.optimal_split`, cut at
   the 128-row grid)."""
@@ -356,10 +365,10 @@ class _Scorer:
     self.k_opt = 2.0 * comm.beta / (comm.beta + 2.0)  # n_q* = sqrt(k_opt * want)
     self.qb, self.kvb, self.tol = comm.q_row_bytes, comm.kv_row_bytes, tol
 
-  def __call__(self, a0: float, e0: float, cap: float):
+  def score(self, a0: float, e0: float, cap: float):
     """(E, x, y, got) of the best move of `cap` pairs out of piece [a0, e0) (its area is larger:
     a piece that fits moves whole, with its candidate's E); E <= 0: none."""
-    g, inv_g = float(GRANULE), 1.0 / GRANULE
+    g, inv_g = _G, _INV_G
     want = cap
     nq = math.sqrt(self.k_opt * want)
     y = want / nq + 0.5 * nq
@@ -382,10 +391,10 @@ class _Scorer:
     return got / (nrow * self.qb + y * self.kvb), x, y, got
 
 
-def _choose(pool: _Pool, loads: _Loads, score: _Scorer, d: int, cap_d: float,
+def _choose(pool: _Pool, loads: _Loads, score, d: int, cap_d: float, max_sur: float,
             max_sources: int) -> Move | None:
-  """The move to destination `d` (deficit `cap_d`), or None if no source has a candidate that
-  fits. The source with the largest surplus gives, its best candidate by E; the next sources
+  """The move to destination `d` (deficit `cap_d`; the largest surplus `max_sur`), or None if no source has a candidate that
+  fits (`score`: `_Scorer.score`). The source with the largest surplus gives, its best candidate by E; the next sources
   only when it has none that fits. Draining the heaviest source first moves fewer, larger pieces
   than taking the best E over many sources, which sends a long document's pieces (and its K/V
   prefix) to server after server. With nodes, d's own node's sources come first. Allowing
@@ -394,9 +403,9 @@ def _choose(pool: _Pool, loads: _Loads, score: _Scorer, d: int, cap_d: float,
   # While some destination is outside the tolerance, any surplus source may give; once all are
   # inside, only sources outside it (so the loop ends as soon as everyone is within ε).
   floor_ = 0.0 if cap_d > loads.tol else loads.tol
-  max_sur = loads.max_surplus()
-  ver, offers = loads.ver, pool.offers
-  best = None
+  ver, offers, everyone = loads.ver, pool.offers, loads.surplus
+  best = None  # (source, candidate, x, y, pairs): one Move made at the end
+  best_e = 0.0
   tried = 0
   offered = set()
   for heap in loads.source_heaps(d):
@@ -409,29 +418,28 @@ def _choose(pool: _Pool, loads: _Loads, score: _Scorer, d: int, cap_d: float,
       popped.append(entry)
       sur = -entry[0]
       # A source on d's node gives only a move as large as the flat rule's would be.
-      if sur <= floor_ or (heap is not loads.surplus and sur < min(cap_d, max_sur)):
+      if sur <= floor_ or (heap is not everyone and sur < min(cap_d, max_sur)):
         break
       if s in offered:  # tried on d's node
         continue
       offered.add(s)
       tried += 1
       cap = min(sur, cap_d)
-      best_e = 0.0 if best is None else best.e
       for c in offers[s]:
         if c.area <= cap:
           if c.e_whole > best_e:
-            best_e, best = c.e_whole, Move(s, c, c.lo, c.hi, c.area, c.e_whole)
+            best_e, best = c.e_whole, (s, c, c.lo, c.hi, c.area)
           continue
         if c.e_bound <= best_e:  # no sub-range of this piece beats the best
           continue
         e, x, y, got = score(c.lo, c.hi, cap)
         if e > best_e:
-          best_e, best = e, Move(s, c, x, y, got, e)
+          best_e, best = e, (s, c, x, y, got)
     for entry in popped:
       heapq.heappush(heap, entry)
     if best is not None:
       break
-  return best
+  return None if best is None else Move(*best, best_e)
 
 
 def _node_ids(nodes, n: int) -> list[int] | None:
