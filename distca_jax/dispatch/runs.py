@@ -154,9 +154,8 @@ def exchange_table(count: np.ndarray, recv_off: np.ndarray, send_off: np.ndarray
   sent from: server s's rows [recv_off[s, h], + count[h, s]) are sender h's slots
   [send_off[h, s], + count[h, s])."""
   servers = np.unique(np.asarray(servers, np.int64))
-  h, j = np.nonzero(count[:, servers].T > 0)  # per server, senders in order: offsets grow
-  s = servers[h]
-  sender = j
+  at, sender = np.nonzero(count[:, servers].T > 0)  # per server, senders in order: offsets grow
+  s = servers[at]
   key = s * width + recv_off[s, sender].astype(np.int64)
   return Table(key, count[sender, s].astype(np.int64), sender.astype(np.int64),
                send_off[sender, s].astype(np.int64), width)
