@@ -61,12 +61,12 @@ class MeshConfig:
   data: Annotated[int, Range(ge=1, also=(-1,), why="-1: all remaining devices")] = -1
   tensor: PositiveInt = 1
   pipe: PositiveInt = 1
-  # Shard parameters and optimizer state over `data` (FSDP); replicate them when off.
-  fsdp: bool = True
   # Devices per node (a SLURM job: GPUs per node): consecutive devices of the mesh share a node.
   # Unset: the trainer groups the devices by their processes' host names. The nodes decide the
   # exchange's transport (attention.exchange=auto), relays and the gate's price of a byte.
   devices_per_node: PositiveInt | None = None
+  # Shard parameters and optimizer state over `data` (FSDP); replicate them when off.
+  fsdp: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

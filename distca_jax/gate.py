@@ -3,8 +3,8 @@
 Numpy only (no JAX): the trainer's host thread, the launchers and the tests all price steps with
 it. The cost model itself takes numbers and lives beside the planner
 (`distca_jax/schedule/gate_cost.py`); this module reads a config into them: the fitted cost
-profile (`costs`: `attention.gate_*`, the attention cost unset being the one measured for the
-run's kernel, `GATE_ATTENTION_COST`, from the shipped `gate_fit.json`), the model's FLOPs, the
+profile (`costs`: the file `attention.gate_profile` names, `read_profile`, by default the shipped
+`gate_fit.json`; its attention cost the one measured for the run's kernel), the model's FLOPs, the
 exchange's bytes as its transport carries them (`exchange_bytes`), and the decisions
 (`worth_planning`, `gate_refuses`: below `attention.min_gain` a step runs colocated,
 `dispatch.host.plan_step`); and it says them in the run's log. Fitting the profile to measured
@@ -26,7 +26,7 @@ from distca_jax.schedule import gate_cost
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.gate_cost import GateCosts, ModelFlops, attention_load_per_device, imbalance
-from distca_jax.schedule.transport import relay_for
+from distca_jax.schedule.transport import TILED_POOL_LIMIT, relay_for
 
 FIT_DATA = Path(__file__).with_name("gate_fit.json")
 
@@ -37,8 +37,8 @@ def fit_data() -> dict:
   return json.loads(FIT_DATA.read_text())
 
 
-# The kernel the step-time fit ran, and the shipped attention cost per kernel (the fit's, and
-# the fit's scaled by each kernel's attention time per FLOP in training steps).
+# The kernel the shipped step-time fit ran, and the shipped attention cost per kernel (the fit's,
+# and the fit's scaled by each kernel's attention time per FLOP in training steps).
 GATE_FIT_KERNEL: str = fit_data()["fit_kernel"]
 GATE_ATTENTION_COST: dict[str, float] = dict(fit_data()["attention_cost"])
 KERNEL_COST_RATIO: dict[str, float] = dict(fit_data()["kernel_cost_ratio"])
@@ -120,14 +120,10 @@ def describe_nodes(attention_config) -> str:
           + (" (kv_relay_fanout=auto)" if fanout == "auto" else ""))
 
 
-# Beyond one node's data ranks the tiled exchange's padding outgrows what balancing gains.
-TILED_DATA_RANKS = 8
-
-
 def describe_exchange(attention_config, data_ranks: int) -> str:
   """A line for the run's log when the exchange's transport will keep most steps colocated: the
   tiled all_to_all on more than one node's data ranks ("" otherwise)."""
-  if not attention_config.transport().padded or data_ranks <= TILED_DATA_RANKS:
+  if not attention_config.transport().padded or data_ranks <= TILED_POOL_LIMIT:
     return ""
   return (f"attention.exchange=tiled on {data_ranks} data ranks: every (device, server) pair is "
           "padded to the largest one's rows, bytes that grow with the data ranks, and the gate "

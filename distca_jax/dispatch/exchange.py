@@ -57,7 +57,7 @@ from distca_jax.colocated import make_colocated_attention
 from distca_jax.dispatch.format import DispatchPlan
 from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
-from distca_jax.schedule.transport import RAGGED, TILED, Transport
+from distca_jax.schedule.transport import RAGGED, TILED, TILED_POOL_LIMIT, Transport
 
 log = logging.getLogger("distca_jax.dispatch")
 
@@ -257,11 +257,6 @@ def resolve_exchange(mode: Transport) -> Transport:
                 "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true "
                 "(docs/PERFORMANCE.md, \"Dispatch at scale\")")
   return mode
-
-
-# Pool size from which the tiled exchange's padding stops hiding under compute (docs/SIMULATOR.md:
-# hidden at 8 ranks, exposed at 32; docs/PERFORMANCE.md "Dispatch at scale": 14x the rows at 8).
-TILED_POOL_LIMIT = 8
 
 
 def make_distca_attention(attention_config, mesh: Mesh):

@@ -126,6 +126,11 @@ RAGGED = _Ragged(name="ragged", carries="only the rows that move", padded=False,
                  relays_across_nodes=True, log_prefix="exchange_send")
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (TILED, RAGGED)}
 
+# Data ranks from which tiled's padding stops hiding under compute and outgrows what balancing
+# gains (docs/SIMULATOR.md: hidden at 8 ranks, exposed at 32; docs/PERFORMANCE.md, "Dispatch at
+# scale": 14x the rows at 8): one node's. The run's log warns beyond it.
+TILED_POOL_LIMIT = 8
+
 
 def named(name: str) -> Transport:
   """The transport called `name` (`tiled`, `ragged`); `auto` is `choose`'s."""
