@@ -81,6 +81,11 @@ def main(argv=None):
   ap.add_argument("--step-batches", type=int, default=3,
                   help="--step-devices: the median host time over this many batches (the first "
                        "steps of a process are slower: page faults, caches)")
+  ap.add_argument("--baseline", default=None, metavar="DIR",
+                  help="--step-devices: also time the host path of the source tree DIR (e.g. an "
+                       "earlier commit's `git archive`) in the same run, interleaved with this "
+                       "tree's, and print the two side by side (relays on, 8 slices)")
+  ap.add_argument("--emit-json", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--all-rows-upto", type=int, default=32,
                   help="--step-devices: time the all-rows host path only up to this many devices")
   ap.add_argument("--pairs", type=int, nargs="*", default=[],
@@ -97,6 +102,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.hotspot is not None:
     return hotspot(args)
+  if args.step_devices and (args.baseline or args.emit_json):
+    return compare_host_path(args)
   if args.step_devices:
     return step_host_path(args)
   if args.pairs:
@@ -167,7 +174,77 @@ def main(argv=None):
           f"ctask={c.ctask}; imbalance {plan.stats.imbalance_before:.2f} -> {plan.stats.imbalance_after:.3f}")
 
 
-def _trainer_source(dist: str, n: int, t: int):
+def compare_host_path(args):
+  """One process's host work per step (a process of `--local-devices` devices: its rows' batch
+  and `dispatch.plan_step`), this tree against `--baseline`'s in one run: per device count, the
+  baseline's (a subprocess on that tree), then this tree's, then the baseline's again (this
+  machine's load drifts). Wall and CPU ms (median over `--step-batches`), and of it the planning
+  of the step's nano-batches (`dispatch.host._plans_and_kv`: schedule, K/V requests with relays,
+  capacities, traffic; CPU ms, best of 3), with the plans' moves and imbalance, which must agree."""
+  import json
+  import subprocess
+  import sys
+
+  if args.emit_json:
+    for dist in args.dist:
+      for n in args.step_devices:
+        print(json.dumps(_host_numbers(args, dist, n)), flush=True)
+    return
+  k = args.local_devices or 8
+  print(f"# a process of {k} devices, host path per step (median of {args.step_batches} "
+        f"batches), {args.tokens} tokens/device, llama3_8b, ping-pong on, relays on (8 slices); "
+        f"CPU {platform.processor() or platform.machine()}, loadavg {os.getloadavg()[0]:.1f}; "
+        f"before: {args.baseline}")
+  print("| dist | devices | host ms, wall: before / after / before again | host CPU ms: before / "
+        "after / before again | planning CPU ms: before / after | moves, imbalance after: "
+        "before / after |")
+  print("|---|---|---|---|---|---|")
+
+  def baseline(dist, n):
+    cmd = [sys.executable, os.path.abspath(__file__), "--emit-json", "--step-devices", str(n),
+           "--dist", dist, "--tokens", str(args.tokens), "--local-devices", str(k),
+           "--step-batches", str(args.step_batches)]
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+  for dist in args.dist:
+    for n in args.step_devices:
+      b0 = baseline(dist, n)
+      a = _host_numbers(argparse.Namespace(**{**vars(args), "local_devices": k}), dist, n)
+      b1 = baseline(dist, n)
+      print(f"| {dist} | {n} | {b0['wall']:.0f} / {a['wall']:.0f} / {b1['wall']:.0f} "
+            f"| {b0['cpu']:.0f} / {a['cpu']:.0f} / {b1['cpu']:.0f} "
+            f"| {min(b0['plan'], b1['plan']):.0f} / {a['plan']:.0f} "
+            f"| {b0['moves']}, {b0['imbalance']:.3f} / {a['moves']}, {a['imbalance']:.3f} |",
+            flush=True)
+
+
+def _host_numbers(args, dist: str, n: int) -> dict:
+  """The host path's wall and CPU ms for a process of `args.local_devices` devices, the planning's
+  CPU ms, and the plans' moves and imbalance after (batch 0), on the code imported."""
+  from distca_jax import dispatch
+  from distca_jax.dispatch import host
+
+  config, shape, source = _trainer_source(dist, n, args.tokens, ["attention.kv_relay_fanout=8"])
+  devices = np.arange(min(args.local_devices, n))
+  walls, cpus = [], []
+  for i in range(max(args.step_batches, 1)):
+    t0, c0 = time.perf_counter(), time.process_time()
+    step = dispatch.plan_step(config.attention, source.batch(i, devices), shape, devices)
+    walls.append((time.perf_counter() - t0) * 1e3)
+    cpus.append((time.process_time() - c0) * 1e3)
+    if i == 0:
+      ctx = step
+  layouts = [b.layout for b in ctx.batches]
+  plans, _, plan_ms = _cpu_ms(
+      lambda: host._plans_and_kv(config.attention, layouts, shape, False)[0], 3)
+  return {"wall": float(np.median(walls)), "cpu": float(np.median(cpus)), "plan": plan_ms,
+          "moves": sum(p.stats.moves for p in plans),
+          "imbalance": float(ctx.imbalance()[1])}
+
+
+def _trainer_source(dist: str, n: int, t: int, extra=()):
   """(config, model shape, data source) of the trainer's CAD job on `n` devices of `t` tokens
   (llama3_8b, the paper's elongation for t), the gate off: the CAD host path on every batch."""
   from distca_jax.config import load_config
@@ -177,7 +254,8 @@ def _trainer_source(dist: str, n: int, t: int):
   config = load_config(None, ["model.preset=llama3_8b", f"data.tokens_per_device={t}",
                               "data.length_scale=1", f"data.elongate_factor={max(1, t // 65536)}",
                               "attention.impl=distca", "attention.gate=false",
-                              "attention.min_imbalance=1", f"mesh.data={n}", f"data.distribution={dist}"])
+                              "attention.min_imbalance=1", f"mesh.data={n}", f"data.distribution={dist}",
+                              *extra])
   shape = resolve(config.model)
   return config, shape, synthetic_from_config(config.data, shape.vocab_size, n)
 

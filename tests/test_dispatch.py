@@ -152,6 +152,8 @@ def test_training_mixes_gated_and_balanced_steps(tmp_path):
   assert [" cad_predicted_saving=" in l for l in lines if l.startswith("step ")] == cad
   assert [" nano_batches=1 " in l + " " for l in lines if l.startswith("step ")] == cad  # ping-pong off
   assert [" exchange_q_rows=" in l for l in lines if l.startswith("step ")] == cad
+  # ... and whether a plan stopped short of attention.epsilon.
+  assert [" plan_short=" in l for l in lines if l.startswith("step ")] == cad
   # Capacities are logged exactly (they name the step's compiled shape), not to 4 digits.
   logged = [int(l.split("exchange_q_rows=")[1].split()[0]) for l in lines if "exchange_q_rows=" in l]
   assert logged and all(r % 8 == 0 for r in logged), lines

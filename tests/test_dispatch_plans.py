@@ -181,6 +181,55 @@ def test_build_dispatch_refuses_a_kv_row_gathered_twice():
     dispatch.build_dispatch(plan.tasks, batch.layout, caps, kv=twice)
 
 
+def _a_run(idx, valid, rows=1):
+  """(device, first slot, slots) of the first run of at least `rows` + 1 valid slots holding
+  consecutive rows in an index array."""
+  for d in range(idx.shape[0]):
+    slots = np.flatnonzero(valid[d])
+    if slots.size <= rows:
+      continue
+    breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(idx[d, slots]) != 1)) + 1
+    for run in np.split(slots, breaks):
+      if run.size > rows:
+        return d, int(run[0]), int(run.size)
+  raise AssertionError("no run to mutate")
+
+
+def test_validate_plan_refuses_a_mutated_range():
+  """The checks follow rows as ranges: a whole run of an index array moved by one row (still
+  consecutive, so only the run's first row gives it away), or two runs swapped, is refused, in
+  the query, K/V, round-2 and return arrays."""
+  layout, tasks, kv, _ = _relay_case()
+  plan = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
+  dispatch.validate_plan(plan, layout)
+  for name in ("local_q_idx", "send_q_idx", "send_kv_idx", "send_kv2_idx", "server_kv_idx",
+               "return_idx"):
+    idx = getattr(plan, name)
+    d, start, size = _a_run(idx, getattr(plan, name.replace("idx", "valid")))
+    moved = idx.copy()
+    moved[d, start:start + size] += 1 if idx[d, start + size - 1] + 1 < idx.shape[-1] else -1
+    bad = dataclasses.replace(plan, **{name: moved})
+    with pytest.raises(dispatch.PlanMismatchError, match="match the batch|inverse|outside"):
+      dispatch.validate_plan(bad, layout)
+    # Refused by the process that reads the run: a sent row's server's (a query row's home's
+    # too), any other array's own device's.
+    if name.startswith("send_"):
+      rnd = name[len("send_"):-len("_idx")]
+      count, off = getattr(plan, f"send_{rnd}_count")[d], getattr(plan, f"send_{rnd}_off")[d]
+      d = int(np.flatnonzero((off <= start) & (count > 0))[-1])
+    with pytest.raises(dispatch.PlanMismatchError):
+      dispatch.validate_plan(bad, layout, [d])
+  # Two equal runs of a server's K/V gather swapped (the inverse swapped with it): each slot still
+  # holds a row, the wrong one.
+  idx, inv = plan.server_kv_idx.copy(), plan.server_kv_inv.copy()
+  d, start, size = _a_run(idx, plan.server_kv_valid, rows=4)
+  a, b = slice(start, start + 2), slice(start + 2, start + 4)
+  idx[d, a], idx[d, b] = plan.server_kv_idx[d, b], plan.server_kv_idx[d, a]
+  inv[d, idx[d, start:start + 4]] = np.arange(start, start + 4)
+  with pytest.raises(dispatch.PlanMismatchError, match="match the batch"):
+    dispatch.validate_plan(dataclasses.replace(plan, server_kv_idx=idx, server_kv_inv=inv), layout)
+
+
 def test_validate_plan_checks_the_given_devices_rows():
   """A process checks the outputs and tasks of the rows it feeds: a wrong output row of device 0
   is refused when device 0 is among them, and is left to device 0's process otherwise."""

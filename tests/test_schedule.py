@@ -522,3 +522,29 @@ def test_min_imbalance_gate():
   assert np.array_equal(open_gate.tasks.server, free.tasks.server)
   with pytest.raises(ValueError, match="min_imbalance"):
     make_plan(layout, COMM, min_imbalance=0.5)
+
+
+def test_planner_edge_inputs_end_in_an_error_or_a_useful_plan():
+  """A tolerance that is not a number in [0, 10) and top_k = 0 are refused by name; a plan whose
+  moves would not lower the busiest server keeps every task home; a plan that stops short of
+  its tolerance says why."""
+  layout = pack(np.full(40, 100), 4, 1024)
+  for eps in (float("nan"), -0.1, 10.0, float("inf")):
+    with pytest.raises(ValueError, match="epsilon"):
+      make_plan(layout, COMM, eps)
+    with pytest.raises(ValueError, match="epsilon"):
+      balance(layout, COMM, eps)
+  with pytest.raises(ValueError, match="top_k"):
+    balance(layout, COMM, 0.1, top_k=0)
+  # 128-row buffers: each piece is one granule, as large as a buffer's whole load.
+  sampler = LengthSampler(load_lengths("pretrain"))
+  small = pack(sampler.sample(16 * 128, 0), 16, 128)
+  tasks, stats = balance(small, COMM, 0.1)
+  assert stats.moves == 0 and stats.stopped == "no gain" and stats.short
+  assert (tasks.server == tasks.home).all()
+  plan = make_plan(small, COMM, 0.1)
+  assert plan.stats.imbalance_after == plan.stats.imbalance_before and plan.stats.short
+  _, capped = balance(pack(sampler.sample(16 * 4096, 0), 16, 4096), COMM, 0.0, max_moves=1)
+  assert capped.moves == 1 and capped.stopped == "move cap" and capped.short
+  _, fine = balance(pack(sampler.sample(16 * 4096, 0), 16, 4096), COMM, 0.5)
+  assert fine.stopped == "balanced" and not fine.short

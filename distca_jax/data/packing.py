@@ -102,13 +102,24 @@ class Layout:
 def index_in_runs(counts: np.ndarray) -> np.ndarray:
   """Each element's index within its run, for runs of `counts` elements laid end to end:
   [2, 3] -> [0, 1, 0, 1, 2]."""
-  counts = np.asarray(counts, np.int64)
-  return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+  return ranges(0, counts)
 
 
 def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-  """Concatenation of arange(s, s + l) for each pair, without a Python loop."""
-  return np.repeat(np.asarray(starts, np.int64), lengths) + index_in_runs(lengths)
+  """Concatenation of arange(s, s + l) for each pair, without a Python loop: one running sum of
+  ones, each range's first element the jump from the previous range's last."""
+  lengths = np.asarray(lengths, np.int64).reshape(-1)
+  starts = np.broadcast_to(np.asarray(starts, np.int64).reshape(-1), lengths.shape)
+  keep = lengths > 0
+  if not keep.all():
+    starts, lengths = starts[keep], lengths[keep]
+  if not lengths.size:
+    return np.zeros(0, np.int64)
+  step = np.ones(int(lengths.sum()), np.int64)
+  first = np.cumsum(lengths) - lengths
+  step[0] = starts[0]
+  step[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+  return np.cumsum(step, out=step)
 
 
 def pack(doc_lens, num_buffers: int, buffer_len: int) -> Layout:

@@ -14,6 +14,7 @@ there and back. Its files are its seams:
                are copied locally rather than sent, so the exchange carries only rows that
                really move, each (device, server) block padded to a small bucket.
   checks.py    `validate_plan`: the arrays checked against the batch, as named checks.
+  runs.py      what the checks read the arrays with: row ranges followed through their runs.
   exchange.py  the device side: the exchange (`transport`, one function per
                `attention.exchange` mode), the row movers with explicit transposes, and the
                model's `core_attention` (`make_distca_attention`).

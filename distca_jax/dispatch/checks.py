@@ -11,13 +11,44 @@ the whole batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
-from distca_jax.data.packing import PAD_SEGMENT, Layout, index_in_runs
+from distca_jax.data.packing import PAD_SEGMENT, Layout
 from distca_jax.data.sources import Batch
-from distca_jax.dispatch.format import (DispatchPlan, PlanMismatchError, exchange_offsets,
-                                        rows_selector)
+from distca_jax.dispatch import runs
+from distca_jax.dispatch.format import DispatchPlan, PlanMismatchError, rows_selector
+
+
+class _Tables(dict):
+  """`Scope.tables`: each built on first use."""
+
+  def __init__(self, scope: "Scope"):
+    super().__init__()
+    self.scope = scope
+
+  def __missing__(self, name: str) -> runs.Table:
+    s, p = self.scope, self.scope.plan
+    whole = lambda a, valid: runs.table_of(a, valid, s.devices, 0, a.shape[-1])
+    if name == "local_q":
+      table = whole(p.local_q_idx, p.local_q_valid)
+    elif name == "server_kv":
+      table = whole(p.server_kv_idx, p.server_kv_valid)
+    elif name == "send_q":
+      table = runs.table_of(p.send_q_idx, p.send_q_valid, *runs.send_regions(
+          p.send_q_count, p.send_q_off, s.devices, s.devices))
+    elif name == "send_kv2":
+      table = runs.table_of(p.send_kv2_idx, p.send_kv2_valid, *runs.send_regions(
+          p.send_kv2_count, p.send_kv2_off, s.devices, s.devices))
+    elif name == "shards":
+      table = runs.shard_table(s.layout)
+    elif name == "prior_shards":
+      table = runs.shard_table(s.layout.prior)
+    else:
+      raise KeyError(name)
+    self[name] = table
+    return table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,19 +68,18 @@ class Scope:
     """[devices, T] whether each of their home rows is a real token."""
     return self.segment != PAD_SEGMENT
 
-  def home_row(self, device, row) -> tuple[np.ndarray, np.ndarray]:
-    """(document, position) of home rows `row` of `device` (arrays; PAD_SEGMENT: padding)."""
-    return self.layout.locate(device, row)
+  @functools.cached_property
+  def tables(self) -> dict[str, runs.Table]:
+    """The index arrays the row checks follow, as runs (`runs.table_of`), each read once over
+    the slots the checked devices' rows pass through."""
+    return _Tables(self)
 
-  def kv_row(self, device, row) -> tuple[np.ndarray, np.ndarray]:
-    """(document, position) of local K/V rows `row` of `device`: its buffer's, then (a Pong's)
-    the rows of its prior buffer in the other stream."""
-    doc, pos = self.layout.locate(device, np.minimum(row, self.T - 1))
-    if self.layout.prior is None:
-      return doc, pos
-    prior_doc, prior_pos = self.layout.prior.locate(device, np.maximum(row - self.T, 0))
-    own = row < self.T
-    return np.where(own, doc, prior_doc), np.where(own, pos, prior_pos)
+  def kv_send_table(self, receivers) -> runs.Table:
+    """The round-1 K/V send slots read by `receivers` (the checked servers, and the relays that
+    forward to them), and every slot the checked devices send."""
+    p = self.plan
+    regions = runs.send_regions(p.send_kv_count, p.send_kv_off, receivers, self.devices)
+    return runs.table_of(p.send_kv_idx, p.send_kv_valid, *regions)
 
   @property
   def N(self) -> int:
@@ -197,18 +227,24 @@ def check_indices_in_range(s: Scope) -> None:
 
 def check_kv_inverse(s: Scope) -> None:
   """`server_kv_inv` is the exact inverse of `server_kv_idx`: the backward runs the exchange
-  transposed, gathering by it (`exchange._kv_grads_to_home`). Every filled slot's row maps back
-  to that slot and no other row is marked: then no row fills two slots (O(slots), no inverse
-  rebuilt)."""
+  transposed, gathering by it (`exchange._kv_grads_to_home`). A map and its exact inverse have
+  the same maximal runs (consecutive slots to consecutive rows), turned around: the two arrays'
+  runs are compared, not their slots one by one."""
   p = s.plan
   rows = s.Tkv + s.Rkv + s.Rkv2
   if p.server_kv_inv.shape != (s.N, rows) or p.server_kv_inv_valid.shape != (s.N, rows):
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
-  i, slot = np.nonzero(s.mine(p.server_kv_valid))
-  d, target = s.devices[i], s.mine(p.server_kv_idx)[i, slot]
-  if (int(s.mine(p.server_kv_inv_valid).sum()) != d.size
-      or not p.server_kv_inv_valid[d, target].all() or (p.server_kv_inv[d, target] != slot).any()):
-    if np.unique(d * rows + target).size < d.size:  # (the failure path only)
+  gather = s.tables["server_kv"]
+  inverse = runs.table_of(p.server_kv_inv, p.server_kv_inv_valid, s.devices, 0, rows)
+  # The gather's runs keyed by the rows they read, as the inverse's are.
+  turned = np.lexsort((gather.to_row, gather.to_dev))
+  key = gather.to_dev[turned] * rows + gather.to_row[turned]
+  if (key.size != inverse.key.size or not np.array_equal(key, inverse.key)
+      or not np.array_equal(gather.n[turned], inverse.n)
+      or not np.array_equal(gather.key[turned] % gather.width, inverse.to_row)):
+    end = key + gather.n[turned]
+    same = gather.to_dev[turned][1:] == gather.to_dev[turned][:-1]
+    if (same & (key[1:] < end[:-1])).any():  # (the failure path only)
       raise PlanMismatchError("plan gathers one K/V row into two server slots")
     raise PlanMismatchError("plan server_kv_inv is not the inverse of its server_kv_idx")
 
@@ -222,13 +258,20 @@ def check_exchange_counts(s: Scope) -> None:
   for name, valid, recv_rows, block in (
       ("q", p.send_q_valid, s.Rq, p.c), ("kv", p.send_kv_valid, s.Rkv, p.ckv),
       ("kv2", p.send_kv2_valid, s.Rkv2, p.ckv2)):
-    count = np.asarray(getattr(p, f"send_{name}_count"), np.int64)
-    send_off, recv_off = exchange_offsets(count)
-    want = {f"recv_{name}_count": count.T, f"send_{name}_off": send_off,
-            f"recv_{name}_off": recv_off, f"peer_{name}_off": recv_off.T,
-            f"back_{name}_off": send_off.T}
-    if (count.shape != (s.N, s.N) or np.diagonal(count).any() or (count < 0).any()
-        or any(not np.array_equal(getattr(p, k), v) for k, v in want.items())):
+    count = getattr(p, f"send_{name}_count")
+    if count.shape != (s.N, s.N) or (count < 0).any():
+      raise PlanMismatchError(f"plan send_{name}_count is not the [N, N] rows of one exchange")
+    # Exclusive prefix sums along each device's sends and each server's receives; each checked
+    # device's rows of the six arrays against them ([N, N] work only in these two sums).
+    send_off = np.cumsum(count, axis=1, dtype=np.int64) - count
+    land = np.cumsum(count, axis=0, dtype=np.int64) - count  # [d, s]: where d's rows land at s
+    mine = lambda a: a[s.rows]
+    cols = lambda a: a[:, s.rows].T
+    want = {f"recv_{name}_count": cols(count), f"send_{name}_off": mine(send_off),
+            f"recv_{name}_off": cols(land), f"peer_{name}_off": mine(land),
+            f"back_{name}_off": cols(send_off)}
+    if (count[s.devices, s.devices].any()
+        or any(not np.array_equal(s.mine(getattr(p, k)), v) for k, v in want.items())):
       raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count and their offsets do "
                               f"not describe one packed exchange (recv the transpose, offsets "
                               f"their prefix sums)")
@@ -237,7 +280,8 @@ def check_exchange_counts(s: Scope) -> None:
       raise PlanMismatchError(f"plan's {name} rows do not fit its buffers: a device sends "
                               f"{int(sent.max())} of {valid.shape[-1]} / receives "
                               f"{int(got.max())} of {recv_rows}")
-    if not np.array_equal(s.mine(valid), np.arange(valid.shape[-1])[None, :] < s.mine(sent)[:, None]):
+    if any(not valid[d, :k].all() or valid[d, k:].any()
+           for d, k in zip(s.devices.tolist(), sent[s.devices].tolist())):
       raise PlanMismatchError(f"plan send_{name}_valid is not the first send_{name}_count rows "
                               f"of each send buffer")
     if block and count.max(initial=0) > block:
@@ -255,138 +299,145 @@ def check_each_token_has_one_slot(s: Scope) -> None:
     raise PlanMismatchError(f"plan places {slots} query rows on servers for {tokens} real tokens")
 
 
-def _sender(count: np.ndarray, recv_off: np.ndarray, server, row):
-  """(sender, its send-buffer slot, valid) of row `row` of server `server`'s receive buffer
-  (arrays): the last sender whose rows start at or before it (senders of no rows share the next
-  one's offset, and sort before it), `row` past its rows invalid."""
-  N = count.shape[0]
-  row = np.asarray(row, np.int64)
-  span = int(max(recv_off.max(initial=0) + count.max(initial=0), row.max(initial=0))) + 1
-  keys = (np.arange(N)[:, None] * span + recv_off).reshape(-1)  # sorted: offsets grow with d
-  sender = np.searchsorted(keys, server * span + row, side="right") - 1 - server * N
-  sender = np.clip(sender, 0, N - 1)
-  j = row - recv_off[server, sender]
-  ok = (j >= 0) & (j < count[sender, server])
-  return sender, j, ok
-
-
-def _query_row_source(s: Scope, server, row):
-  """(home device, home row, valid) of server `server`'s query row `row` (arrays): rows < T are
-  its local rows, row T + r is row r of its receive buffer, which home h sent from its send
-  buffer at send_q_off[h, server] + (r - recv_q_off[server, h])."""
-  p, T = s.plan, s.T
-  local_row = np.minimum(row, T - 1)
-  if not s.Rq:  # nothing is exchanged: every row is local
-    return server, p.local_q_idx[server, local_row], p.local_q_valid[server, local_row]
-  home, j, ok = _sender(p.send_q_count, p.recv_q_off, server, np.maximum(row - T, 0))
-  slot = np.clip(p.send_q_off[home, server] + j, 0, p.send_q_idx.shape[-1] - 1)
-  sent = p.send_q_idx[home, slot]
-  ok &= p.send_q_valid[home, slot] & (sent >= 0) & (sent < T)  # a sender's rows, not checked yet
-  local = row < T
-  return (np.where(local, server, home),
-          np.where(local, p.local_q_idx[server, local_row], np.clip(sent, 0, T - 1)),
-          np.where(local, p.local_q_valid[server, local_row], ok))
-
-
-def _kv_row_source(s: Scope, server, slot):
-  """(home device, home K/V row, valid) of slot `slot` of server `server`'s gathered K/V rows:
-  a round-2 row is followed to the relay's row it was forwarded from, then as a round-1 row."""
-  p = s.plan
-  v = p.server_kv_idx[server, slot].astype(np.int64)
-  ok = p.server_kv_valid[server, slot]
-  server = np.broadcast_to(server, v.shape)
-  if s.Rkv2:
-    first = s.Tkv + s.Rkv  # a relay's rows it forwards from: [local Tkv | round-1 Rkv]
-    relay, row, sent = _received_row(s, "kv2", server, v - first, first)
-    second = v >= first
-    server, v = np.where(second, relay, server), np.where(second, row, v)
-    ok = ok & np.where(second, sent, True)
-  if not s.Rkv:
-    return server, np.clip(v, 0, s.Tkv - 1), ok & (v < s.Tkv)
-  home, row, sent = _received_row(s, "kv", server, v - s.Tkv, s.Tkv)
-  local = v < s.Tkv
-  return (np.where(local, server, home), np.where(local, v, row),
-          ok & np.where(local, True, sent))
-
-
-def _received_row(s: Scope, name: str, server, r, rows: int):
-  """(sender, its row, valid) of row `r` of server `server`'s receive buffer of the K/V round
-  `name` ("kv" or "kv2"): the sender's send slot and the row of its `rows` it was gathered from
-  (`r` < 0 or past the sender's rows invalid)."""
-  p = s.plan
-  idx, valid = getattr(p, f"send_{name}_idx"), getattr(p, f"send_{name}_valid")
-  sender, j, sent = _sender(getattr(p, f"send_{name}_count"), getattr(p, f"recv_{name}_off"),
-                            server, np.maximum(r, 0))
-  slot = np.clip(getattr(p, f"send_{name}_off")[sender, server] + j, 0, max(idx.shape[-1] - 1, 0))
-  if not idx.shape[-1]:
-    return sender, np.zeros_like(slot), np.zeros(slot.shape, bool)
-  row = idx[sender, slot]
-  sent &= (r >= 0) & valid[sender, slot] & (row >= 0) & (row < rows)
-  return sender, np.clip(row, 0, rows - 1), sent
-
-
 def check_outputs_come_from_their_tokens(s: Scope) -> None:
   """Each real token's output row is the server row that received that same token. Home d's row
   r < T is its local row r; row T + j came back to slot j of its send buffer, from the server
-  the query row in that slot went to (the reverse exchange mirrors the forward one)."""
+  the query row in that slot went to (the reverse exchange mirrors the forward one). Followed as
+  the runs of `return_idx` over real rows."""
   p, T = s.plan, s.T
-  r = s.mine(p.return_idx).astype(np.int64)
-  home = np.broadcast_to(s.devices[:, None], r.shape)
-  local_row = np.minimum(r, T - 1)
-  if p.send_q_idx.shape[-1]:
-    slot = np.clip(r - T, 0, p.send_q_idx.shape[-1] - 1)
-    got = np.where(r < T, p.local_q_idx[home, local_row], p.send_q_idx[home, slot])
-    ok = np.where(r < T, p.local_q_valid[home, local_row], p.send_q_valid[home, slot])
-  else:
-    got, ok = p.local_q_idx[home, local_row], p.local_q_valid[home, local_row]
-  wrong = s.real & ((got != np.arange(T)[None]) | ~ok)
+  out = runs.table_of(p.return_idx, s.plan.return_valid, s.devices, 0, T)
+  item = np.arange(out.key.size)
+  back = runs.Runs.of(item, out.to_dev, out.to_row, out.n)
+  got, bad = _home_query_rows(s, back)
+  wrong = np.zeros(item.size, bool)
+  wrong[bad] = True
+  wrong[got.item[(got.dev != out.to_dev[got.item])
+                 | (got.row != out.key[got.item] % T + got.off)]] = True
   if wrong.any():
-    i, row = np.argwhere(wrong)[0]
-    raise PlanMismatchError(f"plan does not match the batch: the output for device "
-                            f"{s.devices[i]} row {row} would come from another token")
+    k = int(np.argmax(wrong))
+    d, row = divmod(int(out.key[k]), T)
+    raise PlanMismatchError(f"plan does not match the batch: the output for device {d} row "
+                            f"{row} would come from another token")
 
 
-def _expand(start, length):
-  """Rows of ranges [start, start + length): (range of each row, row, offset in its range)."""
-  offset = index_in_runs(length)
-  return np.repeat(np.arange(length.size), length), np.repeat(start, length) + offset, offset
+def _home_query_rows(s: Scope, r: runs.Runs):
+  """Runs of a checked device's [local T | its send slots] rows (the rows its outputs return
+  to) followed to the home rows they hold: (runs on home rows, bad items)."""
+  T = s.T
+  r = runs.cut(r, T)
+  local = r.row < T
+  own, bad1 = runs.follow(r.take(local), s.tables["local_q"], T)
+  sent = r.take(~local)
+  sent = sent._replace(row=sent.row - T)
+  away, bad2 = runs.follow(sent, s.tables["send_q"], T)
+  return own.concat(away), np.concatenate([bad1, bad2])
+
+
+def _server_query_rows(s: Scope, r: runs.Runs):
+  """Runs of a checked server's query rows [local T | received Rq] followed to the home rows
+  they hold: (runs on home rows, bad items)."""
+  p, T = s.plan, s.T
+  r = runs.cut(r, T)
+  local = r.row < T
+  own, bad1 = runs.follow(r.take(local), s.tables["local_q"], T)
+  got = r.take(~local)
+  got = got._replace(row=got.row - T)
+  recv = runs.exchange_table(p.send_q_count, p.recv_q_off, p.send_q_off, s.devices, max(s.Rq, 1))
+  slots, bad2 = runs.follow(got, recv, p.send_q_idx.shape[-1])
+  away, bad3 = runs.follow(slots, s.tables["send_q"], T)
+  return own.concat(away), np.concatenate([bad1, bad2, bad3])
+
+
+def _server_kv_rows(s: Scope, r: runs.Runs):
+  """Runs of a checked server's gathered K/V slots followed to the local K/V rows of the devices
+  that hold them: a round-2 row to the relay's row it was forwarded from, a round-1 row to its
+  holder's. (runs on local K/V rows [0, Tkv), bad items)."""
+  p, Tkv, first = s.plan, s.Tkv, s.Tkv + s.Rkv
+  held, bad = runs.follow(r, s.tables["server_kv"], first + s.Rkv2)
+  bad = [bad]
+  if s.Rkv2:
+    held = runs.cut(held, first)
+    second = held.row >= first
+    r2 = held.take(second)
+    held = held.take(~second)
+    recv = runs.exchange_table(p.send_kv2_count, p.recv_kv2_off, p.send_kv2_off, s.devices,
+                               s.Rkv2)
+    slots, b = runs.follow(r2._replace(row=r2.row - first), recv, p.send_kv2_idx.shape[-1])
+    at_relay, b2 = runs.follow(slots, s.tables["send_kv2"], first)
+    held = held.concat(at_relay)
+    bad += [b, b2]
+  held = runs.cut(held, Tkv)
+  local = held.row < Tkv
+  own, got = held.take(local), held.take(~local)
+  if got.n.size:
+    recv = runs.exchange_table(p.send_kv_count, p.recv_kv_off, p.send_kv_off,
+                               np.unique(got.dev), max(s.Rkv, 1))
+    slots, b = runs.follow(got._replace(row=got.row - Tkv), recv, p.send_kv_idx.shape[-1])
+    away, b2 = runs.follow(slots, s.kv_send_table(np.unique(got.dev)), Tkv)
+    own = own.concat(away)
+    bad += [b, b2]
+  return own, np.concatenate(bad)
+
+
+def _positions(s: Scope, r: runs.Runs, kv: bool):
+  """Runs on home rows (or, `kv`, local K/V rows: a Pong's rows past T are its prior buffer's)
+  to (document, position) runs: `dev` the document, `row` the first position; runs over
+  padding are bad. (runs, bad items)."""
+  T = s.T
+  if not kv or s.layout.prior is None:
+    return runs.follow(r, s.tables["shards"], np.iinfo(np.int64).max)
+  r = runs.cut(r, T)
+  prior = r.row >= T
+  own, bad1 = runs.follow(r.take(~prior), s.tables["shards"], np.iinfo(np.int64).max)
+  ahead = r.take(prior)
+  got, bad2 = runs.follow(ahead._replace(row=ahead.row - T), s.tables["prior_shards"],
+                          np.iinfo(np.int64).max)
+  return own.concat(got), np.concatenate([bad1, bad2])
 
 
 def check_tasks_cover_one_document(s: Scope) -> None:
   """Each task of a checked server reads the query rows of consecutive positions of one document
-  ending at position kv_len - 1, and as keys exactly that document's positions 0 .. kv_len - 1."""
+  ending at position kv_len - 1, and as keys exactly that document's positions 0 .. kv_len - 1.
+  Each task's rows, and each K/V group's slots, are followed as runs to the (document, position)
+  ranges they hold."""
   p = s.plan
   live = (p.q_len > 0) & np.isin(np.arange(s.N), s.devices)[:, None]
   server, slot = np.nonzero(live)
   q_start, q_len = p.q_start[live].astype(np.int64), p.q_len[live].astype(np.int64)
   kv_start, kv_len = p.kv_start[live].astype(np.int64), p.kv_len[live].astype(np.int64)
+  tasks = np.arange(q_len.size)
 
-  task, row, offset = _expand(q_start, q_len)
-  home, home_row, q_ok = _query_row_source(s, server[task], row)
-  q_doc, q_pos = s.home_row(home, home_row)
-  task_doc = np.full(q_len.size, -2, np.int64)
-  task_doc[task[::-1]] = q_doc[::-1]  # the document of each task's first query row
-  bad_q = ~q_ok | (q_doc != task_doc[task]) | (q_pos != (kv_len - q_len)[task] + offset)
+  homed, bad = _server_query_rows(s, runs.Runs.of(tasks, server, q_start, q_len))
+  q, bad2 = _positions(s, homed, kv=False)
+  bad_q = np.zeros(tasks.size, bool)
+  bad_q[bad] = True
+  bad_q[bad2] = True
+  task_doc = np.full(tasks.size, -2, np.int64)
+  head = q.off == 0
+  task_doc[q.item[head]] = q.dev[head]  # the document of each task's first query row
+  bad_q[q.item[(q.dev != task_doc[q.item]) | (q.row != (kv_len - q_len)[q.item] + q.off)]] = True
 
   # A server's tasks of one document read prefixes of the same gathered key rows, from one start:
-  # each (server, start) group's slots are followed once, over its longest task's keys (work of
-  # the server's K/V buffer, not of every task's prefix again).
+  # each (server, start) group's slots are followed once, over its longest task's keys.
   group = np.unique(server * p.server_kv_idx.shape[-1] + kv_start, return_inverse=True)[1]
   first = np.full(group.max(initial=-1) + 1, q_len.size, np.int64)
-  np.minimum.at(first, group, np.arange(q_len.size))  # a task standing for its group
+  np.minimum.at(first, group, tasks)  # a task standing for its group
   longest = np.zeros(first.size, np.int64)
   np.maximum.at(longest, group, kv_len)
   group_doc = task_doc[first]
-  kv_group, kv_slot, kv_offset = _expand(kv_start[first], longest)
-  holder, kv_row, k_ok = _kv_row_source(s, server[first][kv_group], kv_slot)
-  k_doc, k_pos = s.kv_row(holder, kv_row)
-  bad_k = ~k_ok | (k_doc != group_doc[kv_group]) | (k_pos != kv_offset)
+  held, bad = _server_kv_rows(s, runs.Runs.of(np.arange(first.size), server[first],
+                                              kv_start[first], longest))
+  k, bad2 = _positions(s, held, kv=True)
+  bad_k = np.zeros(first.size, bool)
+  bad_k[bad] = True
+  bad_k[bad2] = True
+  bad_k[k.item[(k.dev != group_doc[k.item]) | (k.row != k.off)]] = True
   bad_k_task = task_doc != group_doc[group]  # tasks of one start must be of one document
 
-  if bad_q.any() or bad_k.any() or bad_k_task.any() or (task_doc == PAD_SEGMENT).any():
-    t = (int(task[np.argmax(bad_q)]) if bad_q.any() else
-         int(first[kv_group[np.argmax(bad_k)]]) if bad_k.any() else
-         int(np.argmax(bad_k_task)) if bad_k_task.any() else 0)
+  if bad_q.any() or bad_k.any() or bad_k_task.any() or (task_doc < 0).any():
+    t = (int(np.argmax(bad_q)) if bad_q.any() else
+         int(first[np.argmax(bad_k)]) if bad_k.any() else
+         int(np.argmax(bad_k_task)) if bad_k_task.any() else int(np.argmax(task_doc < 0)))
     raise PlanMismatchError(
         f"plan does not match the batch: task {int(slot[t])} on server {int(server[t])} does not "
         f"cover one document's queries with exactly that document's prefix")

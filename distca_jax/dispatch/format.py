@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -145,12 +145,16 @@ def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _exchange_arrays(name: str, count_NxN: np.ndarray) -> dict[str, np.ndarray]:
-  """The six per-device arrays of one packed exchange (`DispatchPlan`'s `*_{name}_*`)."""
-  send_off, recv_off = exchange_offsets(count_NxN)
-  i32 = lambda a: np.ascontiguousarray(a, np.int32)
-  return {f"send_{name}_count": i32(count_NxN), f"recv_{name}_count": i32(count_NxN.T),
-          f"send_{name}_off": i32(send_off), f"recv_{name}_off": i32(recv_off),
-          f"peer_{name}_off": i32(recv_off.T), f"back_{name}_off": i32(send_off.T)}
+  """The six per-device arrays of one packed exchange (`DispatchPlan`'s `*_{name}_*`), int32.
+  Each is an exclusive prefix sum along the rows or the columns of the counts or of their
+  transpose, computed in place so that only the counts are transposed (a transposing copy of
+  an [N, N] array is several times slower than a prefix sum)."""
+  count = np.ascontiguousarray(count_NxN, np.int32)
+  turned = np.ascontiguousarray(count.T)
+  prefix = lambda a, axis: np.cumsum(a, axis=axis, dtype=np.int32) - a
+  return {f"send_{name}_count": count, f"recv_{name}_count": turned,
+          f"send_{name}_off": prefix(count, 1), f"recv_{name}_off": prefix(turned, 1),
+          f"peer_{name}_off": prefix(count, 0), f"back_{name}_off": prefix(turned, 0)}
 
 
 def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices=None,
@@ -168,53 +172,98 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   K/V pieces, never over tokens. `kv`: the tasks' `kv_requests`, when already at hand. Raises
   PlanMismatchError when a capacity is too small."""
   n, t = layout.num_buffers, layout.buffer_len
-  tkv = layout.kv_rows  # K/V rows per device: its buffer, then a ping-pong prior buffer's
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   kv = kv_requests(tasks, layout) if kv is None else kv
   # Rows per (device, server) pair of the whole plan (every process agrees on them).
-  q_pairs, kv_pairs, kv2_pairs = pair_rows(tasks, layout, kv)
-  need = bucketed(requirements(tasks, layout, kv), t)
-  caps = dataclasses.replace(capacities, **{  # what `capacities` leaves open, as the plan needs
-      f.name: getattr(need, f.name) for f in dataclasses.fields(Capacities)
-      if getattr(capacities, f.name) is None})
-  sq, rq, skvs, rkv = caps.send_q, caps.recv_q, caps.send_kv, caps.recv_kv
-  skvs2, rkv2, skv, ctask = caps.send_kv2, caps.recv_kv2, caps.skv, caps.ctask
-  _check_fits(q_pairs, kv_pairs, kv2_pairs, caps)
-  q_send_off, q_recv_off = exchange_offsets(q_pairs)
-  kv_send_off, kv_recv_off = exchange_offsets(kv_pairs)
-  kv2_send_off, kv2_recv_off = exchange_offsets(kv2_pairs)
-  num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
+  counts = pair_rows(tasks, layout, kv)
+  caps = _open_capacities(capacities, tasks, layout, kv)
+  _check_fits(*counts, caps)
+  rounds = [_exchange_arrays(name, c) for name, c in zip(("q", "kv", "kv2"), counts)]
+  offsets = [(r[f"send_{name}_off"], r[f"recv_{name}_off"])  # of each round
+             for name, r in zip(("q", "kv", "kv2"), rounds)]
+  q = _query_arrays(tasks, t, caps, offsets[0], mine)
+  k = _kv_arrays(kv, layout, caps, offsets[1], offsets[2], mine)
+  tables = _task_tables(q.tasks, kv, k.pair_base, caps.ctask, mine,
+                        max(int(np.asarray(layout.doc_lens).size), 1))
+  as_rows = lambda arrays: {name: a.reshape(n, a.size // n) for name, a in arrays.items()}
+  return DispatchPlan(
+      **as_rows(q.arrays), **as_rows(k.arrays), **as_rows(tables),
+      **rounds[0], **rounds[1], **rounds[2], recv_q=caps.recv_q, recv_kv=caps.recv_kv,
+      recv_kv2=caps.recv_kv2, c=caps.c or 0, ckv=caps.ckv or 0, ckv2=caps.ckv2 or 0)
 
-  # Queries, grouped by (home, server) in home-row order: local rows first at the server, the
-  # others at their pair's place in the home's send buffer and the server's receive buffer.
+
+def _open_capacities(capacities: Capacities, tasks: Tasks, layout: Layout, kv) -> Capacities:
+  """`capacities` with what it leaves open (None) as the plan needs, bucketed."""
+  open_ = [f.name for f in dataclasses.fields(Capacities) if getattr(capacities, f.name) is None]
+  if not open_:
+    return capacities
+  need = bucketed(requirements(tasks, layout, kv), layout.buffer_len)
+  return dataclasses.replace(capacities, **{name: getattr(need, name) for name in open_})
+
+
+def _zeros(size: int):
+  """(index, valid) flat arrays of `size` slots, uncommitted until written."""
+  return np.zeros(size, np.int32), np.zeros(size, bool)
+
+
+class _Queries(NamedTuple):
+  """The query side's arrays (flat), and the tasks in its order, which the task tables read:
+  their server, document, first row at the server (`q_start`), rows and last position + 1."""
+
+  arrays: dict
+  tasks: tuple
+
+
+def _query_arrays(tasks: Tasks, t: int, caps: Capacities, offsets, mine) -> _Queries:
+  """Queries, grouped by (home, server) in home-row order: local rows first at the server, the
+  others at their pair's place in the home's send buffer and the server's receive buffer; the
+  output of each home row returns to where its query row left from."""
+  n, sq = mine.size, caps.send_q
+  send_off, recv_off = offsets
   block = tasks.home * n + tasks.server
   order = np.lexsort((tasks.home_off, block))
   home, server = tasks.home[order], tasks.server[order]
-  hoff, ql, qhi, doc = (tasks.home_off[order], tasks.q_len[order], tasks.q_hi[order],
-                        tasks.doc[order])
+  hoff, ql = tasks.home_off[order], tasks.q_len[order]
   pos = cumsum_in_groups(ql, block[order])
   local = home == server
   if np.bincount(home[local], weights=ql[local], minlength=n).max(initial=0) > t:
     raise PlanMismatchError("plan keeps more than T rows at home")
-  local_q_idx = np.zeros(n * t, np.int32)
-  local_q_valid = np.zeros(n * t, bool)
+  local_q_idx, local_q_valid = _zeros(n * t)
   w = local & mine[home]
   fill_ranges(local_q_idx, local_q_valid, home[w] * t + pos[w], hoff[w], ql[w])
-  send_slot = q_send_off[home, server] + pos  # the row's place in its home's send buffer
-  send_q_idx = np.zeros(n * sq, np.int32)
-  send_q_valid = np.zeros(n * sq, bool)
+  send_slot = send_off[home, server] + pos  # the row's place in its home's send buffer
+  send_q_idx, send_q_valid = _zeros(n * sq)
   w = ~local & (mine[home] | mine[server])
   fill_ranges(send_q_idx, send_q_valid, (home * sq + send_slot)[w], hoff[w], ql[w])
-  q_start = np.where(local, pos, t + q_recv_off[server, home] + pos)
-  return_idx = np.zeros(n * t, np.int32)
-  return_valid = np.zeros(n * t, bool)
+  q_start = np.where(local, pos, t + recv_off[server, home] + pos)
+  return_idx, return_valid = _zeros(n * t)
   w = mine[home]
   fill_ranges(return_idx, return_valid, home[w] * t + hoff[w],
               np.where(local, pos, t + send_slot)[w], ql[w])
+  return _Queries(
+      arrays=dict(local_q_idx=local_q_idx, local_q_valid=local_q_valid, send_q_idx=send_q_idx,
+                  send_q_valid=send_q_valid, return_idx=return_idx, return_valid=return_valid),
+      tasks=(server, tasks.doc[order], q_start, ql, tasks.q_hi[order]))
 
-  # Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
-  # server reads its own pieces from its buffer; the others arrive packed by sender: in round 1
-  # from their holder, relayed ones in round 2 from their relay (its blocks after round 1's).
+
+class _KV(NamedTuple):
+  """The K/V side's arrays (flat), and where each (server, document) pair's prefix starts in
+  its server's gathered K/V rows."""
+
+  arrays: dict
+  pair_base: np.ndarray
+
+
+def _kv_arrays(kv, layout: Layout, caps: Capacities, offsets1, offsets2, mine) -> _KV:
+  """Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
+  server reads its own pieces from its buffer; the others arrive packed by sender: in round 1
+  from their holder, relayed ones in round 2 from their relay (its blocks after round 1's). The
+  server gathers each (server, document) pair's prefix contiguously, and the inverse of that
+  gather is the same ranges turned around (the backward gathers K/V gradients by it)."""
+  n, tkv = mine.size, layout.kv_rows  # K/V rows per device: its buffer, then a prior buffer's
+  rkv, rkv2, skvs, skvs2, skv = caps.recv_kv, caps.recv_kv2, caps.send_kv, caps.send_kv2, caps.skv
+  (kv_send_off, kv_recv_off), (kv2_send_off, kv2_recv_off) = offsets1, offsets2
+  num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
   dst = kv.pair_server[kv.piece_pair]
   relayed = kv.piece_via >= 0
   kblk = relayed * (n * n) + np.where(relayed, kv.piece_via, kv.piece_src) * n + dst
@@ -232,36 +281,40 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   # Round 1 also fills, for `devices`, the pieces their relays forward to them.
   feeds = np.zeros(rel.size, bool)
   feeds[fed[rel & mine[kdst]]] = True
-  send_kv_idx = np.zeros(n * skvs, np.int32)
-  send_kv_valid = np.zeros(n * skvs, bool)
+  send_kv_idx, send_kv_valid = _zeros(n * skvs)
   w = ~own & ~rel & (mine[src] | mine[kdst] | feeds)
   fill_ranges(send_kv_idx, send_kv_valid, (src * skvs + kv_send_off[src, kdst] + kpos)[w],
               src_off[w], rows[w])
-  send_kv2_idx = np.zeros(n * skvs2, np.int32)
-  send_kv2_valid = np.zeros(n * skvs2, bool)
+  send_kv2_idx, send_kv2_valid = _zeros(n * skvs2)
   w = rel & (mine[r] | mine[kdst])
   fill_ranges(send_kv2_idx, send_kv2_valid, (r * skvs2 + kv2_send_off[r, kdst] + kpos)[w],
               kv_row[fed][w], rows[w])
-  # The server's K/V buffer: each (server, document) pair a contiguous prefix region.
   need = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n).max(initial=0)
   if need > skv:
     raise PlanMismatchError(f"plan gathers {int(need)} K/V rows on one server, more than the "
                             f"capacity {skv}")
   pair_base = cumsum_in_groups(kv.pair_need, kv.pair_server)
-  server_kv_idx = np.zeros(n * skv, np.int32)
-  server_kv_valid = np.zeros(n * skv, bool)
-  pair = kv.piece_pair[korder]
+  server_kv_idx, server_kv_valid = _zeros(n * skv)
   w = mine[kdst]
-  slot = (pair_base[pair] + kv.piece_doc_off[korder])[w]
+  slot = (pair_base[kv.piece_pair[korder]] + kv.piece_doc_off[korder])[w]
   fill_ranges(server_kv_idx, server_kv_valid, (kdst * skv)[w] + slot, kv_row[w], rows[w])
-  # Its inverse, the same ranges the other way (the backward gathers K/V gradients by it).
   held = tkv + rkv + rkv2
   _refuse_overlaps(kdst[w], kv_row[w], rows[w])
-  kv_inv = np.zeros(n * held, np.int32)
-  kv_inv_valid = np.zeros(n * held, bool)
+  kv_inv, kv_inv_valid = _zeros(n * held)
   fill_ranges(kv_inv, kv_inv_valid, (kdst * held + kv_row)[w], slot, rows[w])
+  return _KV(arrays=dict(send_kv_idx=send_kv_idx, send_kv_valid=send_kv_valid,
+                         send_kv2_idx=send_kv2_idx, send_kv2_valid=send_kv2_valid,
+                         server_kv_idx=server_kv_idx, server_kv_valid=server_kv_valid,
+                         server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid),
+             pair_base=pair_base)
 
-  # Task tables: per server, in order of their query rows.
+
+def _task_tables(tasks: tuple, kv, pair_base: np.ndarray, ctask: int, mine,
+                 num_docs: int) -> dict:
+  """Each server's task table, its tasks in order of their query rows: query rows at the
+  server, keys from its (server, document) pair's prefix."""
+  server, doc, q_start, q_len, q_hi = tasks
+  n = mine.size
   tpair = np.searchsorted(kv.pair_server * num_docs + kv.pair_doc, server * num_docs + doc)
   torder = np.lexsort((q_start, server))
   srv = server[torder]
@@ -273,22 +326,10 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   flat, torder = (srv * ctask + slot)[w], torder[w]
   tab = {k: np.zeros(n * ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
   tab["q_start"][flat] = q_start[torder]
-  tab["q_len"][flat] = ql[torder]
+  tab["q_len"][flat] = q_len[torder]
   tab["kv_start"][flat] = pair_base[tpair[torder]]
-  tab["kv_len"][flat] = qhi[torder]
-
-  return DispatchPlan(
-      local_q_idx=local_q_idx.reshape(n, t), local_q_valid=local_q_valid.reshape(n, t),
-      send_q_idx=send_q_idx.reshape(n, sq), send_q_valid=send_q_valid.reshape(n, sq),
-      send_kv_idx=send_kv_idx.reshape(n, skvs), send_kv_valid=send_kv_valid.reshape(n, skvs),
-      server_kv_idx=server_kv_idx.reshape(n, skv), server_kv_valid=server_kv_valid.reshape(n, skv),
-      server_kv_inv=kv_inv.reshape(n, held), server_kv_inv_valid=kv_inv_valid.reshape(n, held),
-      **{k: v.reshape(n, ctask) for k, v in tab.items()},
-      return_idx=return_idx.reshape(n, t), return_valid=return_valid.reshape(n, t),
-      send_kv2_idx=send_kv2_idx.reshape(n, skvs2), send_kv2_valid=send_kv2_valid.reshape(n, skvs2),
-      **_exchange_arrays("q", q_pairs), **_exchange_arrays("kv", kv_pairs),
-      **_exchange_arrays("kv2", kv2_pairs), recv_q=rq, recv_kv=rkv, recv_kv2=rkv2, c=caps.c or 0,
-      ckv=caps.ckv or 0, ckv2=caps.ckv2 or 0)
+  tab["kv_len"][flat] = q_hi[torder]
+  return tab
 
 
 def _relay_sources(kv, korder: np.ndarray, rel: np.ndarray, num_docs: int) -> np.ndarray:

@@ -21,10 +21,9 @@ from distca_jax.data.packing import Layout
 from distca_jax.data.sources import Batch
 from distca_jax.dispatch.checks import validate_plan
 from distca_jax.dispatch.format import DispatchPlan, build_dispatch
-from distca_jax.schedule.capacities import Capacities, StepShapes, bucketed, largest, requirements
+from distca_jax.schedule.capacities import Capacities, StepShapes, largest
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
-from distca_jax.schedule.traffic import kv_requests, traffic
 from distca_jax.schedule.gate_cost import attention_load_per_device, imbalance
 from distca_jax.schedule.relay import Relay
 from distca_jax.schedule.transport import relay_for
@@ -167,11 +166,13 @@ def plan_ticks(attention_config, layouts, shape, devices=None,
 
 
 def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
-  """The scheduler's plan for one nano-batch or tick (global: the same on every process)."""
+  """The scheduler's plan for one nano-batch or tick (global: the same on every process), with
+  its K/V relayed as `attention.kv_relay_fanout` asks (its capacities, traffic and K/V requests
+  those of the relayed exchange, which the gate and the reports then see)."""
   return make_plan(layout, gate.comm_model(shape, attention_config),
                    epsilon=attention_config.epsilon,
                    min_imbalance=attention_config.min_imbalance_for(pipelined=pipelined),
-                   nodes=planner_nodes(attention_config, layout))
+                   nodes=planner_nodes(attention_config, layout), relay=relay_of(attention_config))
 
 
 def planner_nodes(attention_config, layout: Layout):
@@ -190,23 +191,9 @@ def relay_of(attention_config) -> Relay | None:
 
 
 def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):
-  """(plans, their `kv_requests`) of each nano-batch or tick. With relays on
-  (`attention.kv_relay_fanout`), each plan's capacities and traffic are those of its relayed
-  K/V (a second K/V round), which the gate and the reports then see."""
-  relay = relay_of(attention_config)
-  plans = [_schedule(attention_config, l, shape, pipelined) for l in layouts]
-  kvs = [kv_requests(p.tasks, l, relay) for p, l in zip(plans, layouts)]
-  if relay is not None:
-    comm = gate.comm_model(shape, attention_config)
-    plans = [_relayed(p, l, kv, comm, relay) for p, l, kv in zip(plans, layouts, kvs)]
-  return tuple(plans), tuple(kvs)
-
-
-def _relayed(plan: Plan, layout: Layout, kv, comm, relay: Relay) -> Plan:
-  """`plan` with the requirements, capacities and traffic of its K/V relayed as `kv` says."""
-  req = requirements(plan.tasks, layout, kv)
-  return dataclasses.replace(plan, requirements=req, capacities=bucketed(req, layout.buffer_len),
-                             traffic=traffic(plan.tasks, layout, comm, relay=relay))
+  """(plans, their `kv_requests`) of each nano-batch or tick."""
+  plans = tuple(_schedule(attention_config, l, shape, pipelined) for l in layouts)
+  return plans, tuple(p.kv for p in plans)
 
 
 def step_capacities(attention_config, plans, buffer_len: int,

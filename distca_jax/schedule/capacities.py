@@ -17,7 +17,7 @@ import numpy as np
 
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.items import Tasks, buffer_bucket, exchange_capacity, row_bucket, task_bucket
-from distca_jax.schedule.traffic import KVRequests, kv_requests, pair_rows
+from distca_jax.schedule.traffic import KVRequests, exchange_pairs, kv_requests
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,18 @@ def requirements(tasks: Tasks, layout: Layout, kv: KVRequests | None = None) -> 
   """The smallest capacities a task placement needs (before bucketing): the most query / K/V rows
   one device sends and one receives, the most between two devices, K/V
   rows on one server, tasks on one server. `kv`: the tasks' `kv_requests` (with relays, the
-  second K/V round's sizes are those of its relayed pieces; default: no relays, all zero)."""
+  second K/V round's sizes are those of its relayed pieces; default: no relays, all zero). Work
+  of the pairs that move rows, never [N, N]."""
   n = layout.num_buffers
   kv = kv_requests(tasks, layout) if kv is None else kv
-  q_pairs, kv_pairs, kv2_pairs = pair_rows(tasks, layout, kv)
+  q, k1, k2 = exchange_pairs(tasks, layout, kv)
   skv = np.bincount(kv.pair_server, weights=kv.pair_need, minlength=n)
+  most = lambda a: int(a.max(initial=0))
   return Capacities(
-      send_q=int(q_pairs.sum(1).max(initial=0)), recv_q=int(q_pairs.sum(0).max(initial=0)),
-      send_kv=int(kv_pairs.sum(1).max(initial=0)), recv_kv=int(kv_pairs.sum(0).max(initial=0)),
-      send_kv2=int(kv2_pairs.sum(1).max(initial=0)), recv_kv2=int(kv2_pairs.sum(0).max(initial=0)),
-      c=int(q_pairs.max(initial=0)), ckv=int(kv_pairs.max(initial=0)),
-      ckv2=int(kv2_pairs.max(initial=0)),
-      skv=int(skv.max(initial=0)), ctask=int(np.bincount(tasks.server, minlength=n).max(initial=0)))
+      send_q=most(q.sent(n)), recv_q=most(q.received(n)), send_kv=most(k1.sent(n)),
+      recv_kv=most(k1.received(n)), send_kv2=most(k2.sent(n)), recv_kv2=most(k2.received(n)),
+      c=q.largest(), ckv=k1.largest(), ckv2=k2.largest(), skv=int(skv.max(initial=0)),
+      ctask=int(np.bincount(tasks.server, minlength=n).max(initial=0)))
 
 
 def bucketed(need: Capacities, buffer_len: int, fixed: Capacities = Capacities()) -> Capacities:

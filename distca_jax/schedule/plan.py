@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-from distca_jax.data.packing import Layout
+from distca_jax.data.packing import Layout, ranges
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.capacities import Capacities, bucketed, requirements
 from distca_jax.schedule.items import Tasks, initial_tasks, validate_layout
-from distca_jax.schedule.planner import BalanceStats, balance
-from distca_jax.schedule.traffic import Traffic, traffic
+from distca_jax.schedule.planner import BalanceStats, balance, check_epsilon
+from distca_jax.schedule.relay import Relay
+from distca_jax.schedule.traffic import KVRequests, Traffic, kv_requests, traffic
 
 PLAN_FORMAT = "distca-plan-v1"
 
@@ -57,17 +59,31 @@ def cumsum_in_groups(values: np.ndarray, group: np.ndarray) -> np.ndarray:
 def fill_ranges(idx_flat: np.ndarray, valid_flat: np.ndarray, dst_start, src_start, length) -> None:
   """idx_flat[d : d+l] = s + arange(l), valid_flat[...] = True, for each (d, s, l).
 
-  A loop over ranges (tasks, KV pieces), never over tokens: each range is a contiguous slice
-  write, several times faster than scattering per-token index arrays.
+  Long ranges are contiguous slice writes, one each; the many short ones (a batch of short
+  documents has tens of thousands) one scatter of their rows together. Never a loop over
+  tokens, nor over short ranges.
   """
-  if len(length) == 0:
+  length = np.asarray(length, np.int64).reshape(-1)
+  if not length.size:
     return
-  ramp = np.arange(int(np.max(length)), dtype=idx_flat.dtype)
-  for d, s_, l in zip(np.asarray(dst_start).tolist(), np.asarray(src_start).tolist(),
-                      np.asarray(length).tolist()):
-    if l > 0:
+  dst = np.asarray(dst_start, np.int64).reshape(-1)
+  src = np.asarray(src_start, np.int64).reshape(-1)
+  short = length < _LONG_RANGE
+  if short.any():
+    at = ranges(dst[short], length[short])
+    idx_flat[at] = ranges(src[short], length[short])
+    valid_flat[at] = True
+  long_ = ~short
+  if long_.any():
+    ramp = np.arange(int(length[long_].max()), dtype=idx_flat.dtype)
+    for d, s_, l in zip(dst[long_].tolist(), src[long_].tolist(), length[long_].tolist()):
       np.add(ramp[:l], s_, out=idx_flat[d:d + l])
       valid_flat[d:d + l] = True
+
+
+# Ranges of at least this many rows are written one slice at a time (a Python step each, ~1 µs,
+# against ~4 ns a row scattered).
+_LONG_RANGE = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +105,7 @@ class Plan:
   task_flops: np.ndarray
   stats: BalanceStats
   traffic: Traffic
+  kv: KVRequests | None = None  # the tasks' K/V requests (relayed as the plan was made)
 
   def server_flops(self) -> np.ndarray:
     """[N] forward attention FLOPs per layer each server computes (one server's heads)."""
@@ -146,35 +163,47 @@ class Plan:
     Path(path).write_text(json.dumps(self.to_json_dict()))
 
 
-def _finish(tasks, layout, comm, epsilon, stats, caps, req=None) -> Plan:
-  req = requirements(tasks, layout) if req is None else req
+def _needs(tasks: Tasks, layout: Layout, relay: Relay | None):
+  """(K/V requests, requirements) of a placement, its K/V relayed as `relay` says."""
+  kv = kv_requests(tasks, layout, relay)
+  return kv, requirements(tasks, layout, kv)
+
+
+def _finish(tasks, layout, comm, epsilon, stats, caps, kv, req, relay) -> Plan:
   return Plan(num_devices=layout.num_buffers, buffer_len=layout.buffer_len, epsilon=epsilon,
               capacities=bucketed(req, layout.buffer_len, caps), requirements=req, tasks=tasks,
               task_flops=tasks.area() * comm.flops_per_area(backward=False), stats=stats,
-              traffic=traffic(tasks, layout, comm))
+              traffic=traffic(tasks, layout, comm, relay=relay, kv=kv), kv=kv)
 
 
 def make_plan(layout: Layout, comm: CommModel, epsilon: float = 0.1,
               capacities: Capacities = Capacities(), *, epsilon_step: float = 0.05,
-              max_epsilon: float = 1.0, min_imbalance: float = 1.0, **balance_kw) -> Plan:
+              max_epsilon: float = 1.0, min_imbalance: float = 1.0, relay: Relay | None = None,
+              **balance_kw) -> Plan:
   """Schedules `layout` and sizes its dispatch arrays, with capacity feedback.
 
   Below `min_imbalance` (the colocated attention load's max / mean over devices) nothing moves:
   the colocated plan (its exchange carries only the K/V prefixes of documents that continue from
   an earlier buffer, which colocated attention needs too). Otherwise tries epsilon,
   epsilon + epsilon_step, ... up to max_epsilon, then the colocated plan; returns the first that
-  fits `capacities` (None fields: chosen from the buckets). Raises CapacityError if none fits,
-  ValueError on a bad layout.
+  fits `capacities` (None fields: chosen from the buckets). `relay`: K/V shards many servers need
+  go in a second round (`schedule/relay.py`): the plan's capacities, traffic and K/V requests
+  (`Plan.kv`) are those of the relayed exchange, each computed once. Raises CapacityError if none
+  fits, ValueError on a bad layout.
   """
   validate_layout(layout)
-  if min_imbalance < 1.0:
+  check_epsilon(epsilon)
+  if not (math.isfinite(epsilon_step) and math.isfinite(max_epsilon)):
+    raise ValueError(f"make_plan: epsilon_step and max_epsilon must be finite, got "
+                     f"{epsilon_step}, {max_epsilon}")
+  if not min_imbalance >= 1.0:
     raise ValueError(f"min_imbalance: a max / mean ratio, must be >= 1, got {min_imbalance}")
   if min_imbalance > 1.0:
     base = initial_tasks(layout, validate=False)
     load = np.bincount(base.server, weights=base.area(), minlength=layout.num_buffers)
     if load.mean() > 0 and load.max() / load.mean() < min_imbalance:
       try:
-        return colocated_plan(layout, comm, capacities=capacities)
+        return colocated_plan(layout, comm, capacities=capacities, relay=relay)
       except CapacityError:
         pass  # fixed capacities the colocated plan exceeds: a balanced plan may still fit
   tried = []
@@ -182,16 +211,16 @@ def make_plan(layout: Layout, comm: CommModel, epsilon: float = 0.1,
   max_epsilon = max(max_epsilon, eps)  # the requested tolerance is always tried
   while eps <= max_epsilon + 1e-9:
     tasks, stats = balance(layout, comm, eps, validate=False, **balance_kw)
-    req = requirements(tasks, layout)
+    kv, req = _needs(tasks, layout, relay)
     if req.fits(capacities):
-      return _finish(tasks, layout, comm, eps, stats, capacities, req)
+      return _finish(tasks, layout, comm, eps, stats, capacities, kv, req, relay)
     tried.append((eps, req))
     if epsilon_step <= 0:
       break
     eps = round(eps + epsilon_step, 10)
-  plan = colocated_plan(layout, comm, capacities=Capacities())
+  plan = colocated_plan(layout, comm, capacities=Capacities(), relay=relay)
   if plan.requirements.fits(capacities):
-    return colocated_plan(layout, comm, capacities=capacities)
+    return colocated_plan(layout, comm, capacities=capacities, relay=relay)
   last = tried[-1][1] if tried else plan.requirements
   raise CapacityError(
       f"no plan fits the capacities {dataclasses.asdict(capacities)}: tried epsilon "
@@ -199,13 +228,15 @@ def make_plan(layout: Layout, comm: CommModel, epsilon: float = 0.1,
       f"{dataclasses.asdict(plan.requirements)}, the last balanced one {dataclasses.asdict(last)}")
 
 
-def colocated_plan(layout: Layout, comm: CommModel, capacities: Capacities = Capacities()) -> Plan:
+def colocated_plan(layout: Layout, comm: CommModel, capacities: Capacities = Capacities(),
+                   relay: Relay | None = None) -> Plan:
   """Every task on its home device (no balancing)."""
   tasks = initial_tasks(layout).sorted()
   load = np.bincount(tasks.server, weights=tasks.area(), minlength=layout.num_buffers)
-  stats = BalanceStats(epsilon=float("inf"), moves=0, load_before=load, load_after=load)
-  req = requirements(tasks, layout)
+  stats = BalanceStats(epsilon=float("inf"), moves=0, load_before=load, load_after=load,
+                       stopped="colocated")
+  kv, req = _needs(tasks, layout, relay)
   if not req.fits(capacities):
     raise CapacityError(f"the colocated plan needs {dataclasses.asdict(req)}, more than the "
                         f"capacities {dataclasses.asdict(capacities)}")
-  return _finish(tasks, layout, comm, float("inf"), stats, capacities, req)
+  return _finish(tasks, layout, comm, float("inf"), stats, capacities, kv, req, relay)

@@ -44,8 +44,10 @@ the balance stay those of the flat rule; fewer bytes cross nodes (docs/PERFORMAN
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,6 +64,16 @@ class BalanceStats:
   moves: int
   load_before: np.ndarray
   load_after: np.ndarray
+  # Why the planner stopped: "balanced" (every server within the tolerance), "stuck" (some
+  # destination outside it that no candidate fits, e.g. pieces of 128 rows too large for its
+  # deficit), "move cap" (max_moves), "no gain" (its moves did not lower the busiest server:
+  # undone), "colocated" (not planned).
+  stopped: str = "balanced"
+
+  @property
+  def short(self) -> bool:
+    """Whether the plan stopped short of its tolerance (stuck or at the move cap)."""
+    return self.stopped in ("stuck", "move cap", "no gain")
 
   @property
   def imbalance_before(self) -> float:
@@ -77,6 +89,35 @@ def _imbalance(load: np.ndarray) -> float:
   return float(load.max()) / mean if mean > 0 else 1.0
 
 
+class Candidate(NamedTuple):
+  """A piece a source offers: rows [lo, hi) of document `doc` at home row `home_off`, its area,
+  E (pairs per byte) of moving it whole, and a bound on E over its sub-ranges."""
+
+  piece: int
+  lo: float
+  hi: float
+  area: float
+  e_whole: float
+  doc: int
+  home_off: int
+  e_bound: float
+
+
+# Candidate from a tuple without a Python call per candidate (a batch hands out thousands).
+_new_candidate = functools.partial(tuple.__new__, Candidate)
+
+
+class Move(NamedTuple):
+  """The move chosen: `source` gives rows [x, y) of `cand` (`pairs` of area) to the destination."""
+
+  source: int
+  cand: Candidate
+  x: float
+  y: float
+  pairs: float
+  e: float
+
+
 def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int = 3,
             max_sources: int = 32, max_moves: int | None = None, nodes=None,
             validate: bool = True) -> tuple[Tasks, BalanceStats]:
@@ -86,7 +127,7 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     layout: the packed step (N buffers of T tokens).
     comm: per-row byte sizes (its β = kv/q row bytes shapes the sub-range choice).
     epsilon: tolerance; the planner stops once every server is within epsilon * mean load.
-    top_k: candidate items offered per source and move.
+    top_k: candidate items offered per source and move (>= 1).
     max_sources: per move, sources are tried in order of surplus, and the first with a candidate
       that fits the destination gives it; after this many without one, the destination is stuck.
     max_moves: safety bound on moves (default 8 N + 64).
@@ -95,86 +136,241 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
       or the largest surplus, the smaller), largest first, and from the others only when none of
       those has a candidate that fits: the same moves, more of them over NVLink.
   Returns:
-    (tasks, stats): tasks ordered by (home, home_off) with their servers; stats with loads.
+    (tasks, stats): tasks ordered by (home, home_off) with their servers; stats with loads and
+    why the planner stopped (`BalanceStats.stopped`). A planner stuck short of the tolerance
+    whose moves leave the busiest server as busy as before undoes them: the tasks stay home.
   Raises:
-    ValueError: bad layout or epsilon.
+    ValueError: bad layout, epsilon, top_k, max_sources or max_moves.
   """
-  if not 0 <= epsilon < 10:
-    raise ValueError(f"epsilon: must be in [0, 10), got {epsilon}")
+  check_epsilon(epsilon)
+  if top_k < 1 or max_sources < 1 or (max_moves is not None and max_moves < 0):
+    raise ValueError(f"balance: top_k and max_sources must be >= 1 and max_moves >= 0, got "
+                     f"top_k={top_k}, max_sources={max_sources}, max_moves={max_moves}")
   base = initial_tasks(layout, validate=validate)
   n = layout.num_buffers
-  node = _node_ids(nodes, n)
-  g = float(GRANULE)
-  qb, kvb = comm.q_row_bytes, comm.kv_row_bytes
   max_moves = 8 * n + 64 if max_moves is None else max_moves
+  pool = _Pool(base, n, comm, top_k)
+  loads = _Loads(pool.load_before, epsilon, _node_ids(nodes, n))
+  scorer = _Scorer(comm, loads.tol)
+  moves, stopped = 0, "balanced"
+  while True:
+    d, cap_d, max_sur = loads.next_destination()
+    if d is None:
+      break
+    if moves >= max_moves:
+      stopped = "move cap"
+      break
+    move = _choose(pool, loads, scorer.score, d, cap_d, max_sur, max_sources)
+    if move is None:
+      loads.give_up(d, cap_d)
+      continue
+    pool.apply(move, d)
+    loads.shift(move.source, d, move.pairs)
+    moves += 1
+  if stopped == "balanced" and max(loads.max_surplus(), loads.stuck_max) > loads.tol:
+    stopped = "stuck"
+  tasks = pool.tasks()
+  load_after = np.bincount(tasks.server, weights=tasks.area(), minlength=n)
+  if stopped == "stuck" and moves and load_after.max() >= pool.load_before.max():
+    # Stuck, its moves did not lower the busiest server (pieces of one granule too large for
+    # the deficits, or ties at the maximum): they would only add an exchange.
+    tasks, load_after, moves, stopped = base.sorted(), pool.load_before.copy(), 0, "no gain"
+  return tasks, BalanceStats(epsilon=epsilon, moves=moves, load_before=pool.load_before,
+                             load_after=load_after, stopped=stopped)
 
-  area0 = base.area()
-  p0 = base.size
-  load_np = np.bincount(base.server, weights=area0, minlength=n).astype(np.float64)
-  load_before = load_np.copy()
-  target = float(load_np.sum()) / n if n else 0.0
-  tol = epsilon * target
-  load = load_np.tolist()
 
-  # The layout's pieces stay numpy arrays (a batch of short documents has ~10^5 of them; turning
-  # them all into lists and back costs more than the loop); a move retires one piece and appends up
-  # to three to the lists `new`. Candidates are tuples (piece, a0, e0, area, E whole, doc, offset,
-  # E bound of its sub-ranges), compared by scalar code, which beats numpy on the handful of
-  # numbers a move touches.
-  retired: list[int] = []
-  new = {f: [] for f in ("home", "doc", "q_lo", "q_hi", "home_off", "server")}
-  lo_f, hi_f = base.q_lo.astype(np.float64), base.q_hi.astype(np.float64)
-  e_whole = area0 / np.maximum((hi_f - lo_f) * qb + hi_f * kvb, 1e-300)  # E of a whole-piece move
-  e_sub = _subrange_bound(lo_f, hi_f, qb, kvb, np.clip)
+def check_epsilon(epsilon) -> None:
+  """Raises ValueError unless `epsilon` is a number in [0, 10): the planner's tolerance."""
+  if not isinstance(epsilon, (int, float, np.floating, np.integer)) or not 0 <= epsilon < 10:
+    raise ValueError(f"epsilon: the planner's tolerance, a number in [0, 10), got {epsilon!r}")
 
-  # Home pieces of each source by (area descending, piece id): `handed[s]` holds the alive ones
-  # already taken from that order (and the pieces a move leaves home), `nxt[s]` the next one.
-  by_area = _by_home_then_area(base.home, area0)
-  bounds = np.searchsorted(base.home[by_area], np.arange(n + 1)).tolist()
-  area_sorted = area0[by_area]
-  handed: list[list[tuple]] = [[] for _ in range(n)]
-  cands: list[list[tuple]] = [[] for _ in range(n)]
 
-  chunk = 2 * top_k  # pieces handed out at a time
+class _Pool:
+  """The pieces: the layout's (numpy arrays; a batch of short documents has ~10^5 of them, and
+  turning them all into Python objects costs more than the planning) and the ones moves add
+  (lists; a move retires one piece and adds up to three). Each source offers its `top_k` largest
+  home pieces (`offers[s]`), drawn in order of area from its pieces not yet handed out."""
 
-  def base_cands(idx):
-    """Candidate tuples of layout pieces `idx`."""
-    return zip(idx.tolist(), lo_f[idx].tolist(), hi_f[idx].tolist(), area0[idx].tolist(),
-               e_whole[idx].tolist(), base.doc[idx].tolist(), base.home_off[idx].tolist(),
-               e_sub[idx].tolist())
+  def __init__(self, base: Tasks, n: int, comm: CommModel, top_k: int):
+    self.base, self.top_k = base, top_k
+    self.qb, self.kvb = comm.q_row_bytes, comm.kv_row_bytes
+    self.size0 = base.size
+    area = base.area()
+    self.load_before = np.bincount(base.server, weights=area, minlength=n).astype(np.float64)
+    self.retired: list[int] = []
+    self.new = {f: [] for f in ("home", "doc", "q_lo", "q_hi", "home_off", "server")}
+    lo, hi = base.q_lo.astype(np.float64), base.q_hi.astype(np.float64)
+    self.lo, self.hi, self.area = lo, hi, area
+    self.e_whole = area / np.maximum((hi - lo) * self.qb + hi * self.kvb, 1e-300)
+    self.e_bound = _subrange_bound(lo, hi, self.qb, self.kvb, np.clip)
+    # Home pieces of each source by (area descending, piece id): `handed[s]` holds the alive
+    # ones already taken from that order (and the pieces a move leaves home), `nxt[s]` the next.
+    self.by_area = _by_home_then_area(base.home, area)
+    self.bounds = np.searchsorted(base.home[self.by_area], np.arange(n + 1)).tolist()
+    self.area_sorted = area[self.by_area]
+    self.chunk = 2 * top_k  # pieces handed out at a time
+    self.handed: list[list[Candidate]] = [[] for _ in range(n)]
+    self.offers: list[list[Candidate]] = [[] for _ in range(n)]
+    rank = np.arange(base.size) - np.asarray(self.bounds)[base.home[self.by_area]]
+    first = self.by_area[rank < self.chunk]
+    for h, c in zip(base.home[first].tolist(), self._candidates(first)):
+      self.handed[h].append(c)
+    self.nxt = [min(self.bounds[s] + self.chunk, self.bounds[s + 1]) for s in range(n)]
+    for s in range(n):
+      self.refresh(s)
 
-  def refresh(s):
-    """cands[s] = the top_k largest home pieces of s (ties: the lower piece id)."""
-    pool = handed[s]
-    pool.sort(key=lambda c: (-c[3], c[0]))
-    while nxt[s] < bounds[s + 1]:
+  def _candidates(self, idx):
+    b = self.base
+    return map(_new_candidate, zip(
+        idx.tolist(), self.lo[idx].tolist(), self.hi[idx].tolist(), self.area[idx].tolist(),
+        self.e_whole[idx].tolist(), b.doc[idx].tolist(), b.home_off[idx].tolist(),
+        self.e_bound[idx].tolist()))
+
+  def refresh(self, s: int) -> None:
+    """offers[s] = the top_k largest home pieces of s (ties: the lower piece id)."""
+    pool, top_k, end = self.handed[s], self.top_k, self.bounds[s + 1]
+    order = lambda c: (-c.area, c.piece)
+    pool.sort(key=order)
+    while self.nxt[s] < end:
       # Pieces not yet handed out come in order: only the next one can outrank the top_k-th.
-      j = nxt[s]
-      if len(pool) >= top_k and (-pool[top_k - 1][3], pool[top_k - 1][0]) < (
-          -float(area_sorted[j]), int(by_area[j])):
+      j = self.nxt[s]
+      if len(pool) >= top_k and order(pool[top_k - 1]) < (-float(self.area_sorted[j]),
+                                                          int(self.by_area[j])):
         break
-      idx = by_area[j:min(j + chunk, bounds[s + 1])]
-      pool.extend(base_cands(idx))
-      nxt[s] = j + idx.size
-      pool.sort(key=lambda c: (-c[3], c[0]))
-    cands[s] = pool[:top_k]
+      idx = self.by_area[j:min(j + self.chunk, end)]
+      pool.extend(self._candidates(idx))
+      self.nxt[s] = j + idx.size
+      pool.sort(key=order)
+    self.offers[s] = pool[:top_k]
 
-  rank = np.arange(p0) - np.asarray(bounds)[base.home[by_area]]
-  first = by_area[rank < chunk]
-  for h, c in zip(base.home[first].tolist(), base_cands(first)):
-    handed[h].append(c)
-  nxt = [min(bounds[s] + chunk, bounds[s + 1]) for s in range(n)]
-  for s in range(n):
-    refresh(s)
+  def apply(self, move: Move, d: int) -> None:
+    """Splits the moved piece [lo, hi) into [lo, x) home, [x, y) -> d, [y, hi) home."""
+    s, c = move.source, move.cand
+    i, lo, hi, doc, off = c.piece, int(c.lo), int(c.hi), c.doc, c.home_off
+    x, y = int(move.x), int(move.y)
+    new, qb, kvb = self.new, self.qb, self.kvb
+    self.handed[s].remove(c)
+    if i < self.size0:
+      self.retired.append(i)
+    else:
+      new["q_hi"][i - self.size0] = new["q_lo"][i - self.size0]  # retired: dropped at the end
+    for a, b, dst in ((lo, x, s), (y, hi, s), (x, y, d)):
+      if b <= a:
+        continue
+      for f, v in (("home", s), ("doc", doc), ("q_lo", a), ("q_hi", b),
+                   ("home_off", off + (a - lo)), ("server", dst)):
+        new[f].append(v)
+      if dst == s:
+        area = (b - a) * (b + a + 1.0) / 2.0
+        self.handed[s].append(_new_candidate((
+            self.size0 + len(new["home"]) - 1, float(a), float(b), area,
+            area / ((b - a) * qb + b * kvb), doc, off + (a - lo),
+            _subrange_bound(float(a), float(b), qb, kvb, _clip))))
+    self.refresh(s)
 
-  k_opt = 2.0 * comm.beta / (comm.beta + 2.0)  # n_q* = sqrt(k_opt * want), cost.optimal_split
-  inv_g = 1.0 / g
+  def tasks(self) -> Tasks:
+    """The layout's pieces still alive and the added ones, sorted."""
+    keep = np.ones(self.size0, bool)
+    keep[self.retired] = False
+    added = {f: np.asarray(v, np.int64) for f, v in self.new.items()}
+    live = added["q_hi"] > added["q_lo"]
+    return Tasks(**{f: np.concatenate([getattr(self.base, f)[keep], added[f][live]])
+                    for f in self.new}).sorted()
 
-  def score(a0, e0, cap):
+
+class _Loads:
+  """Each server's load against the mean, in max-heaps (negated keys) of surplus and of deficit
+  with lazy deletion: an entry is current while its version matches. With nodes, each node's
+  surplus entries too. Destinations no candidate fits (stuck) leave the deficit heap."""
+
+  def __init__(self, load_before: np.ndarray, epsilon: float, node):
+    n = load_before.size
+    self.load = load_before.tolist()
+    self.target = float(load_before.sum()) / n if n else 0.0
+    self.tol = epsilon * self.target
+    self.node = node
+    load, target = self.load, self.target
+    self.ver = [0] * n
+    self.stuck = [False] * n
+    self.stuck_max = 0.0  # largest deficit among stuck destinations (their loads no longer change)
+    self.surplus = [(target - load[s], 0, s) for s in range(n) if load[s] > target]
+    self.deficit = [(load[d] - target, 0, d) for d in range(n) if load[d] < target]
+    heapq.heapify(self.surplus)
+    heapq.heapify(self.deficit)
+    self.node_surplus = None  # one node: none, every source is local
+    if node is not None:
+      self.node_surplus = [[] for _ in range(max(node) + 1)]
+      for entry in self.surplus:
+        self.node_surplus[node[entry[2]]].append(entry)
+      for h in self.node_surplus:
+        heapq.heapify(h)
+
+  def _top(self, heap):
+    ver = self.ver
+    while heap and heap[0][1] != ver[heap[0][2]]:
+      heapq.heappop(heap)
+    return heap[0] if heap else None
+
+  def max_surplus(self) -> float:
+    ts = self._top(self.surplus)
+    return -ts[0] if ts else 0.0
+
+  def next_destination(self):
+    """(the server with the largest deficit, that deficit, the largest surplus), or (None, 0, 0)
+    once every server is within the tolerance or no destination is left."""
+    td = self._top(self.deficit)
+    max_def = max(-td[0] if td else 0.0, self.stuck_max)
+    max_sur = self.max_surplus()
+    if (max_sur <= self.tol and max_def <= self.tol) or td is None:
+      return None, 0.0, 0.0
+    return td[2], -td[0], max_sur
+
+  def source_heaps(self, d: int):
+    """The surplus heaps a destination asks, in order: its node's, then all."""
+    if self.node_surplus is None:
+      return (self.surplus,)
+    return (self.node_surplus[self.node[d]], self.surplus)
+
+  def give_up(self, d: int, deficit: float) -> None:
+    """No candidate fits `d`: it leaves the deficit heap."""
+    self.stuck[d] = True
+    self.stuck_max = max(self.stuck_max, deficit)
+    self.ver[d] += 1
+
+  def shift(self, s: int, d: int, pairs: float) -> None:
+    self.load[s] -= pairs
+    self.load[d] += pairs
+    self._push(s)
+    self._push(d)
+
+  def _push(self, s: int) -> None:
+    self.ver[s] += 1
+    load, target, v = self.load[s], self.target, self.ver[s]
+    if load > target:
+      heapq.heappush(self.surplus, (target - load, v, s))
+      if self.node_surplus is not None:
+        heapq.heappush(self.node_surplus[self.node[s]], (target - load, v, s))
+    elif load < target and not self.stuck[s]:
+      heapq.heappush(self.deficit, (load - target, v, s))
+
+
+_G, _INV_G = float(GRANULE), 1.0 / GRANULE
+
+
+class _Scorer:
+  """E of the best move of a given number of pairs out of a piece (`cost.optimal_split`, cut at
+  the 128-row grid)."""
+
+  def __init__(self, comm: CommModel, tol: float):
+    self.k_opt = 2.0 * comm.beta / (comm.beta + 2.0)  # n_q* = sqrt(k_opt * want)
+    self.qb, self.kvb, self.tol = comm.q_row_bytes, comm.kv_row_bytes, tol
+
+  def score(self, a0: float, e0: float, cap: float):
     """(E, x, y, got) of the best move of `cap` pairs out of piece [a0, e0) (its area is larger:
-    a piece that fits moves whole, with the E of its tuple); E <= 0: none."""
+    a piece that fits moves whole, with its candidate's E); E <= 0: none."""
+    g, inv_g = _G, _INV_G
     want = cap
-    nq = math.sqrt(k_opt * want)
+    nq = math.sqrt(self.k_opt * want)
     y = want / nq + 0.5 * nq
     y_min = 0.5 * (math.sqrt(1.0 + 4.0 * (a0 * a0 + a0) + 8.0 * want) - 1.0)
     y = min(max(y, y_min), e0)
@@ -190,135 +386,60 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
     got = nrow * (y + x + 1.0) * 0.5
     # A rounded move may overshoot by part of a granule, never by more than half the tolerance
     # (at ε = 0, by at most the area of one granule at that position).
-    if nrow <= 0 or got > cap + max(0.5 * tol, g * y):
+    if nrow <= 0 or got > cap + max(0.5 * self.tol, g * y):
       return -1.0, x, y, got
-    return got / (nrow * qb + y * kvb), x, y, got
+    return got / (nrow * self.qb + y * self.kvb), x, y, got
 
-  # Max-heaps (negated keys) of surplus and of deficit with lazy deletion: an entry is current
-  # while its version matches. Stuck destinations (no candidate fits) leave the deficit heap.
-  ver = [0] * n
-  sur_heap = [(target - load[s], 0, s) for s in range(n) if load[s] > target]
-  def_heap = [(load[d] - target, 0, d) for d in range(n) if load[d] < target]
-  heapq.heapify(sur_heap)
-  heapq.heapify(def_heap)
-  # Per node, the same surplus entries (one node: none, every source is local).
-  node_heap = None
-  if node is not None:
-    node_heap = [[] for _ in range(max(node) + 1)]
-    for entry in sur_heap:
-      node_heap[node[entry[2]]].append(entry)
-    for h in node_heap:
-      heapq.heapify(h)
-  stuck = [False] * n
 
-  def push(s):
-    ver[s] += 1
-    if load[s] > target:
-      heapq.heappush(sur_heap, (target - load[s], ver[s], s))
-      if node_heap is not None:
-        heapq.heappush(node_heap[node[s]], (target - load[s], ver[s], s))
-    elif load[s] < target and not stuck[s]:
-      heapq.heappush(def_heap, (load[s] - target, ver[s], s))
-
-  def top(heap):
-    while heap and heap[0][1] != ver[heap[0][2]]:
-      heapq.heappop(heap)
-    return heap[0] if heap else None
-
-  stuck_max = 0.0  # largest deficit among stuck destinations (their loads no longer change)
-  moves = 0
-  while moves < max_moves:
-    ts, td = top(sur_heap), top(def_heap)
-    max_sur = -ts[0] if ts else 0.0
-    max_def = max(-td[0] if td else 0.0, stuck_max)
-    if max_sur <= tol and max_def <= tol:
-      break
-    if td is None:
-      break
-    d, cap_d = td[2], -td[0]
-    # While some destination is outside the tolerance, any surplus source may give; once all are
-    # inside, only sources outside it (so the loop ends as soon as everyone is within ε).
-    floor_ = 0.0 if cap_d > tol else tol
-    best_e, best = 0.0, None  # best E; (source, candidate, x, y, got)
-    # The source with the largest surplus gives, its best candidate by E; the next sources only
-    # when it has none that fits. Draining the heaviest source first moves fewer, larger pieces
-    # than taking the best E over many sources, which sends a long document's pieces (and its
-    # K/V prefix) to server after server. With nodes, d's own node's sources come first.
-    # Allowing smaller local sources too would move more, smaller pieces and send a long
-    # document's prefix to more servers: fewer bytes across nodes in all, a busier hot spot.
-    tried = 0
-    offered = set()
-    for heap in ((node_heap[node[d]], sur_heap) if node_heap is not None else (sur_heap,)):
-      popped = []
-      while heap and best is None and tried < max_sources:
-        entry = heapq.heappop(heap)
-        s = entry[2]
-        if entry[1] != ver[s]:
-          continue
-        popped.append(entry)
-        sur = -entry[0]
-        # A source on d's node gives only a move as large as the flat rule's would be.
-        if sur <= floor_ or (heap is not sur_heap and sur < min(cap_d, max_sur)):
-          break
-        if s in offered:  # tried on d's node
-          continue
-        offered.add(s)
-        tried += 1
-        cap = min(sur, cap_d)
-        for c in cands[s]:
-          if c[3] <= cap:
-            if c[4] > best_e:
-              best_e, best = c[4], (s, c, c[1], c[2], c[3])
-            continue
-          if c[7] <= best_e:  # no sub-range of this piece beats the best
-            continue
-          e, x, y, got = score(c[1], c[2], cap)
-          if e > best_e:
-            best_e, best = e, (s, c, x, y, got)
-      for entry in popped:
-        heapq.heappush(heap, entry)
-      if best is not None:
-        break
-    if best is None:
-      stuck[d] = True
-      stuck_max = max(stuck_max, cap_d)
-      ver[d] += 1  # drops its deficit entry
-      continue
-    s, c, x, y, moved = best
-    i, li, hi_i, doc_i, off_i = c[0], int(c[1]), int(c[2]), c[5], c[6]
-    xi, yi = int(x), int(y)
-    # Split piece i = [lo, hi) into [lo, x) home, [x, y) -> d, [y, hi) home.
-    handed[s].remove(c)
-    if i < p0:
-      retired.append(i)
-    else:
-      new["q_hi"][i - p0] = new["q_lo"][i - p0]  # retired: zero-length, dropped below
-    for a, b, dst in ((li, xi, s), (yi, hi_i, s), (xi, yi, d)):
-      if b <= a:
+def _choose(pool: _Pool, loads: _Loads, score, d: int, cap_d: float, max_sur: float,
+            max_sources: int) -> Move | None:
+  """The move to destination `d` (deficit `cap_d`; the largest surplus `max_sur`), or None if no source has a candidate that
+  fits (`score`: `_Scorer.score`). The source with the largest surplus gives, its best candidate by E; the next sources
+  only when it has none that fits. Draining the heaviest source first moves fewer, larger pieces
+  than taking the best E over many sources, which sends a long document's pieces (and its K/V
+  prefix) to server after server. With nodes, d's own node's sources come first. Allowing
+  smaller local sources too would move more, smaller pieces and send a long document's prefix
+  to more servers: fewer bytes across nodes in all, a busier hot spot."""
+  # While some destination is outside the tolerance, any surplus source may give; once all are
+  # inside, only sources outside it (so the loop ends as soon as everyone is within ε).
+  floor_ = 0.0 if cap_d > loads.tol else loads.tol
+  ver, offers, everyone = loads.ver, pool.offers, loads.surplus
+  best = None  # (source, candidate, x, y, pairs): one Move made at the end
+  best_e = 0.0
+  tried = 0
+  offered = set()
+  for heap in loads.source_heaps(d):
+    popped = []
+    while heap and best is None and tried < max_sources:
+      entry = heapq.heappop(heap)
+      s = entry[2]
+      if entry[1] != ver[s]:
         continue
-      for f, v in (("home", s), ("doc", doc_i), ("q_lo", a), ("q_hi", b),
-                   ("home_off", off_i + (a - li)), ("server", dst)):
-        new[f].append(v)
-      if dst == s:
-        fa = (b - a) * (b + a + 1.0) / 2.0
-        handed[s].append((p0 + len(new["home"]) - 1, float(a), float(b), fa,
-                          fa / ((b - a) * qb + b * kvb), doc_i, off_i + (a - li),
-                          _subrange_bound(float(a), float(b), qb, kvb, _clip)))
-    load[s] -= moved
-    load[d] += moved
-    push(s)
-    push(d)
-    refresh(s)
-    moves += 1
-
-  keep = np.ones(p0, bool)
-  keep[retired] = False
-  added = {f: np.asarray(v, np.int64) for f, v in new.items()}
-  live = added["q_hi"] > added["q_lo"]
-  tasks = Tasks(**{f: np.concatenate([getattr(base, f)[keep], added[f][live]]) for f in new}).sorted()
-  load_after = np.bincount(tasks.server, weights=tasks.area(), minlength=n)
-  return tasks, BalanceStats(epsilon=epsilon, moves=moves, load_before=load_before,
-                             load_after=load_after)
+      popped.append(entry)
+      sur = -entry[0]
+      # A source on d's node gives only a move as large as the flat rule's would be.
+      if sur <= floor_ or (heap is not everyone and sur < min(cap_d, max_sur)):
+        break
+      if s in offered:  # tried on d's node
+        continue
+      offered.add(s)
+      tried += 1
+      cap = min(sur, cap_d)
+      for c in offers[s]:
+        if c.area <= cap:
+          if c.e_whole > best_e:
+            best_e, best = c.e_whole, (s, c, c.lo, c.hi, c.area)
+          continue
+        if c.e_bound <= best_e:  # no sub-range of this piece beats the best
+          continue
+        e, x, y, got = score(c.lo, c.hi, cap)
+        if e > best_e:
+          best_e, best = e, (s, c, x, y, got)
+    for entry in popped:
+      heapq.heappush(heap, entry)
+    if best is not None:
+      break
+  return None if best is None else Move(*best, best_e)
 
 
 def _node_ids(nodes, n: int) -> list[int] | None:

@@ -30,7 +30,9 @@ over rows.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -92,7 +94,8 @@ def route(relay: Relay, shard: np.ndarray, src: np.ndarray, dst: np.ndarray, row
       pieces = groups[k]
       out.append(_scatter_shard(relay, int(src[pieces[0]]), pieces, dst[pieces].tolist(),
                                 rows[pieces].tolist(), load))
-  parent, start, rows_, via = (np.concatenate(a).astype(np.int64) for a in zip(*out))
+  parent, start, rows_, via = (np.concatenate([np.asarray(x, np.int64) for x in a])
+                               for a in zip(*out))
   return Routed(parent=parent, start=start, rows=rows_, via=via)
 
 
@@ -111,22 +114,34 @@ def _scatter_shard(relay: Relay, holder: int, pieces: np.ndarray, servers: list[
   top = rows[0]
   slices = max(1, min(relay.fanout, m, -(-top // GRANULE)))
   cuts = sorted({top * i // slices // 8 * 8 for i in range(slices)} | {top})
+  # rows are sorted, most first: the servers that need row x are a prefix, found by bisection,
+  # and their rows' sums by prefix sums (work per slice of the servers it goes to, not of all).
+  neg = [-r for r in rows]
+  prefix = list(itertools.accumulate(rows, initial=0))
   parent, start, size, via = [], [], [], []
   for x, y in zip(cuts[:-1], cuts[1:]):
-    need = [j for j in range(m) if rows[j] > x]  # rows are sorted: a prefix of the servers
-    forwards = sum(min(y, rows[j]) - x for j in need) - (y - x)
-    r = -1 if len(need) < 3 else min((j for j in need if rows[j] >= y),
-                                     key=lambda j: (load[servers[j]], servers[j]))
+    need = bisect.bisect_left(neg, -x)  # servers j < need have rows[j] > x
+    whole = bisect.bisect_right(neg, -y)  # servers j < whole have rows[j] >= y
+    forwards = whole * (y - x) + (prefix[need] - prefix[whole]) - (need - whole) * x - (y - x)
+    r = -1 if need < 3 else _least_loaded(servers, whole, load)
+    part = [y - x] * whole + [rows[j] - x for j in range(whole, need)]
+    start += [x] * need
+    size += part
     # Relay only where it lowers the busier of holder and relay: never a new hot spot.
     if r < 0 or load[servers[r]] + forwards >= load[holder]:
-      for j in need:
-        parent.append(j), start.append(x), size.append(min(y, rows[j]) - x), via.append(-1)
+      parent += range(need)
+      via += [-1] * need
       continue
-    parent.append(r), start.append(x), size.append(y - x), via.append(-1)
-    for j in need:
-      if j != r:
-        parent.append(j), start.append(x), size.append(min(y, rows[j]) - x)
-        via.append(servers[r])
+    parent += [r] + [j for j in range(need) if j != r]
+    size[-need:] = [part[r]] + part[:r] + part[r + 1:]
+    via += [-1] + [servers[r]] * (need - 1)
     load[holder] -= forwards
     load[servers[r]] += forwards
   return pieces[np.asarray(parent, np.int64)], start, size, via
+
+
+def _least_loaded(servers: list[int], k: int, load: list[float]) -> int:
+  """The j < k whose server sends the least so far (ties: the lower server number; a shard's
+  servers are distinct)."""
+  first = servers[:k]
+  return servers.index(min(zip(map(load.__getitem__, first), first))[1])

@@ -90,21 +90,62 @@ def kv_requests(tasks: Tasks, layout: Layout, relay: Relay | None = None) -> KVR
                     piece_doc_off=d_off, piece_rows=rows, piece_via=via)
 
 
-def pair_rows(tasks: Tasks, layout: Layout, kv: KVRequests | None = None
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Rows each (device, server) pair moves under `tasks`, int64 [N, N], zero on the diagonal (rows
-  that stay on their device do not move): query rows (home -> server), deduplicated K/V rows sent
-  in the first round (holder -> server) and in the second (relay -> server; all zero unless `kv`
-  has relays). `kv`: the tasks' `kv_requests`, when already at hand (default: without relays)."""
+@dataclasses.dataclass(frozen=True)
+class PairRows:
+  """The rows one round of the exchange moves between (device, server) pairs, listed only for
+  the pairs that move any (a handful per device on a large mesh): `sender`, `server` (sorted by
+  sender then server, never equal), `rows`."""
+
+  sender: np.ndarray
+  server: np.ndarray
+  rows: np.ndarray
+
+  @staticmethod
+  def summed(sender, server, rows, n: int) -> "PairRows":
+    """The rows of each (sender, server) pair summed."""
+    key, pair = np.unique(np.asarray(sender, np.int64) * n + server, return_inverse=True)
+    total = np.bincount(pair, weights=rows, minlength=key.size).astype(np.int64)
+    return PairRows(sender=key // n, server=key % n, rows=total)
+
+  def sent(self, n: int) -> np.ndarray:
+    """[n] rows each device sends."""
+    return np.bincount(self.sender, weights=self.rows, minlength=n).astype(np.int64)
+
+  def received(self, n: int) -> np.ndarray:
+    """[n] rows each server receives."""
+    return np.bincount(self.server, weights=self.rows, minlength=n).astype(np.int64)
+
+  def largest(self) -> int:
+    """The most rows one pair moves."""
+    return int(self.rows.max(initial=0))
+
+  def dense(self, n: int) -> np.ndarray:
+    """int64 [n, n]: [d, s] the rows d sends s (the dispatch arrays' counts)."""
+    out = np.zeros((n, n), np.int64)
+    out[self.sender, self.server] = self.rows
+    return out
+
+
+def exchange_pairs(tasks: Tasks, layout: Layout, kv: KVRequests | None = None
+                   ) -> tuple[PairRows, PairRows, PairRows]:
+  """Rows each (device, server) pair moves under `tasks` (rows that stay on their device do not
+  move): query rows (home -> server), deduplicated K/V rows sent in the first round (holder ->
+  server) and in the second (relay -> server; none unless `kv` has relays). `kv`: the tasks'
+  `kv_requests`, when already at hand (default: without relays)."""
   n = layout.num_buffers
   remote = tasks.server != tasks.home
-  q = np.bincount(tasks.home[remote] * n + tasks.server[remote], weights=tasks.q_len[remote],
-                  minlength=n * n)
+  q = PairRows.summed(tasks.home[remote], tasks.server[remote], tasks.q_len[remote], n)
   kv = kv_requests(tasks, layout) if kv is None else kv
   sender, dst, rows, relayed = _kv_sends(kv)
-  k1, k2 = (np.bincount(sender[m] * n + dst[m], weights=rows[m], minlength=n * n).astype(np.int64)
-            for m in (~relayed, relayed))
-  return q.astype(np.int64).reshape(n, n), k1.reshape(n, n), k2.reshape(n, n)
+  k1, k2 = (PairRows.summed(sender[m], dst[m], rows[m], n) for m in (~relayed, relayed))
+  return q, k1, k2
+
+
+def pair_rows(tasks: Tasks, layout: Layout, kv: KVRequests | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`exchange_pairs` as int64 [N, N] arrays, zero on the diagonal (the dispatch arrays' counts;
+  the reports' per-pair tables)."""
+  return tuple(p.dense(layout.num_buffers) for p in exchange_pairs(tasks, layout, kv))
 
 
 def _kv_sends(kv: KVRequests) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -137,7 +178,8 @@ class Traffic:
 
 
 def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = False,
-            tiled: bool = False, relay: Relay | None = None) -> Traffic:
+            tiled: bool = False, relay: Relay | None = None,
+            kv: KVRequests | None = None) -> Traffic:
   """Network bytes of a task placement, KV deduplicated per (server, document).
 
   Query rows: Q out and O back (and the backward's terms, see CommModel) for tasks whose server
@@ -147,25 +189,31 @@ def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = Fals
   pair carries the capacity bucket of the largest pair's rows, moving or not (with `relay`, a
   second all_to_all carries the relayed rows). `relay`: K/V shards needed by many servers are
   relayed (`kv_requests`); a relay sends the rows it forwards, the holder only the others.
+  `kv`: the tasks' `kv_requests` with `relay`, when already at hand. Work of the tasks and
+  pieces; [N, N] only for `pairwise`.
   """
   n = layout.num_buffers
   q_len = tasks.q_len.astype(np.float64)
   remote = tasks.server != tasks.home
   q_out = np.bincount(tasks.home[remote], weights=q_len[remote], minlength=n)
   q_in = np.bincount(tasks.server[remote], weights=q_len[remote], minlength=n)
-  kv = kv_requests(tasks, layout, relay)
+  kv = kv_requests(tasks, layout, relay) if kv is None else kv
   sender, dst, rows, _ = _kv_sends(kv)
   rows = rows.astype(np.float64)
   kv_out = np.bincount(sender, weights=rows, minlength=n)
   kv_in = np.bincount(dst, weights=rows, minlength=n)
+  remote_tasks = np.bincount(tasks.home[remote], minlength=n)
   if tiled:
-    q_pair, kv1, kv2 = pair_rows(tasks, layout, kv)
-    cap = lambda rows: exchange_capacity(int(rows.max(initial=0)), layout.buffer_len)
-    off = ~np.eye(n, dtype=bool)
-    pair = off * (cap(q_pair) * comm.q_row_bytes + (cap(kv1) + cap(kv2)) * comm.kv_row_bytes)
-    return Traffic(send=pair.sum(1), recv=pair.sum(0), q_rows_out=q_out, kv_rows_out=kv_out,
-                   remote_tasks=np.bincount(tasks.home[remote], minlength=n),
-                   pair_bytes=pair if pairwise else None)
+    cap = lambda pairs: exchange_capacity(pairs.largest(), layout.buffer_len)
+    q_pair, kv1, kv2 = exchange_pairs(tasks, layout, kv)
+    block = cap(q_pair) * comm.q_row_bytes + (cap(kv1) + cap(kv2)) * comm.kv_row_bytes
+    every = np.full(n, (n - 1) * block, np.float64)  # N - 1 blocks each way
+    pair = None
+    if pairwise:
+      pair = np.full((n, n), block, np.float64)
+      np.fill_diagonal(pair, 0.0)
+    return Traffic(send=every, recv=every.copy(), q_rows_out=q_out, kv_rows_out=kv_out,
+                   remote_tasks=remote_tasks, pair_bytes=pair)
   send = q_out * comm.q_row_bytes + kv_out * comm.kv_row_bytes
   recv = q_in * comm.q_row_bytes + kv_in * comm.kv_row_bytes
   pair = None
@@ -174,4 +222,4 @@ def traffic(tasks: Tasks, layout: Layout, comm: CommModel, pairwise: bool = Fals
     np.add.at(pair, (tasks.home[remote], tasks.server[remote]), q_len[remote] * comm.q_row_bytes)
     np.add.at(pair, (sender, dst), rows * comm.kv_row_bytes)
   return Traffic(send=send, recv=recv, q_rows_out=q_out, kv_rows_out=kv_out,
-                 remote_tasks=np.bincount(tasks.home[remote], minlength=n), pair_bytes=pair)
+                 remote_tasks=remote_tasks, pair_bytes=pair)

@@ -502,6 +502,8 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
   if ran_cad:  # what the gate predicted this step's plans save (a fraction of the step)
     record["cad_predicted_saving"] = ctx.predicted_saving
     record["nano_batches"] = len(ctx.batches)  # streams: 2 with ping-pong
+    # 1: a plan stopped short of attention.epsilon (stuck, the move cap, or no gain).
+    record["plan_short"] = float(any(p.stats.short for p in ctx.plans))
     # The run's exchange capacities, what the exchange sends.
     record.update(job.config.attention.transport().log_rows(ctx.capacities))
   if load_after is not None:

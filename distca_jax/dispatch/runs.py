@@ -1,0 +1,190 @@
+"""Following row ranges through the dispatch arrays: what `checks.py` reads a plan with.
+
+The plan's index arrays are written range by range (a task's query rows, a K/V piece), so a
+run of consecutive slots mostly names a run of consecutive rows. A check follows *runs*, not
+rows: each index array is read once, in a few vectorised passes over the slots that matter, as
+its maximal runs (`Table`); a range of rows is then followed through it by cutting the range
+where the table's runs start and end (`follow`), work of the ranges, not of their rows. A slot
+that is not valid, or a run whose rows fall outside the space they index, marks the item the
+range belongs to as bad.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from distca_jax.data.packing import Layout, index_in_runs, ranges
+
+
+class Runs(NamedTuple):
+  """Row ranges being followed: range k holds rows [row, row + n) of device `dev`'s row space,
+  which are rows [off, off + n) of item `item` (a task's query rows, a K/V group's slots)."""
+
+  item: np.ndarray
+  off: np.ndarray
+  dev: np.ndarray
+  row: np.ndarray
+  n: np.ndarray
+
+  @staticmethod
+  def of(item, dev, row, n) -> "Runs":
+    """Items' whole ranges (offset 0), empty ones dropped."""
+    i64 = lambda a: np.asarray(a, np.int64).reshape(-1)
+    item, dev, row, n = map(i64, (item, dev, row, n))
+    keep = n > 0
+    return Runs(item[keep], np.zeros(int(keep.sum()), np.int64), dev[keep], row[keep], n[keep])
+
+  def take(self, mask) -> "Runs":
+    return Runs(*(a[mask] for a in self))
+
+  def concat(self, *others: "Runs") -> "Runs":
+    return Runs(*(np.concatenate(parts) for parts in zip(self, *others)))
+
+
+class Table(NamedTuple):
+  """A map from one row space to another as runs: rows [start, start + n) of `key`'s device
+  (key = device * width + row, sorted, the runs disjoint) go to rows [to_row, to_row + n) of
+  device `to_dev`."""
+
+  key: np.ndarray
+  n: np.ndarray
+  to_dev: np.ndarray
+  to_row: np.ndarray
+  width: int
+
+
+def cut(r: Runs, at: int) -> Runs:
+  """Each range that holds both rows below `at` and rows from it, cut in two there."""
+  split = (r.row < at) & (r.row + r.n > at)
+  if not split.any():
+    return r
+  s = r.take(split)
+  head = at - s.row
+  lower = s._replace(n=head)
+  upper = Runs(s.item, s.off + head, s.dev, np.full(s.n.size, at, np.int64), s.n - head)
+  return r.take(~split).concat(lower, upper)
+
+
+def split_at(r: Runs, width: int, points: np.ndarray) -> Runs:
+  """The ranges cut at `points` (sorted keys device * width + row)."""
+  key = r.dev * width + r.row
+  end = key + r.n
+  lo = np.searchsorted(points, key, side="right")
+  k = np.searchsorted(points, end, side="left") - lo  # cut points inside each range
+  if not k.any():
+    return r
+  parent = np.repeat(np.arange(key.size), k + 1)
+  j = index_in_runs(k + 1)
+  at = lo[parent] + j
+  first = np.where(j == 0, key[parent], points[np.maximum(at - 1, 0)])
+  last = np.where(j == k[parent], end[parent], points[np.minimum(at, max(points.size - 1, 0))])
+  shift = first - key[parent]
+  return Runs(r.item[parent], r.off[parent] + shift, r.dev[parent], r.row[parent] + shift,
+              last - first)
+
+
+def follow(r: Runs, table: Table, limit: int) -> tuple[Runs, np.ndarray]:
+  """(the ranges mapped through `table`, the items of ranges it does not map): a range is cut
+  where the table's runs start and end; a piece in no run, or mapped outside rows [0, limit) of
+  its new device, is not mapped."""
+  inside = (r.row >= 0) & (r.row + r.n <= table.width)
+  bad = r.item[~inside]
+  r = r.take(inside)
+  points = np.unique(np.concatenate([table.key, table.key + table.n]))
+  r = split_at(r, table.width, points)
+  key = r.dev * table.width + r.row
+  k = np.searchsorted(table.key, key, side="right") - 1
+  kk = np.maximum(k, 0)
+  hit = (k >= 0) & (key < table.key[kk] + table.n[kk]) if table.key.size else np.zeros(key.size, bool)
+  row = table.to_row[kk] + (key - table.key[kk]) if table.key.size else key
+  dev = table.to_dev[kk] if table.key.size else key
+  ok = hit & (row >= 0) & (row + r.n <= limit)
+  return (Runs(r.item[ok], r.off[ok], dev[ok], row[ok], r.n[ok]),
+          np.concatenate([bad, r.item[~ok]]))
+
+
+def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
+  """The maximal runs of index array `idx` [N, W] (consecutive valid slots of one row holding
+  consecutive values) over the slots [start, start + n) of devices `dev` (sorted by device then
+  start, disjoint): each of those slots' valid flags is read once, and the values of the valid
+  ones (most of a buffer past its rows is padding)."""
+  width = idx.shape[-1]
+  dev, start, n = np.broadcast_arrays(*(np.asarray(a, np.int64).reshape(-1)
+                                        for a in (dev, start, n)))
+  keep = n > 0
+  dev, start, n = dev[keep], start[keep], n[keep]
+  if not width or not n.size:
+    z = np.zeros(0, np.int64)
+    return Table(z, z, z, z, max(width, 1))
+  if dev[-1] - dev[0] + 1 == dev.size and (start == 0).all() and (n == width).all():
+    rows = slice(int(dev[0]), int(dev[-1]) + 1)  # whole consecutive rows: views, read as they lie
+    key = np.flatnonzero(valid[rows])
+    values = idx[rows].reshape(-1)[key]
+    key += int(dev[0]) * width
+  else:
+    flat = ranges(dev * width + start, n)
+    key = flat[valid.reshape(-1)[flat]]
+    values = idx.reshape(-1)[key]
+  # Consecutive slots holding consecutive values (int32 differences may wrap only for values a
+  # run's range check then refuses).
+  cont = np.zeros(key.size, bool)
+  np.equal(key[1:] - key[:-1], 1, out=cont[1:])
+  cont[1:] &= values[1:] - values[:-1] == 1
+  begins = np.flatnonzero(~cont)
+  length = np.diff(np.append(begins, key.size))
+  key, values = key[begins], values[begins].astype(np.int64)
+  # A run crossing the end of a row is two (rare: a row's last slot and the next row's first).
+  row_end = (key // width + 1) * width
+  over = key + length > row_end
+  if over.any():
+    head = np.where(over, row_end - key, length)
+    key = np.concatenate([key, row_end[over]])
+    values = np.concatenate([values, values[over] + head[over]])
+    length = np.concatenate([head, (length - head)[over]])
+    order = np.argsort(key, kind="stable")
+    key, values, length = key[order], values[order], length[order]
+  return Table(key, length, key // width, values, width)
+
+
+def exchange_table(count: np.ndarray, recv_off: np.ndarray, send_off: np.ndarray, servers,
+                   width: int) -> Table:
+  """Rows of the receive buffers (`width` rows) of `servers` to the send-buffer slots they were
+  sent from: server s's rows [recv_off[s, h], + count[h, s]) are sender h's slots
+  [send_off[h, s], + count[h, s])."""
+  servers = np.unique(np.asarray(servers, np.int64))
+  at, sender = np.nonzero(count[:, servers].T > 0)  # per server, senders in order: offsets grow
+  s = servers[at]
+  key = s * width + recv_off[s, sender].astype(np.int64)
+  return Table(key, count[sender, s].astype(np.int64), sender.astype(np.int64),
+               send_off[sender, s].astype(np.int64), width)
+
+
+def send_regions(count: np.ndarray, send_off: np.ndarray, receivers, checked):
+  """(sender, first slot, slots) of the send buffers to read: a checked device's every row it
+  sends, and the blocks other senders send `receivers`; sorted by sender."""
+  n = count.shape[0]
+  checked = np.unique(np.asarray(checked, np.int64))
+  receivers = np.unique(np.asarray(receivers, np.int64))
+  own = np.zeros(n, bool)
+  own[checked] = True
+  h, j = np.nonzero((count[:, receivers] > 0) & ~own[:, None])
+  s = receivers[j]
+  dev = np.concatenate([checked, h])
+  start = np.concatenate([np.zeros(checked.size, np.int64), send_off[h, s].astype(np.int64)])
+  size = np.concatenate([count[checked].sum(1, dtype=np.int64), count[h, s].astype(np.int64)])
+  order = np.lexsort((start, dev))
+  return dev[order], start[order], size[order]
+
+
+def shard_table(layout: Layout) -> Table:
+  """A buffer's rows to (document, in-document position), as `layout`'s shards: rows outside
+  every shard (padding) are in no run."""
+  T = layout.buffer_len
+  key = layout.buffer * T + layout.buffer_offset
+  order = np.argsort(key, kind="stable")
+  if not np.all(order == np.arange(order.size)):
+    key = key[order]
+  return Table(np.asarray(key, np.int64), layout.length[order].astype(np.int64),
+               layout.doc[order].astype(np.int64), layout.doc_offset[order].astype(np.int64), T)
