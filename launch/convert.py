@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family checkpoints in and out (formats: distca_jax/models/hf.py).
+"""Hugging Face Llama-family checkpoints in and out (formats: models/hf.py).
 
   python launch/convert.py import HF_DIR OUT
   python launch/convert.py export RUN_DIR OUT [--step N] [--dtype bfloat16]

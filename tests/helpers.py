@@ -349,7 +349,7 @@ def global_plan(n: int, dist: str, T: int = 256):
 
 
 # ----------------------------------------------------------------------------- Hugging Face side
-# Written from transformers' Llama / Qwen2 definitions, independently of distca_jax/models/hf.py:
+# Written from transformers' Llama / Qwen2 definitions, independently of models/hf.py:
 # tensor names, nn.Linear's [out, in] weights, rotate-half RoPE with cos/sin scaled by the
 # attention factor, repeat_kv's grouping (query head h reads key/value head h // (H / K)).
 
