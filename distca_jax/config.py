@@ -267,9 +267,9 @@ class EvalConfig:
 
   # Evaluate every this many steps, and where the run ends (0: only where it ends).
   every: NonNegStepCount = 0
-  # Held-out batches, each one global batch of the training step's shape (0: no evaluation).
-  # Unset: 2, or 0 where evaluation does not run yet (mesh.pipe > 1, data.packing=wlb).
-  batches: NonNegInt | None = None
+  # Held-out batches, each one global batch of the training step's shape (0: no evaluation;
+  # not yet with mesh.pipe > 1 or data.packing=wlb).
+  batches: NonNegInt = 0
   # Where they come from: `data`, the training source (data.source, its distribution or corpus)
   # drawn with `seed`; `synthetic`, documents of `distribution`; `corpus`, the corpus
   # `corpus_tokens` / `corpus_offsets` (built by launch/build_corpus.py from documents kept out
@@ -285,12 +285,6 @@ class EvalConfig:
   # None: 4K, 16K, 64K, 128K scaled down to the run's context (data ranks x tokens_per_device)
   # where that is shorter than 128K (`evaluate.default_buckets`).
   buckets: tuple[PositiveInt, ...] | None = None
-
-  def batches_for(self, pipelined: bool, packing: str) -> int:
-    """`batches`, or its default: 2, none where evaluation does not run yet."""
-    if self.batches is not None:
-      return self.batches
-    return 0 if pipelined or packing == "wlb" else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +371,7 @@ def _check_eval(config: Config, vocab_size: int) -> None:
                       "data.packing=wlb yet; set eval.batches=0")
   if e.buckets is not None and list(e.buckets) != sorted(set(e.buckets)):
     raise ConfigError(f"eval.buckets: bucket starts must increase, got {list(e.buckets)}")
-  if not e.batches_for(m.pipe > 1, config.data.packing):
+  if not e.batches:
     return
   if e.source == "corpus":
     if e.corpus_tokens is None or e.corpus_offsets is None:

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
   try:
     # The recorded config, but a run's out_dir and checkpoints are where they are now.
     config = load_config(run_dir / "config.json", list(args.overrides) + [f"train.out_dir={run_dir}"])
-    if not config.eval.batches_for(config.mesh.pipe > 1, config.data.packing):
-      raise ConfigError("eval.batches: 0, nothing to evaluate")
+    if not config.eval.batches:
+      raise ConfigError("eval.batches: 0, nothing to evaluate (set eval.batches=N)")
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2

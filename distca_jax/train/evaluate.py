@@ -179,7 +179,7 @@ class Evaluator:
 def make_evaluator(config, trainer, make_source, rows=None) -> Evaluator | None:
   """The run's `Evaluator` (None: `eval.batches` is 0). `make_source(data_config, num_buffers)`
   builds a data source (the trainer's `make_source`)."""
-  n = config.eval.batches_for(trainer.pipeline is not None, config.data.packing)
+  n = config.eval.batches
   if not n:
     return None
   data = trainer.mesh.shape["data"]
