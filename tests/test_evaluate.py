@@ -100,3 +100,19 @@ def test_a_run_evaluates_and_eval_py_reads_its_checkpoint(tmp_path, capsys):
   assert "eval at step 2: loss" in capsys.readouterr().out
   assert launch_script("eval").main([str(tmp_path), "--step", "7"]) == 2
   assert "checkpoint error: checkpoint step 7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.pipe=2", "model.layers=2", "attention.pingpong=false", "train.microbatches=2",
+      "eval.batches=1"], "eval.batches: evaluation does not run with mesh.pipe > 1"),
+    (["data.packing=wlb", "eval.batches=1"], "eval.batches: evaluation does not run"),
+    (["eval.buckets=[64, 64]"], "eval.buckets: bucket starts must increase"),
+    (["eval.batches=1", "eval.source=corpus"], "eval.corpus_tokens and eval.corpus_offsets"),
+    (["eval.batches=1", "eval.source=synthetic", "eval.distribution=/nonexistent.json"],
+     "eval.distribution"),
+])
+def test_bad_eval_configs_name_the_field(overrides, message):
+  from distca_jax.config import ConfigError, load_config
+
+  with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
+    load_config(None, overrides)
