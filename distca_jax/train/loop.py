@@ -241,7 +241,8 @@ def _size_shapes(job: Job, log) -> None:
     _host_work(job, step, report=False)
   job.shapes.count_from_here()
   if job.main:
-    log(f"step shapes sized from the plans of steps {steps.start + 1}-{steps.stop} "
+    # Not "step ...": a log line that starts so is a step's record.
+    log(f"sized the step's capacities from the plans of steps {steps.start + 1}-{steps.stop} "
         f"({time.perf_counter() - t0:.1f}s, train.shape_steps={job.config.train.shape_steps})")
 
 
