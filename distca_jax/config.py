@@ -297,6 +297,11 @@ class TrainConfig:
   # Plan each colocated step with the CAD scheduler on the host (prefetch thread) to report the
   # attention imbalance it would reach ("after"); distca steps report their own plan's.
   imbalance_after: bool = True
+  # Before the first step, the host plans this many of the run's steps ahead (their batches,
+  # CAD's plans and gate, colocated attention's windows) and sizes the step's capacities to the
+  # largest they need, so the step compiles once per kind of context instead of once more each
+  # time a step needs a larger capacity (later steps can still grow them). 0: grow step by step.
+  shape_steps: NonNegInt = 32
   # JAX persistent compilation cache directory (None: off). A resumed run loads its compiled
   # step from here instead of compiling again.
   compile_cache_dir: OutputDir | None = None
@@ -319,6 +324,34 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation (`train/evaluate.py`): loss, perplexity and loss by token position on
+  the same `batches` batches every time, through the training step's mesh and attention (CAD's
+  batches planned as a training step's), every `every` steps and where the run ends."""
+
+  # Evaluate every this many steps, and where the run ends (0: only where it ends).
+  every: NonNegStepCount = 0
+  # Held-out batches, each one global batch of the training step's shape (0: no evaluation;
+  # not yet with mesh.pipe > 1 or data.packing=wlb).
+  batches: NonNegInt = 0
+  # Where they come from: `data`, the training source (data.source, its distribution or corpus)
+  # drawn with `seed`; `synthetic`, documents of `distribution`; `corpus`, the corpus
+  # `corpus_tokens` / `corpus_offsets` (built by launch/build_corpus.py from documents kept out
+  # of training: the training corpus drawn with another seed repeats its documents).
+  source: Literal["data", "synthetic", "corpus"] = "data"
+  distribution: str | None = None  # None: data.distribution
+  corpus_tokens: str | None = None
+  corpus_offsets: str | None = None
+  # The held-out batches' seed (None: data.seed + 1, never the training batches' seed).
+  seed: Seed | None = None
+  # Position buckets: the first position of each bucket after the first (the loss of a token
+  # predicted at in-document position p falls in the last bucket starting at or before p).
+  # None: 4K, 16K, 64K, 128K scaled down to the run's context (data ranks x tokens_per_device)
+  # where that is shorter than 128K (`evaluate.default_buckets`).
+  buckets: tuple[PositiveInt, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """The trainer's configuration: one section per part of the run."""
 
@@ -329,6 +362,7 @@ class Config:
   optim: OptimConfig = OptimConfig()
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  eval: EvalConfig = EvalConfig()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -398,6 +432,34 @@ def validate(config: Config) -> None:
     _check_corpus(d, shape.vocab_size)
   else:
     _check_distribution(d)
+  _check_eval(config, shape.vocab_size)
+
+
+def _check_eval(config: Config, vocab_size: int) -> None:
+  """Evaluation runs where it is configured, and its source loads."""
+  e, m = config.eval, config.mesh
+  if e.batches and (m.pipe > 1 or config.data.packing == "wlb"):
+    raise ConfigError("eval.batches: evaluation does not run with mesh.pipe > 1 or "
+                      "data.packing=wlb yet; set eval.batches=0")
+  if e.buckets is not None and list(e.buckets) != sorted(set(e.buckets)):
+    raise ConfigError(f"eval.buckets: bucket starts must increase, got {list(e.buckets)}")
+  if not e.batches:
+    return
+  if e.source == "corpus":
+    if e.corpus_tokens is None or e.corpus_offsets is None:
+      raise ConfigError("eval.corpus_tokens and eval.corpus_offsets: both are required when "
+                        "eval.source=corpus")
+    from distca_jax.data.corpus import CorpusError, check_corpus
+
+    try:
+      check_corpus(e.corpus_tokens, e.corpus_offsets, vocab_size)
+    except CorpusError as err:
+      raise ConfigError(f"eval.corpus_tokens: {err}") from None
+  elif e.source == "synthetic" and e.distribution is not None:
+    try:
+      _check_distribution(dataclasses.replace(config.data, distribution=e.distribution))
+    except ConfigError as err:
+      raise ConfigError(str(err).replace("data.distribution", "eval.distribution", 1)) from None
 
 
 def _check_distribution(d: DataConfig) -> None:

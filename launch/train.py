@@ -1,12 +1,13 @@
 """Train a Llama-style model with colocated or disaggregated core attention.
 
-    python launch/train.py                                  # built-in default: tiny model, CPU ok
+    python launch/train.py                                  # the default job: configs/tiny.yaml, CAD
     python launch/train.py --config configs/llama_1b.yaml train.steps=100 attention.impl=distca
 
 With no accelerator, JAX's CPU backend is split into `train.cpu_devices` simulated devices (8 by
 default) so the mesh code paths are the ones a GPU cluster runs.
 
-Settings: the defaults below, then the `--config` YAML file, then `section.field=value` overrides
+Settings: the defaults below, then the `--config` YAML file (without one, configs/tiny.yaml: the
+tiny model on 8 simulated CPU devices with CAD on every step), then `section.field=value` overrides
 (values read as YAML: `true`, `1e-4`, `[0, 1]`). `--print-config` prints the resolved
 configuration as YAML (a file `--config` reads back) and exits without training. A bad value stops
 the command before JAX starts with one `config error: <field>: ...` line and exit status 2.
@@ -26,6 +27,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+# The default job's config: what `python launch/train.py` runs without --config.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def _parse(argv):
@@ -37,7 +42,9 @@ def _parse(argv):
                       ""] + describe(Config))
   parser = argparse.ArgumentParser(description=__doc__, epilog=schema,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", help="YAML file overriding the defaults (configs/*.yaml)")
+  parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                      help="YAML file overriding the defaults (configs/*.yaml; default: the "
+                           "default job, configs/tiny.yaml)")
   parser.add_argument("--print-config", action="store_true",
                       help="print the resolved configuration as YAML and exit (nothing runs)")
   add_multihost_args(parser)

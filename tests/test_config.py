@@ -407,8 +407,13 @@ def test_range_checked_after_every_override():
   assert load_config(None, ["optim.lr=-1", "optim.lr=0.5"]).optim.lr == 0.5
 
 
-def test_tiny_yaml_is_the_default_job():
-  assert load_config(ROOT / "configs" / "tiny.yaml", []) == Config()
+def test_tiny_yaml_is_the_default_job(capsys):
+  """`python launch/train.py` without --config runs configs/tiny.yaml: CAD on the tiny model,
+  evaluated; the schema's defaults stay those a GPU config builds on (colocated, gate on)."""
+  tiny = load_config(ROOT / "configs" / "tiny.yaml", [])
+  assert _print_config("train", [], capsys) == _print_config("train", ["--config", str(ROOT / "configs" / "tiny.yaml")], capsys)
+  assert (tiny.attention.impl, tiny.attention.gate, tiny.eval.batches) == ("distca", False, 2)
+  assert (Config().attention.impl, Config().attention.gate, Config().eval.batches) == ("colocated", True, 0)
 
 
 # ----------------------------------------------------------------------------- input files
@@ -561,7 +566,7 @@ def test_print_config_round_trips(tmp_path, capsys):
           "optim.lr=1e-4", "train.out_dir=runs/x y", "data.full_context_replacement=true"]
   printed = _print_config("train", argv, capsys)
   path = _write(tmp_path, "printed.yaml", printed)
-  assert load_config(path, []) == load_config(None, argv)
+  assert load_config(path, []) == load_config(ROOT / "configs" / "tiny.yaml", argv)
   assert load_config(path, []).attention.data_rank_nodes == (0, 0, 1, 1)
 
 

@@ -29,7 +29,10 @@ from distca_jax.train import loop
 from helpers import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["model.dtype=float32", "model.remat=none", "model.layers=1", "model.hidden=64", "model.ffn=128",
+# The schema's attention and no evaluation (launch/train.py starts from the default job's
+# configs/tiny.yaml); a case's own arguments come after.
+ARGS = ["attention.impl=colocated", "eval.batches=0",
+        "model.dtype=float32", "model.remat=none", "model.layers=1", "model.hidden=64", "model.ffn=128",
         "model.vocab_size=256", "data.tokens_per_device=256", "data.length_scale=64",
         "train.progress=false", "train.tensorboard=false", "train.imbalance_after=false",
         "train.steps=2",

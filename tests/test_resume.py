@@ -38,8 +38,8 @@ from helpers import small_config
 TINY = ("model.layers=1", "model.hidden=64", "model.ffn=128", "model.vocab_size=256",
         "data.length_scale=64", "data.seed=4", "train.imbalance_after=false")
 N = 2  # checkpoint every N steps; runs are 2N steps
-# small_config's base overrides, for the command line.
-SMALL = ("model.dtype=float32", "model.remat=none", "data.tokens_per_device=256",
+# small_config's base overrides, for the command line (which starts from configs/tiny.yaml).
+SMALL = ("attention.impl=colocated", "eval.batches=0", "model.dtype=float32", "model.remat=none", "data.tokens_per_device=256",
          "data.length_scale=16", "train.progress=false", "train.tensorboard=false",
          "attention.gate=false", "attention.min_imbalance=1.0")
 

@@ -51,9 +51,12 @@ def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
 
 def test_default_job_short_run_learns(tmp_path):
   steps = 8
-  cfg = load_config(None, FAST + [f"train.steps={steps}", f"train.out_dir={tmp_path}"])
+  # Without its held-out evaluation (a second compilation; tests/test_evaluate.py runs it in the
+  # loop), so that CAD's step costs the suite no more than it must.
+  cfg = load_config(ROOT / "configs" / "tiny.yaml",
+                    FAST + [f"train.steps={steps}", f"train.out_dir={tmp_path}", "eval.batches=0"])
   assert cfg.model.preset == "tiny" and cfg.data.source == "synthetic"
-  assert cfg.data.distribution == "pretrain"
+  assert cfg.data.distribution == "pretrain" and cfg.attention.impl == "distca"
   summary = loop.run(cfg, devices=jax.devices()[:8], log=lambda *_: None)
 
   assert summary.devices == 8
@@ -80,8 +83,14 @@ def test_default_job_short_run_learns(tmp_path):
     assert [s for s, _ in scalars[tag]] == list(range(1, steps + 1)), tag
   assert [v for _, v in scalars["train/loss"]] == pytest.approx(summary.losses, rel=1e-5)
 
+  # CAD ran every step (the default job turns the gate off), balancing what the layout left
+  # uneven, moving rows between devices.
+  assert summary.colocated_steps == 0
+  assert summary.attention_imbalance_after < summary.attention_imbalance
+  assert summary.moved_rows["query"] > 0 and summary.moved_rows["kv"] > 0
   text = loop.format_summary(summary)
   assert "loss" in text and "tokens/s" in text
+  assert f"CAD on {steps} of {steps} steps" in text and "exchange moved" in text
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path):
@@ -154,7 +163,8 @@ def test_step_lowers_each_mosaic_kernel_once(monkeypatch, impl):
 
 # One layer on two devices: the run-directory tests compile one small program (shared).
 QUICK = FAST + ["model.layers=1", "mesh.data=2", "data.tokens_per_device=128", "train.steps=2",
-                "train.tensorboard=false", "train.imbalance_after=false"]
+                "train.tensorboard=false", "train.imbalance_after=false",
+                "attention.impl=colocated", "eval.batches=0"]
 
 
 def _quick(*overrides):

@@ -137,6 +137,13 @@ class StepShapes:
     self.growths = 0  # shapes this process has used: each compiles the step once
     self._used: set[str] = set()
 
+  def count_from_here(self) -> None:
+    """Keeps the sizes but counts no shape as used: after sizing a run's capacities by planning
+    its first steps ahead (`train.shape_steps`), each kind's first real step counts as the new
+    shape it compiles."""
+    self.growths = 0
+    self._used.clear()
+
   def stored(self, kind: str, record_type):
     """The capacities of `kind` kept so far, as a `record_type`, or None."""
     prefix = f"{kind}."

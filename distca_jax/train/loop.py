@@ -54,6 +54,7 @@ from distca_jax.data.mixture import data_layout, layout_change
 from distca_jax.schedule.capacities import StepShapes
 from distca_jax.models.presets import resolve
 from distca_jax.train import accumulate, agreement
+from distca_jax.train import evaluate
 from distca_jax.train import metrics as metrics_lib
 from distca_jax.train import profile as profile_lib
 from distca_jax.train import rundir
@@ -135,6 +136,8 @@ class Job:
   start_step: int           # 0, or the step the run resumed from
   shapes: StepShapes        # step capacities: only grow; a resumed run starts from its checkpoint's
   init_s: float             # model init and restore time (counted in Summary.compile_s)
+  moved_aside: list[str] = dataclasses.field(default_factory=list)  # "step s (why) -> path"
+  evaluator: Any = None     # evaluate.Evaluator: the held-out batches (None: eval.batches=0)
   # Tokens per source the run read beyond what this layout's counts from step 0 give: nonzero
   # once a resume took a new data layout (data.resume_new_layout).
   tokens_base: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -143,7 +146,6 @@ class Job:
     """Tokens each source gave the run's first `steps` steps."""
     now = self.source.tokens_by_source(steps * self.config.train.microbatches)
     return {k: v + self.tokens_base.get(k, 0) for k, v in now.items()}
-  moved_aside: list[str] = dataclasses.field(default_factory=list)  # "step s (why) -> path"
 
 
 @dataclasses.dataclass
@@ -169,6 +171,8 @@ class Progress:
   tracing: bool = False
   traced_steps: int = 0
   last_args: Any = None     # (state, arrays, ctx) of the last traced step, for the profile
+  evals: list = dataclasses.field(default_factory=list)  # evaluate.EvalResult, in step order
+  moved_rows: list = dataclasses.field(default_factory=list)  # CAD steps: (query, K/V) rows moved
 
 
 def run(config: Config, *, devices=None, log=print, name: str = "run") -> Summary:
@@ -241,11 +245,13 @@ def _set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
             init_s=0.0)
   if extra is not None:
     job.tokens_base = _resumed_data(job, extra.get("data"), log)
+  job.evaluator = evaluate.make_evaluator(config, trainer, make_source, mesh_lib.local_rows(mesh))
   # Every check that can refuse the run is behind: only from here is its directory written.
   _claim_run_dir(config, out_dir, named, has_steps, main, log)
   if config.checkpoint.every > 0:
     job.checkpointer, job.moved_aside = _open_checkpoints(config.checkpoint, ck_dir, newer, main,
                                                           log)
+  _size_shapes(job, log)
   job.init_s = time.perf_counter() - t0
   return job, state
 
@@ -268,6 +274,24 @@ def _resumed_data(job: Job, saved: dict | None, log) -> dict[str, int]:
   at = job.source.tokens_by_source(job.start_step * c.train.microbatches)
   base = {k: v - at.get(k, 0) for k, v in saved.get("tokens_by_source", {}).items()}
   return {k: v for k, v in base.items() if v}
+
+
+def _size_shapes(job: Job, log) -> None:
+  """Plans the run's next `train.shape_steps` steps on the host (their batches, CAD's plans and
+  gate, the colocated windows) and keeps the capacities they need in `job.shapes`, so the step
+  compiles once per kind of context at sizes that hold them, instead of again each time a
+  step needs a larger capacity than the steps before it."""
+  steps = range(job.start_step, min(job.last_step, job.start_step + job.config.train.shape_steps))
+  if not steps:
+    return
+  t0 = time.perf_counter()
+  for step in steps:
+    _host_work(job, step, report=False)
+  job.shapes.count_from_here()
+  if job.main:
+    # Not "step ...": a log line that starts so is a step's record.
+    log(f"sized the step's capacities from the plans of steps {steps.start + 1}-{steps.stop} "
+        f"({time.perf_counter() - t0:.1f}s, train.shape_steps={job.config.train.shape_steps})")
 
 
 def _run_dir(config: Config, name: str) -> tuple[Path, Path, bool, bool]:
@@ -357,6 +381,8 @@ def _train(job: Job, state, signals: stopping.StopSignals, log) -> Progress:
       if step == job.start_step and job.main:  # model.remat=auto decides at the first compile
         log(f"remat {job.trainer.remat}: {job.trainer.remat_reason}")
       report(step, record)
+      if job.evaluator is not None and evaluate.due(step + 1, c.eval.every, job.last_step):
+        _evaluate(job, p, report, step + 1, log)
       if job.checkpointer is not None:
         job.checkpointer.check_saves()  # a background save that failed stops the run now
         if (step + 1) % c.checkpoint.every == 0:
@@ -368,8 +394,12 @@ def _train(job: Job, state, signals: stopping.StopSignals, log) -> Progress:
           log(f"stopping at step {step + 1}: " + (f"{p.interrupted} received" if signum else
                                                   f"train.max_seconds={c.train.max_seconds} reached"))
         break
+    end = job.start_step + len(p.losses)
+    if job.evaluator is not None and p.losses and p.interrupted is None and (
+        not p.evals or p.evals[-1].step != end):  # where the run ends (train.max_seconds)
+      _evaluate(job, p, report, end, log)
     if job.checkpointer is not None and p.losses:
-      _save(job, p, job.start_step + len(p.losses))  # where the run ends (a no-op if just saved)
+      _save(job, p, end)  # where the run ends (a no-op if just saved)
   except BaseException:
     _close(job, p, prefetch, report, quiet=True)
     raise
@@ -390,8 +420,9 @@ def _host_item(job: Job, step: int):
   return batch, ctx, loads, sizes, digest
 
 
-def _host_work(job: Job, step: int):
-  """(batch, attention context, (load before, load after), capacities) of `step`."""
+def _host_work(job: Job, step: int, report: bool = True):
+  """(batch, attention context, (load before, load after), capacities) of `step`; without
+  `report`, the loads are not computed (None)."""
   c, trainer, shape, shapes = job.config, job.trainer, job.trainer.shape, job.shapes
   rows = mesh_lib.local_rows(job.mesh)  # each process checks the plans of the rows it feeds
   if trainer.pipeline is not None:
@@ -412,20 +443,21 @@ def _host_work(job: Job, step: int):
                                      job.mesh.shape["tensor"], shapes, rows), dict(shapes.sizes))
   if trainer.accumulates:  # K micro-batches, each planned and gated as a step is
     m = c.train.microbatches
-    parts = [_plan(job, job.source.batch(step * m + i, rows), rows) for i in range(m)]
+    parts = [_plan(job, job.source.batch(step * m + i, rows), rows, report) for i in range(m)]
     ctx = accumulate.MicroBatches(*map(tuple, zip(*parts)))
     return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
   batch = job.source.batch(step, rows)  # only this process's buffers: its host work is its rows'
-  return (*_plan(job, batch, rows), dict(shapes.sizes))  # the capacities as of this step, to save
+  return (*_plan(job, batch, rows, report), dict(shapes.sizes))  # the capacities as of this step
 
 
-def _plan(job: Job, batch, rows):
-  """(batch, attention context, (load before, load after)) of one batch."""
+def _plan(job: Job, batch, rows, report: bool = True):
+  """(batch, attention context, (load before, load after), or None without `report`) of one
+  batch."""
   c, shape = job.config, job.trainer.shape
   ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=job.shapes)
   loads = profile_lib.attention_loads(ctx, batch.layout, shape, c.attention,
                                       tensor_parallel=job.mesh.shape["tensor"],
-                                      plan_after=c.train.imbalance_after)
+                                      plan_after=c.train.imbalance_after) if report else None
   return batch, ctx, loads
 
 
@@ -506,6 +538,8 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
     record["plan_short"] = float(any(p.stats.short for p in ctx.plans))
     # The run's exchange capacities, what the exchange sends.
     record.update(job.config.attention.transport().log_rows(ctx.capacities))
+    record.update(metrics_lib.moved_rows(ctx.plans))
+    p.moved_rows.append((record["moved_q_rows"], record["moved_kv_rows"]))
   if load_after is not None:
     p.imbalances_after.append(tick_imbalance[1] if tick_imbalance else metrics_lib.imbalance(load_after))
     record["attention_imbalance_after"] = p.imbalances_after[-1]
@@ -525,6 +559,15 @@ def _record(job: Job, p: Progress, m, dt: float, compiled: bool, batch, ctx, loa
     p.flops_done += flops
     p.tokens_done += float(m["tokens"])
   return record
+
+
+def _evaluate(job: Job, p: Progress, report, step: int, log) -> None:
+  """The held-out loss of the state after `step` steps, to the log, TensorBoard and the summary."""
+  result = job.evaluator(p.state.params, step)
+  p.evals.append(result)
+  report.scalars("eval", result.scalars(), step)
+  if job.main:
+    log(result.line())
 
 
 def _save(job: Job, p: Progress, step: int) -> None:
@@ -591,7 +634,21 @@ def _summary(job: Job, p: Progress) -> Summary:
       token_imbalance=float(np.mean(p.token_imbalances)) if p.token_imbalances else None,
       wlb_cp_steps=dict(p.wlb_cp_steps) or None,
       remat=f"{trainer.remat} ({trainer.remat_reason})",
-      data_tokens=job.tokens_by_source(job.start_step + len(p.losses)))
+      data_tokens=job.tokens_by_source(job.start_step + len(p.losses)),
+      **_eval_summary(job, p))
+
+
+def _eval_summary(job: Job, p: Progress) -> dict[str, Any]:
+  """The summary's evaluation and exchange fields."""
+  out: dict[str, Any] = {"evals": [e.as_dict() for e in p.evals]}
+  if p.evals:
+    out["eval_loss"] = p.evals[-1].loss
+  if job.evaluator is not None:
+    out["eval_compile_count"] = job.evaluator.compile_count()
+  if p.moved_rows:
+    q, kv = np.mean(p.moved_rows, axis=0)
+    out["moved_rows"] = {"query": float(q), "kv": float(kv)}
+  return out
 
 
 # ----------------------------------------------------------------------------- small helpers

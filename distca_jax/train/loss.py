@@ -114,3 +114,30 @@ def cross_entropy_and_grads(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: j
   xs = _chunked(chunk, h_BxTxD, targets_BxT, mask_BxT)
   (total, dw), dh = jax.lax.scan(one, (jnp.zeros((), jnp.float32), dw_acc_DxV), xs)
   return total, dh.swapaxes(0, 1).reshape(B, T, D), dw
+
+
+def bucketed_cross_entropy(h_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array,
+                           mask_BxT: jax.Array, bucket_BxT: jax.Array, buckets: int,
+                           chunk: int = 2048) -> tuple[jax.Array, jax.Array]:
+  """Per bucket, the sum over masked tokens of -log p(target) and their count ([buckets] fp32
+  each; `bucket_BxT` in [0, buckets)), chunk by chunk as `chunked_cross_entropy` computes the
+  loss: one pass of the LM head whatever the number of buckets. Forward only (evaluation)."""
+  w_c = w_DxV.astype(h_BxTxD.dtype)
+
+  def one(carry, x):
+    h, t, m, b = x
+    logits = jnp.einsum("bcd,dv->bcv", h, w_c, preferred_element_type=jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    hit = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None]
+    picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    onehot = (b[..., None] == jnp.arange(buckets)).astype(jnp.float32) * m[..., None]
+    sums, counts = carry
+    # Elementwise, not a matmul: a float32 matmul may run in TF32 on a GPU.
+    losses = jnp.sum((logz - picked)[..., None] * onehot, axis=(0, 1))
+    return (sums + losses, counts + onehot.sum((0, 1))), None
+
+  zeros = jnp.zeros((buckets,), jnp.float32)
+  with jax.named_scope("lm_head_loss"):
+    (sums, counts), _ = jax.lax.scan(one, (zeros, zeros),
+                                     _chunked(chunk, h_BxTxD, targets_BxT, mask_BxT, bucket_BxT))
+  return sums, counts

@@ -52,6 +52,16 @@ def with_kernel_gate_cost(config, shape: ModelShape):
   return dataclasses.replace(config, attention=attention), kernel
 
 
+def moved_rows(plans) -> dict[str, int]:
+  """The rows a CAD step's plans move between devices, per layer, summed over its nano-batches:
+  query rows sent to a server other than their home (`moved_q_rows`; their outputs come back)
+  and K/V rows sent to the servers that need them (`moved_kv_rows`, deduplicated per server
+  and document). What balancing costs, not the padded capacities the exchange is compiled at."""
+  q = sum(int(np.sum(p.traffic.q_rows_out)) for p in plans)
+  kv = sum(int(np.sum(p.traffic.kv_rows_out)) for p in plans)
+  return {"moved_q_rows": q, "moved_kv_rows": kv}
+
+
 def step_flops(shape: ModelShape, layout: Layout) -> float:
   """Model FLOPs of one training step: matmuls over every real token plus causal attention of
   every document (whole-document areas, however the documents are split)."""

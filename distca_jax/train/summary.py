@@ -70,6 +70,14 @@ class Summary:
   remat: str = ""
   # Tokens each data source (data.mixture's by name) gave the run's steps, from step 0.
   data_tokens: dict[str, int] | None = None
+  # Held-out evaluations (`evaluate.EvalResult` as dicts, in step order; eval.every) and the
+  # last one's loss (None: none ran); the forward step's compilations (one per kind of context).
+  evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  eval_loss: float | None = None
+  eval_compile_count: int = 0
+  # CAD steps: the rows the exchange moved between devices per layer, mean over the steps that
+  # ran CAD ({"query": ..., "kv": ...}; `metrics.moved_rows`); None: no CAD step ran.
+  moved_rows: dict[str, float] | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -111,6 +119,15 @@ def format_summary(s: Summary) -> str:
                    f"below attention.min_imbalance)")
     else:
       lines.append(f"CAD on {s.steps} of {s.steps} steps")
+  if s.moved_rows:
+    lines.append(f"exchange moved {s.moved_rows['query']:,.0f} query rows and "
+                 f"{s.moved_rows['kv']:,.0f} K/V rows a layer per CAD step (mean)")
+  if s.evals:
+    last = s.evals[-1]
+    by_position = ", ".join(f"{name} {loss:.3f}" for name, loss in
+                            zip(last["buckets"], last["bucket_loss"]) if loss is not None)
+    lines.append(f"eval loss {last['loss']:.4f} (perplexity {last['perplexity']:.2f}) at step "
+                 f"{last['step']} on {last['tokens']:,} held-out tokens; by position {by_position}")
   if s.remat:
     lines.append(f"remat {s.remat}")
   if s.peak_memory_bytes:
@@ -203,6 +220,12 @@ class StepReporter:
       self.bar.update(1)
     elif self.main and step % self.log_every == 0:
       self.log(f"step {step + 1}: " + " ".join(f"{k}={_log_value(v)}" for k, v in record.items()))
+
+  def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+    """`values` to TensorBoard as `<prefix>/<key>` at `step` (an evaluation's)."""
+    if self.writer is not None:
+      for key, value in values.items():
+        self.writer.add_scalar(f"{prefix}/{key}", value, step)
 
   def close(self) -> None:
     if self.bar is not None:
