@@ -45,12 +45,14 @@ def eval_data_config(config):
   data.seed + 1), the source and its distribution or corpus as `eval.source` says."""
   e, d = config.eval, config.data
   seed = (d.seed + 1) % 2**32 if e.seed is None else e.seed
+  # A held-out distribution or corpus replaces the training mixture, if any; `data` keeps it
+  # (each mixture source's seed derives from data.seed, so the draws are held out too).
   if e.source == "synthetic":
-    return dataclasses.replace(d, source="synthetic", seed=seed,
+    return dataclasses.replace(d, source="synthetic", seed=seed, mixture=(),
                                distribution=e.distribution or d.distribution)
   if e.source == "corpus":
     return dataclasses.replace(d, source="corpus", seed=seed, corpus_tokens=e.corpus_tokens,
-                               corpus_offsets=e.corpus_offsets)
+                               corpus_offsets=e.corpus_offsets, mixture=())
   return dataclasses.replace(d, seed=seed)
 
 
@@ -64,10 +66,11 @@ def default_buckets(context: int) -> tuple[int, ...]:
 
 def bucket_starts(config, num_buffers: int) -> tuple[int, ...]:
   """`eval.buckets`, or the default for the run's context: a document reaches at most one
-  global batch (data ranks x tokens_per_device)."""
+  global batch (data ranks x tokens_per_device), and `data.max_doc_len` where that is set."""
   if config.eval.buckets is not None:
     return tuple(config.eval.buckets)
-  return default_buckets(num_buffers * config.data.tokens_per_device)
+  context = num_buffers * config.data.tokens_per_device
+  return default_buckets(min(context, config.data.max_doc_len or context))
 
 
 def bucket_names(starts: tuple[int, ...]) -> list[str]:

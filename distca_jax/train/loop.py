@@ -445,7 +445,7 @@ def _host_work(job: Job, step: int, report: bool = True):
     m = c.train.microbatches
     parts = [_plan(job, job.source.batch(step * m + i, rows), rows, report) for i in range(m)]
     ctx = accumulate.MicroBatches(*map(tuple, zip(*parts)))
-    return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
+    return ctx.as_batch(), ctx, ctx.attention_loads() if report else None, dict(shapes.sizes)
   batch = job.source.batch(step, rows)  # only this process's buffers: its host work is its rows'
   return (*_plan(job, batch, rows, report), dict(shapes.sizes))  # the capacities as of this step
 
