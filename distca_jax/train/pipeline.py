@@ -18,6 +18,13 @@ tick's CA-tasks from every stage and replica are balanced together over every de
 plan per tick — then the rest of the block per stage. Stages pass activations forward, and
 gradients backward, with `ppermute` over `pipe` inside `shard_map`.
 
+With ping-pong (`attention.pingpong`, CAD), every micro-batch runs as two nano-batches of half
+its tokens, Ping and Pong (`dispatch.split_pingpong_batch`), side by side in each row; a tick
+then has two plans and two core attention calls per block, Ping's and Pong's, so one stream's
+exchange overlaps the other's projections and MLP in forward and backward ticks alike. A document
+cut between the halves stays exact: Pong's attention reads Ping's K/V of its prefix (`prior_kv`).
+With `attention.pingpong=false` a tick is one stream (the ablation).
+
 Forward ticks keep only each block's input; a backward tick recomputes each of its blocks, last
 first, from that input and differentiates it (`jax.vjp` per block): one forward and one backward
 per block, as full remat costs in the unpipelined model. A stage keeps the block inputs of the
@@ -207,7 +214,7 @@ class StepContext:
   tick, the layout over all stages' rows and its attention context (colocated tables or a CAD
   plan), padded to common shapes across the step's ticks.
 
-  With ping-pong (`streams` = 2) every micro-batch runs as its two nano-batches (Ping and Pong,
+  With ping-pong (`num_streams` = 2) every micro-batch runs as its two nano-batches (Ping and Pong,
   `dispatch.split_pingpong_batch`), laid side by side in each row (Ping's half of the row, then
   Pong's), and a tick has one plan per stream: a context is then a (Ping, Pong) tuple."""
 
@@ -336,7 +343,8 @@ def device_arrays(ctx: StepContext) -> dict[str, np.ndarray]:
     return out.reshape(S, N, -1)
 
   side_by_side = lambda parts: np.concatenate(parts, axis=-1)
-  per_mb = lambda name: np.stack([side_by_side([getattr(b, name) for b in mb]) for mb in ctx.streams])
+  per_mb = lambda name: np.stack([side_by_side([getattr(b, name) for b in mb])
+                                  for mb in ctx.streams])
   per_tick = lambda ticks: np.stack([side_by_side([rows(l) for l in tick]) for tick in ticks])
   return {
       "tokens": per_mb("tokens"),
