@@ -291,7 +291,9 @@ def host_context(attention_config, microbatches: list[Batch], stages: int, shape
   CAD with `attention.pingpong` splits every micro-batch into Ping and Pong, and plans each
   tick's Ping rows and Pong rows on their own (two plans a tick, as an unpipelined step has two):
   one's exchange then has the other's projections and MLPs to hide under. Without it (or
-  colocated) a tick is one stream and one plan."""
+  colocated) a tick is one stream and one plan. Every tick of a run has the same streams (their
+  contexts stack into one compiled program), so the unpipelined step's fallback to one stream
+  (`attention.pingpong_allow_single`) does not apply here."""
   schedule = Schedule(stages, len(microbatches))
   n = schedule.num_ticks
   N, T = microbatches[0].layout.num_buffers, microbatches[0].layout.buffer_len
