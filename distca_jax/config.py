@@ -393,9 +393,6 @@ def validate(config: Config) -> None:
   if m.pipe > 1:
     if shape.layers % m.pipe:
       raise ConfigError(f"mesh.pipe: {m.pipe} stages must divide model.layers ({shape.layers})")
-    if config.attention.impl == "distca" and config.attention.pingpong:
-      raise ConfigError("attention.pingpong: not supported with mesh.pipe > 1 yet (one plan per "
-                        "pipeline tick); set attention.pingpong=false")
     if config.data.tokens_per_device % m.pipe:
       raise ConfigError(f"data.tokens_per_device: {config.data.tokens_per_device} must be a multiple "
                         f"of mesh.pipe ({m.pipe}): the LM head splits each micro-batch's tokens "

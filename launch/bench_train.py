@@ -434,17 +434,20 @@ def main(argv=None) -> int:
   elif args.suite == "pp":
     from distca_jax.train import pipeline
 
-    # Every device is a pipeline stage (data = 1); colocated vs CAD attention in the pipeline.
+    # Every device is a pipeline stage (data = 1); colocated vs CAD attention in the pipeline,
+    # CAD with ping-pong per tick (Ping's exchange beside Pong's compute) and as one stream.
     n = len(jax.devices())
-    pp = [f"mesh.pipe={n}", "mesh.data=1", f"train.microbatches={args.microbatches}",
-          "attention.pingpong=false"]
+    pp = [f"mesh.pipe={n}", "mesh.data=1", f"train.microbatches={args.microbatches}"]
+    variants = [("colocated", ["attention.impl=colocated"]),
+                ("distca", ["attention.impl=distca", "attention.pingpong=true"]),
+                ("distca-single", ["attention.impl=distca", "attention.pingpong=false"])]
     for kind in args.batches:
       base = load_config(args.config, args.overrides + pp)
       shape = resolve(base.model)
       mbs = _microbatches(kind, args.microbatches, base.data.tokens_per_device, base, shape.vocab_size)
       base_time = None
-      for name in ("colocated", "distca"):
-        config = load_config(args.config, args.overrides + pp + [f"attention.impl={name}"])
+      for name, variant in variants:
+        config = load_config(args.config, args.overrides + pp + variant)
         trace = f"{args.trace_dir}/{kind}-{name}" if args.trace_dir else None
         r = _time_variant(config, mbs, args.warmup, args.steps, trace, compile_only=args.compile_only)
         if name == "colocated":
@@ -452,7 +455,7 @@ def main(argv=None) -> int:
         bubble = pipeline.Schedule(n, args.microbatches).bubble_fraction
         r.update(batch=kind, variant=f"pp{n}-{name}", speedup=base_time / r["median_s"], bubble=bubble)
         rows.append(r)
-        print(f"{kind:9s} pp{n}-{name:10s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
+        print(f"{kind:9s} pp{n}-{name:13s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "
               f"imbalance {r['imbalance'][0]:.2f}->{r['imbalance'][1]:.2f}  bubble {bubble:.2f}  "
               f"peak {max(r['peak_gib']):.1f} GiB  temp {r['temp_gib']:.1f} GiB  compile {r['compile_s']:.0f}s",
               flush=True)

@@ -55,11 +55,14 @@ def test_cad_suite(tmp_path):
 
 
 def test_pipeline_suite(tmp_path):
-  """Two pipeline stages, colocated and distca attention: both rows run."""
+  """Two pipeline stages, colocated and distca attention (ping-pong per tick, and one stream):
+  every row runs, the scheduler balanced the ticks, and every variant computes the same loss."""
   rows, _ = _bench(tmp_path, "--suite", "pp", "--batches", "skewed", "--microbatches", "2",
                    "model.layers=2")
-  assert [r["variant"] for r in rows] == ["pp2-colocated", "pp2-distca"]
-  assert rows[1]["imbalance"][1] < rows[1]["imbalance"][0]  # the scheduler balanced the ticks
+  assert [r["variant"] for r in rows] == ["pp2-colocated", "pp2-distca", "pp2-distca-single"]
+  for r in rows[1:]:
+    assert r["imbalance"][1] < r["imbalance"][0], r["variant"]
+    assert r["loss"] == pytest.approx(rows[0]["loss"], rel=1e-3), r["variant"]
 
 
 def test_scheduler_bench_modes(capsys):

@@ -80,26 +80,34 @@ def _microbatches(cfg, kind, data, M, vocab, seed):
 
 
 CASES = [
-    # pipe, data, tensor, micro-batches, attention, layout, blocks per stage
+    # pipe, data, tensor, micro-batches, attention (-pingpong, -resend), layout, blocks per stage
     (2, 2, 2, 3, "colocated", "sampled", 1),
     (2, 2, 2, 3, "distca", "sampled", 2),
     (2, 1, 1, 2, "distca", "mixed", 2),
-    (4, 2, 1, 3, "distca", "mixed", 1),
     (4, 1, 2, 4, "colocated", "span_all", 1),
+    # Ping-pong per tick: Ping and Pong planned on their own, a document cut between them.
+    (2, 4, 1, 1, "distca-pingpong", "mixed", 1),
+    (4, 2, 1, 2, "distca-pingpong-resend", "span_all", 1),
 ]
 
 
 @pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,per_stage", CASES)
 def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_stage):
+  kind, *options = impl.split("-")
+  memory = ["attention.memory_mode=resend"] if "resend" in options else []
   cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"mesh.tensor={tensor}",
-                     f"model.layers={pipe * per_stage}", f"attention.impl={impl}",
-                     "attention.pingpong=false", f"train.microbatches={M}",
-                     "data.tokens_per_device=128", "attention.epsilon=0.05", "model.remat=full")
+                     f"model.layers={pipe * per_stage}", f"attention.impl={kind}",
+                     f"attention.pingpong={'pingpong' in options}", f"train.microbatches={M}",
+                     "data.tokens_per_device=128", "attention.epsilon=0.05", "model.remat=full",
+                     *memory)
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:pipe * data * tensor])
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
   mbs = _microbatches(cfg, layout, data, M, trainer.shape.vocab_size, seed=pipe * 10 + data)
   ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
+  assert ctx.num_streams == (2 if "pingpong" in options else 1)
+  if "pingpong" in options:  # the split cut a document: Pong reads Ping's K/V of its prefix
+    assert any(tick[1].prior.num_shards for tick in ctx.forward_streams)
   arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
   step = jax.jit(lambda p, a, c: trainer.pipeline.value_and_grad(p, a, c["forward"], c["backward"],
                                                                  c["schedule"]))
@@ -153,8 +161,6 @@ def test_pipeline_trains_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (["mesh.pipe=3", "model.layers=4"], "divide model.layers"),
-    (["mesh.pipe=2", "attention.impl=distca", "attention.pingpong=true"], "pingpong"),
-    (["mesh.pipe=1", "train.microbatches=2"], "microbatches"),
     (["mesh.pipe=2", "attention.pingpong=false", "train.microbatches=0"], "microbatches"),
     (["mesh.pipe=2", "attention.pingpong=false", "model.remat=none"], "model.remat"),
     (["mesh.pipe=3", "model.layers=3", "attention.pingpong=false", "data.tokens_per_device=128"],

@@ -535,3 +535,17 @@ def test_simulator_exchange_and_relay_config():
               "kv_relay_fanout=many"):
     with pytest.raises(ConfigError, match=bad.split("=")[0]):
       load_sim_config(None, [bad])
+
+
+def test_pipeline_single_stream_tick_exposes_its_exchange():
+  # The trainer's tick without ping-pong runs one core attention call per block, which waits for
+  # its own dispatch: the 4D model adds that exchange to the rank's compute (hiding it would
+  # give max(compute, comm) per rank, and the tick no more than the largest of either).
+  cfg = load_sim_config(None, ["gpus=[32]", "pipeline_parallel=[2]", "microbatches=2",
+                               "tokens_per_rank=[65536]", "pingpong=false"])
+  sim = PipelineSimulator(cfg, Point("llama3_8b", 32, 65536, "pretrain", 2))
+  sim.sampler = _Alternating()
+  for t in sim.ticks(0):
+    cad = t["results"]["cad"][0]
+    per_layer_ms = cad.iter_s * 1e3 / (sim.shape.layers / sim.pp)
+    assert cad.comm_ms > 0 and per_layer_ms > max(cad.compute_ms, cad.comm_ms) * (1 + 1e-6)

@@ -156,8 +156,8 @@ def _plan_option(attention_config, shape, layout: Layout, batches,
 def plan_ticks(attention_config, layouts, shape, devices=None,
                shapes: StepShapes | None = None) -> tuple[list[Plan], list[DispatchPlan]]:
   """A pipelined step's ticks planned into checked dispatch arrays of one shape (they stack):
-  each tick's layout over all stages' rows, its plan (`attention.min_imbalance` for pipelined
-  ticks; no gate, no ping-pong)."""
+  each tick's layout over all stages' rows (with ping-pong, its Ping and its Pong layout), its plan
+  (`attention.min_imbalance` for pipelined ticks; no gate, no single-stream fallback)."""
   plans, kvs = _plans_and_kv(attention_config, layouts, shape, pipelined=True)
   caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
   dispatch = _arrays(plans, layouts, kvs, caps, devices, shapes)

@@ -27,7 +27,11 @@ stragglers both show, and an idle stage adds nothing but waits. Step = Σ over t
 * CAD: the tick's Ping (and Pong) nano-batches of every active (replica, stage) are laid side by
   side as the buffers of one layout over all DP × PP ranks, idle stages as empty buffers, and the
   real scheduler (`schedule.plan.make_plan`) balances their attention over every rank: idle stages
-  serve attention only (the paper's "dummy" pass), linear work stays with its stage. Exposed
+  serve attention only (the paper's "dummy" pass), linear work stays with its stage. Streams per
+  tick are the trainer's (`train/pipeline.py`): two plans with `pingpong` (Ping and Pong, each
+  exchange hidden under the other's compute), one without (its exchange exposed whole: the
+  tick's one core attention call per block waits for it); never the unpipelined step's
+  single-stream fallback (`pingpong_allow_single`), which the pipeline does not take. Exposed
   communication and the ping-pong cut are charged as in the 3D model. The backward re-sends
   Q, K, V (`CommModel(resend=True)`, docs/METHOD.md, "Backward: keep or resend": the mode used
   with pipelines, where a micro-batch's forward and backward are ticks apart and servers keep no
@@ -239,7 +243,12 @@ class PipelineSimulator(Simulator):
                                   f"{Path(p.distribution).stem}_b{step}_t{tick}{tag}.json")
     area_after = sum(x[0].stats.load_after for x in per)
     attn_ms = sum(x[1] for x in per)
-    res = self._cad_result(cfg, per, area_after, attn_ms, shards)
+    # One stream a tick (`pingpong=false`) has nothing independent to hide its exchange under:
+    # the trainer's tick runs one core attention call per block, which waits for its dispatch.
+    # (One stage is no pipeline: its micro-batches are unpipelined steps, priced as 3D.)
+    exposed_whole = nh == 1 and self.pp > 1
+    res = self._cad_result(dataclasses.replace(cfg, pingpong_overlap=0.0) if exposed_whole else cfg,
+                           per, area_after, attn_ms, shards)
     tokens = sum(x[2] for x in per)
     if not active.all():  # memory is held by the active stages only
       res = dataclasses.replace(res, memory_imbalance=float(tokens[active].max() / tokens[active].mean()))

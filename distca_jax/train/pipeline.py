@@ -18,6 +18,13 @@ tick's CA-tasks from every stage and replica are balanced together over every de
 plan per tick — then the rest of the block per stage. Stages pass activations forward, and
 gradients backward, with `ppermute` over `pipe` inside `shard_map`.
 
+With ping-pong (`attention.pingpong`, CAD), every micro-batch runs as two nano-batches of half
+its tokens, Ping and Pong (`dispatch.split_pingpong_batch`), side by side in each row; a tick
+then has two plans and two core attention calls per block, Ping's and Pong's, so one stream's
+exchange overlaps the other's projections and MLP in forward and backward ticks alike. A document
+cut between the halves stays exact: Pong's attention reads Ping's K/V of its prefix (`prior_kv`).
+With `attention.pingpong=false` a tick is one stream (the ablation).
+
 Forward ticks keep only each block's input; a backward tick recomputes each of its blocks, last
 first, from that input and differentiates it (`jax.vjp` per block): one forward and one backward
 per block, as full remat costs in the unpipelined model. A stage keeps the block inputs of the
@@ -47,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distca_jax.colocated import colocated_contexts
 from distca_jax.data.packing import Layout
 from distca_jax.data.sources import Batch
-from distca_jax.dispatch.host import plan_ticks
+from distca_jax.dispatch.host import plan_ticks, split_pingpong_batch
 from distca_jax.gate import attention_load_per_device, imbalance
 from distca_jax.mesh import ROW_AXES
 from distca_jax.train.loss import cross_entropy_and_grads
@@ -169,8 +176,15 @@ def relayout_state(state: Any, from_stages: int, to_stages: int, layers: int,
 
 
 def tick_layout(layouts: list[Layout | None], num_buffers: int, buffer_len: int) -> Layout:
-  """One layout over S x num_buffers rows: stage s's rows hold micro-batch layout s (or nothing)."""
-  parts = {k: [] for k in ("doc_lens", "buffer", "buffer_offset", "doc", "doc_offset", "length")}
+  """One layout over S x num_buffers rows: stage s's rows hold micro-batch layout s (or nothing).
+  Ping-pong's Pong halves keep their `prior` shards, renumbered alike: each stage's prior buffers
+  are that stage's rows of the Ping tick, which `tick_layout` numbers the same way."""
+  keys = ("buffer", "buffer_offset", "doc", "doc_offset", "length")
+  parts = {k: [] for k in ("doc_lens",) + keys}
+  priors = {k: [] for k in keys}
+  pong = [lay.prior is not None for lay in layouts if lay is not None]
+  if any(pong) and not all(pong):
+    raise ValueError("tick_layout: a tick mixes ping-pong's Pong halves with other layouts")
   docs = 0
   for s, lay in enumerate(layouts):
     if lay is None:
@@ -178,40 +192,55 @@ def tick_layout(layouts: list[Layout | None], num_buffers: int, buffer_len: int)
     if (lay.num_buffers, lay.buffer_len) != (num_buffers, buffer_len):
       raise ValueError(f"micro-batch layout is {lay.num_buffers} x {lay.buffer_len}, the "
                        f"pipeline expects {num_buffers} x {buffer_len}")
-    if lay.prior is not None:
-      raise ValueError("tick_layout: a ping-pong half (prior shards) in a pipeline tick; the "
-                       "pipeline runs without ping-pong")
+    for out, part in ((parts, lay),) + (((priors, lay.prior),) if lay.prior is not None else ()):
+      out["buffer"].append(part.buffer + s * num_buffers)
+      out["buffer_offset"].append(part.buffer_offset)
+      out["doc"].append(part.doc + docs)
+      out["doc_offset"].append(part.doc_offset)
+      out["length"].append(part.length)
     parts["doc_lens"].append(lay.doc_lens)
-    parts["buffer"].append(lay.buffer + s * num_buffers)
-    parts["buffer_offset"].append(lay.buffer_offset)
-    parts["doc"].append(lay.doc + docs)
-    parts["doc_offset"].append(lay.doc_offset)
-    parts["length"].append(lay.length)
     docs += lay.doc_lens.size
-  cat = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in parts.items()}
-  return Layout(num_buffers=len(layouts) * num_buffers, buffer_len=buffer_len, **cat)
+  cat = lambda d: {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in d.items()}
+  rows = len(layouts) * num_buffers
+  out = cat(parts)
+  prior = (Layout(num_buffers=rows, buffer_len=buffer_len, doc_lens=out["doc_lens"], **cat(priors))
+           if any(pong) else None)
+  return Layout(num_buffers=rows, buffer_len=buffer_len, prior=prior, **out)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
   """Host inputs of one pipelined step: the micro-batches and, per forward and per backward
   tick, the layout over all stages' rows and its attention context (colocated tables or a CAD
-  plan), padded to common shapes across the step's ticks."""
+  plan), padded to common shapes across the step's ticks.
+
+  With ping-pong (`num_streams` = 2) every micro-batch runs as its two nano-batches (Ping and Pong,
+  `dispatch.split_pingpong_batch`), laid side by side in each row (Ping's half of the row, then
+  Pong's), and a tick has one plan per stream: a context is then a (Ping, Pong) tuple."""
 
   schedule: Schedule
   microbatches: tuple[Batch, ...]
-  forward: tuple[Layout, ...]
+  forward: tuple[Layout, ...]    # each tick's layout of the micro-batches as loaded
   backward: tuple[Layout, ...]
-  forward_ctx: Any    # attention context, leaves stacked [num_ticks, S * data, ...]
+  forward_ctx: Any    # attention context, leaves stacked [num_ticks, S * data, ...]; per stream
   backward_ctx: Any
-  plans: tuple = ()   # the scheduler's plans (distca), forward ticks then backward ticks
+  plans: tuple = ()   # the scheduler's plans (distca): forward ticks then backward, tick-major
   rows: np.ndarray | None = None  # the rows (stage-major) this process feeds; None: all
+  # Per micro-batch, the streams it runs as ((batch,) or (Ping, Pong)); per tick, their layouts.
+  streams: tuple[tuple[Batch, ...], ...] = ()
+  forward_streams: tuple[tuple[Layout, ...], ...] = ()
+  backward_streams: tuple[tuple[Layout, ...], ...] = ()
 
   @property
   def cad(self) -> bool:
     """Whether the ticks run CAD's exchange (the trainer's step-context protocol,
     `attention.StepContext`)."""
     return bool(self.plans)
+
+  @property
+  def num_streams(self) -> int:
+    """Nano-batch streams per tick: 2 with ping-pong, else 1."""
+    return len(self.streams[0])
 
   def device_inputs(self, batch: Batch):
     """(per-micro-batch and per-tick arrays, their specs by key), (the forward and backward
@@ -228,15 +257,20 @@ class StepContext:
                  segment_ids=cat("segment_ids"), positions=cat("positions"),
                  layout=tick_layout([b.layout for b in mbs], N, T))
 
+  def _tick_loads_after(self) -> list[np.ndarray]:
+    """Per forward tick, the per-device attention area its plans leave (its streams summed)."""
+    k = self.num_streams
+    return [sum(np.asarray(p.stats.load_after, np.float64) for p in self.plans[t * k:(t + 1) * k])
+            for t in range(self.schedule.num_ticks)]
+
   def attention_loads(self) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-device causal attention area (query-key pairs) summed over the forward ticks, before
     scheduling (each stage computes its own rows) and after (the plans; None when colocated).
     Devices in row order: stage-major, data rank minor."""
-    n = self.schedule.num_ticks
     before = sum(attention_load_per_device(l).astype(np.float64) for l in self.forward)
     if not self.plans:
       return before, None
-    return before, sum(np.asarray(p.stats.load_after, np.float64) for p in self.plans[:n])
+    return before, sum(self._tick_loads_after())
 
   def imbalance(self) -> tuple[float, float]:
     """Attention-area imbalance (max / mean over devices) before and after scheduling: the mean
@@ -245,37 +279,63 @@ class StepContext:
     before = [imbalance(attention_load_per_device(l)) for l in self.forward]
     if not self.plans:
       return float(np.mean(before)), float(np.mean(before))
-    after = [imbalance(np.asarray(p.stats.load_after)) for p in self.plans[:self.schedule.num_ticks]]
-    return float(np.mean(before)), float(np.mean(after))
+    return float(np.mean(before)), float(np.mean([imbalance(a) for a in self._tick_loads_after()]))
 
 
 def host_context(attention_config, microbatches: list[Batch], stages: int, shape,
                  devices=None, shapes=None) -> StepContext:
   """Plans one pipelined step on the host (runs in the trainer's prefetch thread); `devices`:
   the rows (stage-major, as `mesh.ROW_AXES`) whose plans this process checks row by row;
-  `shapes`: the run's `schedule.StepShapes`, so steps compile only when a capacity grows."""
+  `shapes`: the run's `schedule.StepShapes`, so steps compile only when a capacity grows.
+
+  CAD with `attention.pingpong` splits every micro-batch into Ping and Pong, and plans each
+  tick's Ping rows and Pong rows on their own (two plans a tick, as an unpipelined step has two):
+  one's exchange then has the other's projections and MLPs to hide under. Without it (or
+  colocated) a tick is one stream and one plan. Every tick of a run has the same streams (their
+  contexts stack into one compiled program), so the unpipelined step's fallback to one stream
+  (`attention.pingpong_allow_single`) does not apply here."""
   schedule = Schedule(stages, len(microbatches))
-  N, T = microbatches[0].layout.num_buffers, microbatches[0].layout.buffer_len
-  lays = [b.layout for b in microbatches]
-  fwd = tuple(tick_layout([None if schedule.forward_mb(t, s) is None else lays[schedule.forward_mb(t, s)]
-                           for s in range(stages)], N, T) for t in range(schedule.num_ticks))
-  bwd = tuple(tick_layout([None if schedule.backward_mb(t, s) is None else lays[schedule.backward_mb(t, s)]
-                           for s in range(stages)], N, T) for t in range(schedule.num_ticks))
-  if attention_config.impl == "colocated":
-    ctxs, plans = colocated_contexts(fwd + bwd, group=N, shapes=shapes), ()
-  else:
-    plans, ctxs = plan_ticks(attention_config, fwd + bwd, shape, devices, shapes)
-  stack = lambda items: jax.tree.map(lambda *xs: np.stack(xs), *items)
   n = schedule.num_ticks
+  N, T = microbatches[0].layout.num_buffers, microbatches[0].layout.buffer_len
+  pingpong = attention_config.impl == "distca" and attention_config.pingpong
+  streams = tuple(split_pingpong_batch(b) if pingpong else (b,) for b in microbatches)
+  K = len(streams[0])
+
+  def ticks(mb_of):
+    """Per tick: its layout as loaded, and its streams' layouts."""
+    whole, parts = [], []
+    for t in range(n):
+      mbs = [mb_of(t, s) for s in range(stages)]
+      pick = lambda k: [None if m is None else streams[m][k].layout for m in mbs]
+      whole.append(tick_layout([None if m is None else microbatches[m].layout for m in mbs], N, T))
+      parts.append(tuple(tick_layout(pick(k), N, T // K) for k in range(K)))
+    return tuple(whole), tuple(parts)
+
+  fwd, fwd_streams = ticks(schedule.forward_mb)
+  bwd, bwd_streams = ticks(schedule.backward_mb)
+  flat = [lay for tick in fwd_streams + bwd_streams for lay in tick]  # tick-major, then stream
+  if attention_config.impl == "colocated":
+    ctxs, plans = colocated_contexts(flat, group=N, shapes=shapes), ()
+  else:
+    plans, ctxs = plan_ticks(attention_config, flat, shape, devices, shapes)
+  stack = lambda items: jax.tree.map(lambda *xs: np.stack(xs), *items)
+
+  def per_stream(ticks_ctxs):  # [tick][stream] -> one stacked context, or a tuple per stream
+    out = tuple(stack([c[k] for c in ticks_ctxs]) for k in range(K))
+    return out if K > 1 else out[0]
+
+  by_tick = [ctxs[i * K:(i + 1) * K] for i in range(2 * n)]
   return StepContext(schedule=schedule, microbatches=tuple(microbatches), forward=fwd, backward=bwd,
-                     forward_ctx=stack(ctxs[:n]), backward_ctx=stack(ctxs[n:]), plans=tuple(plans),
-                     rows=None if devices is None else np.unique(np.asarray(devices, np.int64)))
+                     forward_ctx=per_stream(by_tick[:n]), backward_ctx=per_stream(by_tick[n:]),
+                     plans=tuple(plans),
+                     rows=None if devices is None else np.unique(np.asarray(devices, np.int64)),
+                     streams=streams, forward_streams=fwd_streams, backward_streams=bwd_streams)
 
 
 def device_arrays(ctx: StepContext) -> dict[str, np.ndarray]:
-  """Per-micro-batch token arrays [M, data, T] and per-tick positions [ticks, S, data, T]."""
-  mbs = ctx.microbatches
-  S, N = ctx.schedule.stages, mbs[0].layout.num_buffers
+  """Per-micro-batch token arrays [M, data, T] and per-tick positions [ticks, S, data, T]; with
+  ping-pong each row is Ping's row then Pong's."""
+  S, N = ctx.schedule.stages, ctx.microbatches[0].layout.num_buffers
 
   def rows(lay):  # the process's rows only (the others zero, never written): its own work
     if ctx.rows is None:
@@ -284,12 +344,16 @@ def device_arrays(ctx: StepContext) -> dict[str, np.ndarray]:
     out[ctx.rows] = lay.positions(ctx.rows)
     return out.reshape(S, N, -1)
 
+  side_by_side = lambda parts: np.concatenate(parts, axis=-1)
+  per_mb = lambda name: np.stack([side_by_side([getattr(b, name) for b in mb])
+                                  for mb in ctx.streams])
+  per_tick = lambda ticks: np.stack([side_by_side([rows(l) for l in tick]) for tick in ticks])
   return {
-      "tokens": np.stack([b.tokens for b in mbs]),
-      "targets": np.stack([b.targets for b in mbs]),
-      "loss_mask": np.stack([b.loss_mask for b in mbs]),
-      "forward_positions": np.stack([rows(l) for l in ctx.forward]),
-      "backward_positions": np.stack([rows(l) for l in ctx.backward]),
+      "tokens": per_mb("tokens"),
+      "targets": per_mb("targets"),
+      "loss_mask": per_mb("loss_mask"),
+      "forward_positions": per_tick(ctx.forward_streams),
+      "backward_positions": per_tick(ctx.backward_streams),
   }
 
 
@@ -344,16 +408,27 @@ class PipelinedLlama:
         lambda x: jax.lax.ppermute(x, "pipe", [((i + 1) % S, i) for i in range(S)]),
         mesh=mesh, in_specs=row_spec, out_specs=row_spec, check_vma=False)
 
-  # One decoder layer of every stage at once: x [S, B, T, D], block params [S, ...].
+  # One decoder layer of every stage at once: x [S, B, T, D], block params [S, ...]. With
+  # ping-pong (`attn_ctx` a (Ping, Pong) tuple) each row is Ping's half then Pong's: both
+  # streams' projections first, then each stream's core attention (Pong's reading Ping's K/V of
+  # the document cut between them, `prior_kv`), so one stream's exchange has the other's work
+  # beside it, as in the unpipelined model (`Attention.core`).
   def _layer(self, block_SxP, x_SxBxTxD, pos_SxBxT, attn_ctx):
     S, B = x_SxBxTxD.shape[:2]
     block = functools.partial(_merge, self.block_def, self.block_state)
     per_stage = functools.partial(jax.vmap, spmd_axis_name="pipe")
-    q, k, v = per_stage(lambda p, x, pos: block(p).attention_inputs(x, pos))(block_SxP, x_SxBxTxD, pos_SxBxT)
+    ctxs = attn_ctx if isinstance(attn_ctx, tuple) else (attn_ctx,)
+    xs = jnp.split(x_SxBxTxD, len(ctxs), axis=2)
+    poss = jnp.split(pos_SxBxT, len(ctxs), axis=2)
     rows = lambda a: a.reshape((S * B,) + a.shape[2:])
-    o = self.core_attention(rows(q), rows(k), rows(v), attn_ctx)
-    o = o.reshape((S, B) + o.shape[1:])
-    return per_stage(lambda p, x, o: (b := block(p)).finish(x, b.attn.output(o)))(block_SxP, x_SxBxTxD, o)
+    project = per_stage(lambda p, x, pos: block(p).attention_inputs(x, pos))
+    qkv = [tuple(rows(a) for a in project(block_SxP, x, pos)) for x, pos in zip(xs, poss)]
+    outs = [self.core_attention(*qkv[i], ctx) if i == 0 else
+            self.core_attention(*qkv[i], ctx, prior_kv=qkv[i - 1][1:])
+            for i, ctx in enumerate(ctxs)]
+    finish = per_stage(lambda p, x, o: (b := block(p)).finish(x, b.attn.output(o)))
+    ys = [finish(block_SxP, x, o.reshape((S, B) + o.shape[1:])) for x, o in zip(xs, outs)]
+    return ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=2)
 
   def stage_forward(self, blocks, x_SxBxTxD, pos_SxBxT, attn_ctx):
     """Every stage's L/S blocks on its own input: [S, B, T, D] -> the input of each block and the
