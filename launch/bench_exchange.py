@@ -181,7 +181,7 @@ def _compiled_step_bytes(n: int, t: int, dist: str, variants, *overrides: str) -
   from distca_jax import mesh as mesh_lib
   from distca_jax.config import load_config
   from distca_jax.schedule.capacities import StepShapes
-  from distca_jax.train.loop import make_source
+  from distca_jax.train.job import make_source
   from distca_jax.train.step import Trainer
 
   out = {}
