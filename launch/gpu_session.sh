@@ -60,8 +60,8 @@
 #          X_TIMEOUT (240 s) a cluster size; X_STEP_LAYERS (2; 0: none): also whole training steps
 #          of llama3_8b with that many layers, colocated and CAD per transport (temporaries)
 # Checkpoint formats (launch/tools/hf_reference_check.py):
-#   hf     the Hugging Face converter against transformers itself (the machine's torch and
-#          transformers, on its CPU): import logits and the export reloaded by from_pretrained
+#   hf     1 GPU machine (on its CPU): the Hugging Face converter against transformers itself (the
+#          machine's torch and transformers): import logits, the export reloaded by from_pretrained
 # Kernels (launch/bench_kernels.py, launch/tools/ab_mosaic.py) and GPU-only tests:
 #   kernels 1 GPU: the kernel tests in bf16 (K_TESTS, a pytest -k filter; none: skip), then
 #          launch/bench_kernels.py with K_ARGS (none: skip); logs append, so it can run repeatedly

@@ -258,6 +258,18 @@ def test_pallas_fused_backward_float32():
     assert _rel(g, w) < 1e-5, f"fused {name}: rel err {_rel(g, w):.2e}"
 
 
+_BWD_VARIANTS = {
+    "default": {},
+    "untransposed": dict(bwd_transposed=False),  # Triton's dK/dV step as S = Q K^T
+    "fused": dict(fused_bwd=True, bwd_transposed=False),
+    "dkv32x128": dict(block_q_dkv=32, block_k_dkv=128),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU kernels")
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+@pytest.mark.parametrize("variant", list(_BWD_VARIANTS))
+@pytest.mark.parametrize("case", [case_mixed, case_gpu_sizes])
 def test_bfloat16_backward_variants(backend, variant, case):
   """The backward variants of the GPU kernels (two kernels, Triton's dK/dV transposed or not;
   fused with atomic dQ; other dK/dV tiles), bf16."""
