@@ -2,6 +2,7 @@
 
     python launch/eval.py runs/latest                       # its newest checkpoint
     python launch/eval.py runs/latest --step 200 eval.batches=8 eval.buckets=[1024,8192]
+    python launch/eval.py runs/latest --init                # its model.init_from, before training
 
 Reads the run's config.json (then `section.field=value` overrides: the `eval` section says which
 batches and position buckets), restores the checkpoint's parameters onto the run's mesh and
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("run_dir", help="a training run's directory (its config.json, checkpoints/)")
   parser.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+  parser.add_argument("--init", action="store_true",
+                      help="evaluate the parameters the run started from (model.init_from), step 0")
   add_multihost_args(parser)
   parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. eval.batches=8")
   args = parser.parse_args(argv)
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     devices = jax.devices()[:m.data * m.pipe * m.tensor] if m.data > 0 else None
     mesh = mesh_lib.make_mesh(m, devices)
     trainer = Trainer(config, mesh)
-    params, step = evaluate.restore_params(trainer, ck_dir, args.step)
+    params, step = evaluate.restore_params(trainer, ck_dir, args.step, init=args.init)
     evaluator = evaluate.make_evaluator(trainer.config, trainer, loop.make_source,
                                         mesh_lib.local_rows(mesh))
   except ConfigError as e:

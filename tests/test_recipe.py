@@ -35,6 +35,11 @@ def test_the_recipe_miniature_from_import_to_export(tmp_path):
   assert summary.eval_loss is not None and np.isfinite(summary.eval_loss)
   assert summary.evals[-1]["step"] == cfg.train.steps
 
+  # The pretrained model's held-out loss on the same batches, the baseline the run is judged by.
+  assert launch_script("eval").main([str(run), "--init"]) == 0
+  before = json.loads((run / "eval-step0.json").read_text())
+  assert np.isfinite(before["loss"]) and before["tokens"] == summary.evals[-1]["tokens"]
+
   exported = tmp_path / "exported"
   assert convert.main(["export", str(run), str(exported)]) == 0
   hf_config = json.loads((exported / "config.json").read_text())

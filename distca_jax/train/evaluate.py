@@ -196,15 +196,25 @@ def due(step: int, every: int, last_step: int) -> bool:
   return step == last_step or (every > 0 and step % every == 0)
 
 
-def restore_params(trainer, checkpoint_dir, step: int | None = None) -> tuple[Any, int]:
+def restore_params(trainer, checkpoint_dir, step: int | None = None,
+                   init: bool = False) -> tuple[Any, int]:
   """(parameters, their step) of checkpoint `step` (default: the newest) in `checkpoint_dir`,
   read into the trainer's shardings and pipeline layout whatever the layout they were saved
-  with. The one place an evaluation gets its parameters: any other kind of checkpoint (an
-  imported one) is read here. Raises the checkpoint errors (none there, another model)."""
+  with; with `init`, the run's starting parameters (`model.init_from`, step 0): the pretrained
+  model's loss by position, to compare the trained one with. The one place an evaluation gets
+  its parameters. Raises the checkpoint errors (none there, another model)."""
   from distca_jax.train.checkpoint import Checkpointer
   from distca_jax.train.resume import restore_any_layout
 
+  if init:
+    if trainer.config.model.init_from is None:
+      from distca_jax.config import ConfigError
+
+      raise ConfigError("model.init_from: unset, so the run has no starting checkpoint to "
+                        "evaluate (--init)")
+    return trainer.load_params(trainer.config.model.init_from), 0
+
   with Checkpointer(checkpoint_dir, save_every=1, keep=1, read_only=True) as checkpointer:
     state, extra = restore_any_layout(checkpointer, trainer, trainer.abstract_state(),
-                                      {"model": dataclasses.asdict(trainer.shape)}, step=step)
+                                      {"model": trainer.shape.record()}, step=step)
   return state.params, int(extra["step"])
