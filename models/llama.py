@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -36,6 +37,12 @@ Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
 
 def _identity_constrain(x, _axes):
   return x
+
+
+def join_streams(x_BxT):
+  """Ping-pong's per-stream arrays (a tuple) joined along T, stream after stream, as `Llama`
+  returns its hidden states; a single array as it is."""
+  return jnp.concatenate(x_BxT, axis=1) if isinstance(x_BxT, tuple) else x_BxT
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
@@ -210,15 +217,19 @@ class Llama(nnx.Module):
     """Final hidden states [B, T, D] in the compute dtype.
 
     Ping-pong: `tokens_BxT`, `positions_BxT` and `attn_ctx` may be tuples, one entry per
-    nano-batch stream; then a tuple of hidden states comes back. Streams share the weights but no
-    data, so the compiler may run one stream's attention communication beside another's compute.
+    nano-batch stream; the streams' hidden states then come back joined along T, stream after
+    stream (`join_streams`). Streams share the weights but no data, so the compiler may run one
+    stream's attention communication beside another's compute. The embedding and the LM head
+    run once over the joined rows: run per stream, each would make its own [V, D] fp32 weight
+    gradient for the backward to add.
     """
-    streams = isinstance(tokens_BxT, tuple)
-    tokens = tokens_BxT if streams else (tokens_BxT,)
-    xs = tuple(jnp.take(self.embed[...], t, axis=0) for t in tokens)
-    out = self.from_embeddings(xs, positions_BxT if streams else (positions_BxT,),
-                               attn_ctx if streams else (attn_ctx,))
-    return out if streams else out[0]
+    if not isinstance(tokens_BxT, tuple):
+      x = jnp.take(self.embed[...], tokens_BxT, axis=0)
+      return self.from_embeddings((x,), (positions_BxT,), (attn_ctx,))[0]
+    cuts = np.cumsum([t.shape[1] for t in tokens_BxT])[:-1]
+    x = jnp.take(self.embed[...], join_streams(tokens_BxT), axis=0)
+    xs = tuple(jnp.split(x, cuts, axis=1))
+    return join_streams(self.from_embeddings(xs, tuple(positions_BxT), tuple(attn_ctx)))
 
   def from_embeddings(self, xs_BxTxD, positions_BxT, attn_ctxs) -> tuple[jax.Array, ...]:
     """The decoder stack on already-embedded tokens, tuples of streams (tests differentiate

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attention_lib
-from distca_jax.models.llama import AUTO_ORDER
+from distca_jax.models.llama import AUTO_ORDER, join_streams
 from distca_jax.schedule.capacities import StepShapes
 from distca_jax.train.loss import bucketed_cross_entropy
 
@@ -146,18 +146,12 @@ class Evaluator:
     trainer = self.trainer
     model = nnx.merge(trainer.graphdef, params)
     model.remat = trainer.remat or AUTO_ORDER[0]  # forward only: no remat happens
-    h = model(arrays["tokens"], arrays["positions"], ctx)
-    streams = isinstance(h, tuple)
-    per_stream = lambda x: x if streams else (x,)
+    h = model(arrays["tokens"], arrays["positions"], ctx)  # ping-pong's streams joined along T
     starts = jnp.asarray(self.starts, jnp.int32)
-    buckets = len(self.starts) + 1
-    sums = counts = jnp.zeros((buckets,), jnp.float32)
-    for h_i, t_i, m_i, p_i in zip(per_stream(h), per_stream(arrays["targets"]),
-                                  per_stream(arrays["loss_mask"]), per_stream(arrays["positions"])):
-      bucket = jnp.searchsorted(starts, p_i, side="right").astype(jnp.int32)
-      s, c = bucketed_cross_entropy(h_i, model.lm_head[...], t_i, m_i, bucket, buckets)
-      sums, counts = sums + s, counts + c
-    return sums, counts
+    bucket = jnp.searchsorted(starts, join_streams(arrays["positions"]), side="right")
+    return bucketed_cross_entropy(h, model.head_weight(), join_streams(arrays["targets"]),
+                                  join_streams(arrays["loss_mask"]), bucket.astype(jnp.int32),
+                                  len(self.starts) + 1)
 
   def __call__(self, params, step: int) -> EvalResult:
     """The held-out loss of `params` (the state after `step` steps)."""

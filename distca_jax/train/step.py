@@ -24,7 +24,7 @@ from distca_jax.colocated import stream_arrays as device_batch_arrays  # (re-exp
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
-from distca_jax.models.llama import AUTO_ORDER, Llama
+from distca_jax.models.llama import AUTO_ORDER, Llama, join_streams
 from distca_jax.models.presets import ModelShape, resolve
 from distca_jax.schedule.transport import choose
 from distca_jax.train import metrics as metrics_lib
@@ -236,17 +236,13 @@ class Trainer:
     real tokens instead of the batch's own (a micro-batch's share of its step's mean)."""
     model = nnx.merge(self.graphdef, params)
     model.remat = remat or self.remat or AUTO_ORDER[0]
-    h = model(arrays["tokens"], arrays["positions"], ctx)
-    streams = isinstance(h, tuple)
-    hs = h if streams else (h,)
-    targets = arrays["targets"] if streams else (arrays["targets"],)
-    masks = arrays["loss_mask"] if streams else (arrays["loss_mask"],)
-    count = sum(jnp.sum(m_i) for m_i in masks)
+    h = model(arrays["tokens"], arrays["positions"], ctx)  # ping-pong's streams joined along T
+    targets, mask = join_streams(arrays["targets"]), join_streams(arrays["loss_mask"])
+    count = jnp.sum(mask)
     # The mean's 1 / count goes into the loss, where its backward applies it (the head's
     # gradient is computed in the loss's forward pass, `loss.chunked_cross_entropy`).
     scale = 1.0 / jnp.maximum(count if step_tokens is None else step_tokens, 1.0)
-    loss = sum(chunked_cross_entropy(h_i, model.head_weight(), t_i, m_i, scale=scale)
-               for h_i, t_i, m_i in zip(hs, targets, masks))
+    loss = chunked_cross_entropy(h, model.head_weight(), targets, mask, scale=scale)
     return loss, count
 
   def _train_step(self, state: TrainState, arrays, ctx, remat: str | None = None):
