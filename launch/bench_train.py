@@ -90,7 +90,8 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
 
   mesh = mesh_lib.make_mesh(config.mesh)
   trainer = Trainer(config, mesh)
-  state = trainer.init_state(0)
+  # Compile-only works on shapes: its devices may be a mocked cluster that cannot run anything.
+  state = trainer.abstract_state() if compile_only else trainer.init_state(0)
   t0 = time.perf_counter()
   if isinstance(batch, list):
     ctx = pipeline.host_context(trainer.config.attention, batch, mesh.shape["pipe"], trainer.shape)
@@ -103,14 +104,15 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   else:
     ctx = attention_lib.host_context(trainer.config.attention, batch, trainer.shape)
   host_ms = (time.perf_counter() - t0) * 1e3
-  arrays, dctx = trainer.put_batch(batch, ctx)
   if compile_only:
+    arrays, dctx = trainer.abstract_batch(batch, ctx)
     t0 = time.perf_counter()
-    mem = trainer.compile(state, arrays, dctx).memory_analysis()
+    mem = trainer.lower(state, arrays, dctx).compile().memory_analysis()
     return {"median_s": float("nan"), "host_ms": host_ms, "compile_s": time.perf_counter() - t0,
             "peak_gib": [0.0], "imbalance": (float("nan"), float("nan")), "loss": float("nan"),
             "compiles": 1, "temp_gib": mem.temp_size_in_bytes / 2**30,
             "args_gib": mem.argument_size_in_bytes / 2**30}
+  arrays, dctx = trainer.put_batch(batch, ctx)
   t0 = time.perf_counter()
   for _ in range(warmup):
     state, m = trainer.step(state, arrays, dctx)
@@ -364,6 +366,9 @@ def main(argv=None) -> int:
   parser.add_argument("--microbatches", type=int, default=4, help="pp: micro-batches per step")
   parser.add_argument("--compile-only", action="store_true",
                       help="compile each variant and report XLA's memory analysis, no steps")
+  parser.add_argument("--gpu-mock", type=int, default=0, metavar="N",
+                      help="with --compile-only: compile for a mocked cluster of N GPUs (one host "
+                           "each) on this machine's one GPU, XLA's GPU memory analysis per device")
   parser.add_argument("--config", default=None)
   parser.add_argument("--batches", nargs="+", default=["pretrain", "prolong", "skewed", "uniform"])
   parser.add_argument("--tokens", nargs="+", type=int, default=None,
@@ -404,8 +409,16 @@ def main(argv=None) -> int:
     # Kernels inside CUDA graphs are not attributed to their ops (see launch/profile_steps.py).
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
+  if args.gpu_mock:
+    if not args.compile_only:
+      parser.error("--gpu-mock needs --compile-only: a mocked cluster compiles but cannot run")
+    # Each mocked host would otherwise wait for the others' autotuning results forever.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false").strip()
   configure_xla(cpu_devices=int(os.environ.get("DISTCA_CPU_DEVICES", "8")))
   import jax
+
+  if args.gpu_mock:
+    jax.config.update("jax_mock_gpu_topology", f"1x{args.gpu_mock}x1")
 
   # A persistent compilation cache of this run only: the memory analysis of each variant compiles
   # its step again ahead of time, and reads the executable its first step wrote instead of paying
