@@ -61,7 +61,7 @@ class ModelConfig:
   init_from: str | None = None
   # Rematerialisation of each decoder block in the backward pass.
   # auto: on GPU the first of none / save_proj / save_attn / full whose compiled step fits the
-  # device's memory (models/llama.py REMAT_POLICIES, train/step.py); full on CPU and with
+  # device's memory (models/llama.py REMAT_POLICIES, train/remat.py); full on CPU and with
   # mesh.pipe > 1.
   remat: Annotated[Literal["auto", "none", "save_proj", "save_attn", "full"], Removed(
       save_dots="no measurement favoured it; use model.remat=save_attn or full")] = "auto"

@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from distca_jax.schema import ConfigError, check, describe_type, field_hints, merge, split_annotation
+from distca_jax.schema import (ConfigError, check, describe_type, field_hints, merge,
+                               split_annotation)
 
 
 # ----------------------------------------------------------------------------- reading
