@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from distca_jax.schedule.relay import AUTO_FANOUT
-from distca_jax.schema import ConfigError, check_writable_dir, describe, to_yaml
+from distca_jax.schema import ConfigError, check_writable_dir
+from distca_jax.schema_io import describe, to_yaml
 from distca_jax.sim.config import SimConfig, load_sim_config
 from distca_jax.sim import SYSTEMS, make_simulator, points, summarize
 

@@ -36,7 +36,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 def _parse(argv):
   from distca_jax.config import Config
   from distca_jax.launch_env import add_multihost_args
-  from distca_jax.schema import describe
+  from distca_jax.schema_io import describe
 
   schema = "\n".join(["configuration (distca_jax/config.py; type, [default], the field's comment):",
                       ""] + describe(Config))

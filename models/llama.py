@@ -242,7 +242,7 @@ class Llama(nnx.Module):
 
 # What each `model.remat` policy keeps for the backward pass, from the most kept (fastest, most
 # memory) to the least. `model.remat=auto` tries them in this order (`AUTO_ORDER`) and takes
-# the first whose compiled step fits the device (`distca_jax/train/step.py`).
+# the first whose compiled step fits the device (`distca_jax/train/remat.py`).
 #   none       everything autodiff saves; nothing recomputed.
 #   save_proj  core attention outside the recomputed region (its kernel's residuals Q, K, V, O and
 #              the softmax statistics are kept), plus the output projection and the MLP's gate

@@ -299,11 +299,11 @@ def _leaf_fields(schema, prefix=""):
   """(dotted path, annotation) of every leaf field of a schema (sections walked, not listed)."""
   import dataclasses
 
-  from distca_jax.schema import _hints, _split
+  from distca_jax.schema import field_hints, split_annotation
 
-  hints = _hints(schema)
+  hints = field_hints(schema)
   for f in dataclasses.fields(schema):
-    kind = _split(hints[f.name])[0]
+    kind = split_annotation(hints[f.name])[0]
     if dataclasses.is_dataclass(kind):
       yield from _leaf_fields(kind, f"{prefix}{f.name}.")
     else:
@@ -313,9 +313,9 @@ def _leaf_fields(schema, prefix=""):
 def _numeric(annotation) -> bool:
   import typing
 
-  from distca_jax.schema import _split
+  from distca_jax.schema import split_annotation
 
-  kind = _split(annotation)[0]
+  kind = split_annotation(annotation)[0]
   args = [a for a in typing.get_args(kind) if a is not type(None)]
   if typing.get_origin(kind) is tuple:
     return _numeric(args[0])
@@ -327,9 +327,9 @@ def _numeric(annotation) -> bool:
 def _has_range(annotation) -> bool:
   import typing
 
-  from distca_jax.schema import Range, _split
+  from distca_jax.schema import Range, split_annotation
 
-  kind, rules = _split(annotation)
+  kind, rules = split_annotation(annotation)
   if any(isinstance(r, Range) for r in rules) or typing.get_origin(kind) is typing.Literal:
     return True  # a Literal is a closed set (e.g. the `auto` of `int >= 1 | auto`)
   args = [a for a in typing.get_args(kind) if a is not type(None)]
@@ -613,9 +613,9 @@ def _fuzz_value(annotation, default):
 
   from hypothesis import strategies as st
 
-  from distca_jax.schema import _split
+  from distca_jax.schema import split_annotation
 
-  kind = _split(annotation)[0]
+  kind = split_annotation(annotation)[0]
   args = typing.get_args(kind)
   special = st.sampled_from(list(args)) if typing.get_origin(kind) is typing.Literal else st.nothing()
   # Strings stay relative and inside the test's directory: some fields are output directories.
@@ -630,7 +630,7 @@ def _fuzz_value(annotation, default):
 def _fuzz_overrides(schema):
   from hypothesis import strategies as st
 
-  from distca_jax.schema import to_dict
+  from distca_jax.schema_io import to_dict
 
   defaults = to_dict(schema())
 

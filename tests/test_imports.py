@@ -147,7 +147,7 @@ def direction_violations(imports: list[Import]) -> list[str]:
     elif _within(src, "distca_jax.sim"):
       if internal and not _within(dst, "distca_jax.sim", "distca_jax.schedule", "distca_jax.data",
                                   "distca_jax.models.presets", "distca_jax.schema",
-                                  "distca_jax.config", "distca_jax.gate"):
+                                  "distca_jax.schema_io", "distca_jax.config", "distca_jax.gate"):
         why = ("the simulator imports the scheduler, data, models.presets and config-level "
                "modules, never the trainer")
     elif _within(src, "distca_jax.models"):

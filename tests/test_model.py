@@ -10,7 +10,7 @@ from distca_jax import attention as attn
 from distca_jax import mesh as mesh_lib
 from distca_jax.data.sources import SyntheticSource, make_batch, synthetic_from_config
 from distca_jax.models.presets import resolve
-from distca_jax.train.step import Trainer, device_batch_arrays, put_global
+from distca_jax.train.step import Trainer, put_global
 from helpers import (pure_params, reference_hidden, reference_loss, rel_err, small_config,
                      tree_rel_err)
 
@@ -192,11 +192,11 @@ def test_remat_auto_takes_the_first_policy_that_fits(monkeypatch):
   step runs from the executable the choice compiled (one compile) and trains as a fixed policy
   does."""
   from distca_jax.models.llama import AUTO_ORDER
-  from distca_jax.train import step as step_lib
+  from distca_jax.train import remat as remat_lib
 
   def auto_trainer(free):
-    monkeypatch.setattr(step_lib, "_fixed_remat", lambda config, mesh: (None, ""))
-    monkeypatch.setattr(step_lib, "_free_device_bytes", lambda mesh: free)
+    monkeypatch.setattr(remat_lib, "fixed_policy", lambda config, mesh: (None, ""))
+    monkeypatch.setattr(remat_lib, "free_device_bytes", lambda mesh: free)
     cfg = small_config("mesh.data=1", "model.remat=auto", "model.layers=1")
     trainer, _ = _one_device_trainer(cfg)
     batch = synthetic_from_config(cfg.data, resolve(cfg.model).vocab_size, 1).batch(0)
@@ -212,8 +212,8 @@ def test_remat_auto_takes_the_first_policy_that_fits(monkeypatch):
   assert trainer.remat == "full" and [c["policy"] for c in trainer.remat_candidates] == list(AUTO_ORDER)
   assert not any(c["fits"] for c in trainer.remat_candidates)
   needs = {c["policy"]: c["need_bytes"] for c in trainer.remat_candidates}
-  free = int(needs["save_proj"] / (1 - step_lib.REMAT_MEMORY_MARGIN)) + 1
-  want = next(p for p in AUTO_ORDER if needs[p] <= free * (1 - step_lib.REMAT_MEMORY_MARGIN))
+  free = int(needs["save_proj"] / (1 - remat_lib.MEMORY_MARGIN)) + 1
+  want = next(p for p in AUTO_ORDER if needs[p] <= free * (1 - remat_lib.MEMORY_MARGIN))
   trainer, loss_mid = auto_trainer(free)
   assert trainer.remat == want and trainer.compile_count() == 1
   monkeypatch.undo()
@@ -227,7 +227,7 @@ def test_remat_auto_takes_the_first_policy_that_fits(monkeypatch):
 
 
 def test_remat_auto_resolves_without_compiling_on_cpu_and_in_the_pipeline():
-  from distca_jax.train import step as step_lib
+  from distca_jax.train import remat as remat_lib
 
   cfg = small_config("mesh.data=1", "model.remat=auto")
   trainer, _ = _one_device_trainer(cfg)
@@ -235,6 +235,6 @@ def test_remat_auto_resolves_without_compiling_on_cpu_and_in_the_pipeline():
   if jax.device_count() >= 2:
     piped = small_config("mesh.data=1", "mesh.pipe=2", "model.remat=auto", "attention.pingpong=false")
     mesh = mesh_lib.make_mesh(piped.mesh, jax.devices()[:2])
-    remat, why = step_lib._fixed_remat(piped, mesh)
+    remat, why = remat_lib.fixed_policy(piped, mesh)
     assert remat == "full" and "pipeline" in why
   assert small_config().model.remat == "none"  # the tests' own configs still choose

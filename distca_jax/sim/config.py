@@ -18,8 +18,8 @@ from typing import Annotated, Literal
 
 from distca_jax.config import NETWORK_GBPS, NVLINK_GBPS
 from distca_jax.schema import (Axis, ConfigError, Fraction, NonNegFloat, NonNegInt, OutputDir,
-                               PositiveFloat, PositiveInt, Probability, Range, Removed, Seed, check,
-                               load)
+                               PositiveFloat, PositiveInt, Probability, Range, Removed, Seed, check)
+from distca_jax.schema_io import load
 
 Model = Literal["llama3_8b", "llama_34b", "llama_1b"]
 MODELS = typing.get_args(Model)

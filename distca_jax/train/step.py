@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any
 
 import jax
@@ -20,7 +19,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attention_lib
-from distca_jax.colocated import stream_arrays as device_batch_arrays  # (re-exported)
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import Config, ConfigError
 from distca_jax.data.sources import Batch
@@ -28,16 +26,12 @@ from distca_jax.models.llama import AUTO_ORDER, Llama, join_streams
 from distca_jax.models.presets import ModelShape, resolve
 from distca_jax.schedule.transport import choose
 from distca_jax.train import metrics as metrics_lib
+from distca_jax.train import remat as remat_lib
 from distca_jax.train.finite import leaf_name, tree_all_finite
 from distca_jax.train.loss import chunked_cross_entropy
 from distca_jax.train.optimizer import make_optimizer
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-
-# `model.remat=auto` takes a policy whose compiled step needs at most this share of the device
-# memory still free (the allocator's limit less what is in use: state and batch); the rest is
-# headroom for fragmentation and for buffers outside the step.
-REMAT_MEMORY_MARGIN = 0.08
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +107,7 @@ class Trainer:
     dtype = DTYPES[config.model.dtype]
 
     # The remat policy: fixed by the config, or (`auto`) chosen at the first compile.
-    self.remat, self.remat_reason = _fixed_remat(config, mesh)
+    self.remat, self.remat_reason = remat_lib.fixed_policy(config, mesh)
     self.remat_candidates: list[dict[str, Any]] = []
     self._auto_compiled = None  # (signature, compiled step) of the policy `auto` chose
 
@@ -364,41 +358,24 @@ class Trainer:
     return apply(state, acc)
 
   def _choose_remat(self, state: TrainState, arrays, ctx):
-    """`model.remat=auto`: compiles the step with each policy of `AUTO_ORDER` (least remat
-    first) and keeps the first whose memory analysis fits the device's free memory with
-    `REMAT_MEMORY_MARGIN`; the last (full) is taken without checking. The chosen compiled step
-    is kept and runs these shapes (no second compile)."""
-    free = _free_device_bytes(self.mesh)
+    """`model.remat=auto`: the first policy of `AUTO_ORDER` whose compiled step fits the device
+    (`remat.choose`). The chosen compiled step is kept and runs these shapes (no second
+    compile)."""
+    reserved = 0
     if self.accumulates:  # the accumulator, a gradient's worth, is not allocated yet
-      free -= sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
-    if jax.process_count() > 1:
-      # Every process must compile the same program: the least free memory of any decides.
-      from jax.experimental import multihost_utils
-
-      free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
-    for i, name in enumerate(AUTO_ORDER):
-      fn = self._jit_candidate(state, name)
-      t0 = time.perf_counter()
-      compiled = fn.trace(*self._candidate_args(state, arrays, ctx)).lower().compile()
-      need = _step_bytes(compiled.memory_analysis())
-      fits = need is not None and need <= free * (1 - REMAT_MEMORY_MARGIN)
-      self.remat_candidates.append({"policy": name, "need_bytes": need, "free_bytes": free,
-                                    "compile_s": round(time.perf_counter() - t0, 2), "fits": fits})
-      if fits or i == len(AUTO_ORDER) - 1:
-        break
-    self.remat, self._step_fn = name, fn
-    self._auto_compiled = (_signature(arrays, ctx), compiled)
-    tried = "; ".join(f"{c['policy']} needs {_gib(c['need_bytes'])}" for c in self.remat_candidates)
-    self.remat_reason = (f"auto: the first of {'/'.join(AUTO_ORDER)} whose step fits "
-                         f"{1 - REMAT_MEMORY_MARGIN:.0%} of the {_gib(free)} free per device "
-                         f"({tried})")
+      reserved = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
+    free = remat_lib.free_bytes_everywhere(self.mesh, reserved)
+    chosen = remat_lib.choose(lambda name: self._jit_candidate(state, name),
+                              self._candidate_args(state, arrays, ctx), free)
+    self.remat, self._step_fn, compiled, self.remat_candidates, self.remat_reason = chosen
+    self._auto_compiled = (remat_lib.signature(arrays, ctx), compiled)
 
   def _prepare(self, state: TrainState, arrays, ctx):
     if self.remat is None:
       self._choose_remat(state, arrays, ctx)
 
   def _auto_executable(self, arrays, ctx):
-    if self._auto_compiled is not None and self._auto_compiled[0] == _signature(arrays, ctx):
+    if self._auto_compiled is not None and self._auto_compiled[0] == remat_lib.signature(arrays, ctx):
       return self._auto_compiled[1]
     return None
 
@@ -460,53 +437,3 @@ class Trainer:
     else:
       arrays = place(arrays, self.mesh, arrays_spec)
     return arrays, place(ctx, self.mesh, ctx_spec)
-
-
-def _fixed_remat(config: Config, mesh: Mesh) -> tuple[str | None, str]:
-  """The remat policy and why, where it is known before compiling: set in the config, or
-  `auto` resolved without compiling (None: choose at the first compile)."""
-  remat = config.model.remat
-  if remat != "auto":
-    return remat, "model.remat set in the config"
-  if mesh.shape["pipe"] > 1:
-    return "full", ("auto: full, the pipeline keeps only block inputs between a micro-batch's "
-                    "forward and backward ticks and recomputes each block once")
-  if mesh.devices.flat[0].platform == "cpu":
-    # Nothing to fit on the host, and compiling candidates would cost the CPU job its time.
-    return "full", "auto: full on CPU (no device memory to fit; candidates not compiled)"
-  if not _free_device_bytes(mesh):
-    return "full", "auto: full, the device reports no memory statistics"
-  return None, ""
-
-
-def _free_device_bytes(mesh: Mesh) -> int:
-  """Bytes the allocator can still hand out on the fullest addressable device of `mesh` (its
-  limit less what is in use), 0 where the backend keeps no statistics."""
-  free = []
-  for d in mesh.devices.flat:
-    if d.process_index != jax.process_index():
-      continue
-    stats = d.memory_stats() or {}
-    if "bytes_limit" not in stats:
-      return 0
-    free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-  return min(free) if free else 0
-
-
-def _step_bytes(analysis) -> int | None:
-  """Device bytes the compiled step needs beyond its inputs (already allocated): temporaries,
-  outputs not aliased to donated inputs, and its code. None without an analysis."""
-  if analysis is None:
-    return None
-  return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes
-             - analysis.alias_size_in_bytes + analysis.generated_code_size_in_bytes)
-
-
-def _signature(arrays, ctx) -> tuple:
-  """What decides whether a compiled step takes these inputs: their tree, shapes and dtypes."""
-  leaves, tree = jax.tree.flatten((arrays, ctx))
-  return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
-
-
-def _gib(n: int | None) -> str:
-  return "?" if n is None else f"{n / 2**30:.1f} GiB"
