@@ -20,6 +20,10 @@
 #          llama3_8b shape with O_LAYERS (2) layers, O_TOKENS ("65536") tokens, O_BATCHES
 #          ("pretrain prolong uniform"): step ratios and each step part's GPU time side by side
 #          (O_TIMEOUT, default 560 s; O_EXTRA: more overrides)
+#   ppmem  1 GPU: the pp suite's variants compiled (not run) for a mocked cluster of M_STAGES (2)
+#          GPUs as pipeline stages: XLA's GPU temporaries per device, ping-pong per tick against one
+#          stream; llama3_8b with M_LAYERS (4) layers, M_MICROBATCHES (4) micro-batches of M_TOKENS
+#          (65536) tokens, M_BATCHES (pretrain), remat full (M_TIMEOUT, default 400 s)
 #   pp     all GPUs as pipeline stages: colocated vs distca attention in the lock-step pipeline,
 #          llama3_8b shape with 4 layers, 4 micro-batches of 64K tokens, skewed and Pretrain
 #          (env PP_TOKENS, PP_LAYERS, PP_BATCHES, PP_MICROBATCHES, PP_TIMEOUT; PP_TRACE=DIR traces
@@ -108,6 +112,11 @@ for suite in "$@"; do
            --tokens ${O_TOKENS:-65536} --batches ${O_BATCHES:-pretrain prolong uniform} --warmup 1 --steps 3 \
            --json "$OUT/overhead.json" model.preset=llama3_8b model.layers=${O_LAYERS:-2} data.length_scale=1 \
            ${O_EXTRA:-} 2>&1 | grep -v -i warn | tee -a "$OUT/overhead.log" ;;
+    ppmem) CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${M_TIMEOUT:-400} python3 -P launch/bench_train.py --suite pp \
+           --compile-only --gpu-mock ${M_STAGES:-2} --batches ${M_BATCHES:-pretrain} \
+           --microbatches ${M_MICROBATCHES:-4} model.preset=llama3_8b model.layers=${M_LAYERS:-4} \
+           data.tokens_per_device=${M_TOKENS:-65536} data.length_scale=1 model.remat=full 2>&1 \
+           | grep -v -i warn | tee -a "$OUT/ppmem.log" ;;
     pp) timeout -k 10 ${PP_TIMEOUT:-420} python3 -P launch/bench_train.py --suite pp --batches ${PP_BATCHES:-skewed pretrain} \
            --microbatches ${PP_MICROBATCHES:-4} --warmup 1 --steps 2 --json "$OUT/pp.json" \
            ${PP_TRACE:+--trace-dir $PP_TRACE} model.preset=llama3_8b \
