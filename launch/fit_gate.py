@@ -15,8 +15,8 @@ others (leave-one-out).
 sampler's first N batches of each distribution, the gate's decisions and the speedup its
 predictions give over those N steps, planned as the trainer plans them (with that many data
 ranks per node: the exchange's bytes across nodes cost more), a prediction from the fitted
-model, not a measurement. `--sim`: the simulator's own cost terms fit to the same
-batches.
+model, not a measurement. `--sim [--sim-machinery F]`: the simulator's own cost terms fit to
+the same batches, its machinery term held at what one GPU measured.
 `--kernel-logs BASE.log OTHER.log ...` (`gpu_session.sh kfit`): one-device colocated training
 runs of the same sampled steps, one per attention kernel; per run, the step time fit as matmul
 plus attention FLOPs, and `gate_attention_cost` scaled by each kernel's attention time per FLOP
@@ -91,20 +91,21 @@ SIM_ARGS = ["gpus=[4]", "tensor_parallel=1", "pipeline_parallel=[1]", "tokens_pe
             "hardware.time_table=NVIDIA_H100_triton", "progress=false"]
 
 
-def fit_simulator() -> None:
-  """The simulator's own calibration terms (`cad_fixed_overhead`, `cad_ms_per_gb`) on the same
-  batches: a grid of both, each scored by the RMS error of the simulated CAD speedup against the
-  measured one (the simulator's attention model is not the gate's, so its terms differ)."""
+def fit_simulator(machinery: float) -> None:
+  """The simulator's own calibration terms on the same batches: `cad_machinery` held at what one
+  GPU measures (`machinery`), a grid of `cad_exchange_fixed` and `cad_ms_per_gb`, each scored by
+  the RMS error of the simulated CAD speedup against the measured one (the simulator's attention
+  model is not the gate's, so its terms differ)."""
   import itertools
 
   from distca_jax.sim.config import load_sim_config
   from distca_jax.sim import make_simulator, points
 
-  print(f"\n| cad_fixed_overhead | cad_ms_per_gb | RMS error of the speedup | mean | max |\n"
-        f"|---|---|---|---|---|")
-  for fixed, per_gb in itertools.product((0.0, 0.01, 0.02, 0.025), (0.0, 5.0, 7.0, 16.6)):
-    cfg = load_sim_config(None, SIM_ARGS + [f"cad_fixed_overhead={fixed}",
-                                            f"cad_ms_per_gb={per_gb}"])
+  print(f"\ncad_machinery={machinery} (one GPU)\n| cad_exchange_fixed | cad_ms_per_gb | "
+        f"RMS error of the speedup | mean | max |\n|---|---|---|---|---|")
+  for fixed, per_gb in itertools.product((0.0, 0.005, 0.01, 0.02), (0.0, 5.0, 7.0, 16.6)):
+    cfg = load_sim_config(None, SIM_ARGS + [f"cad_machinery={machinery}",
+                                            f"cad_exchange_fixed={fixed}", f"cad_ms_per_gb={per_gb}"])
     err = []
     for point in points(cfg):
       sim = make_simulator(cfg, point)
@@ -136,6 +137,9 @@ def main() -> None:
                   help="--expect with N data ranks per node (attention.data_rank_nodes; 0: one node)")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
+  ap.add_argument("--sim-machinery", type=float, default=0.0, metavar="F",
+                  help="--sim: cad_machinery, as measured on one GPU (bench_train.py --suite "
+                       "overhead: CAD's step over colocated's, less one, over the linear time)")
   ap.add_argument("--logs", nargs=2, action="append", default=[], metavar=("COLOCATED", "DISTCA"),
                   help="two launch/train.py logs of the same sampled steps (gpu_session.sh "
                        "gaterun): each CAD step that neither run compiled joins the fit (their "
@@ -165,7 +169,7 @@ def main() -> None:
   if args.expect:
     expect(args.expect, args.expect_devices, args.expect_set, args.expect_per_node)
   if args.sim:
-    fit_simulator()
+    fit_simulator(args.sim_machinery)
 
 
 def write_profile(path, fitted: dict) -> dict:

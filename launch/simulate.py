@@ -118,8 +118,10 @@ def main(argv=None) -> int:
   print("CAD's exchange modelled as " + ", ".join(f"{t.name!r} ({t.carries}; {why})"
                                                  for t, why in transports.items())
         + _relay_note(cfg.kv_relay_fanout)
-        + (f"; CAD overheads {cfg.cad_fixed_overhead} of linear time + {cfg.cad_ms_per_gb} ms/GB"
-           if cfg.cad_fixed_overhead or cfg.cad_ms_per_gb else "; no CAD overhead terms (ideal)"))
+        + (f"; CAD overheads {cfg.cad_machinery} (machinery) + {cfg.cad_exchange_fixed} "
+           f"(exchange calls) of linear time + {cfg.cad_ms_per_gb} ms/GB"
+           if cfg.cad_machinery or cfg.cad_exchange_fixed or cfg.cad_ms_per_gb
+           else "; no CAD overhead terms (ideal)"))
   _print_table(rows)
   if by_imbalance:
     print("\nCAD (ungated) over colocated by colocated attention imbalance, all batches:")

@@ -120,7 +120,8 @@ def test_cad_cost_terms_slow_cad_only():
           "distributions=[prolong]"]
   point = Point("llama3_8b", 8, 65536, "prolong")
   ideal = Simulator(load_sim_config(None, base), point).batch(1)[0]
-  fixed = Simulator(load_sim_config(None, base + ["cad_fixed_overhead=0.1"]), point).batch(1)[0]
+  fixed = Simulator(load_sim_config(None, base + ["cad_machinery=0.04", "cad_exchange_fixed=0.06"]),
+                    point).batch(1)[0]
   per_gb = Simulator(load_sim_config(None, base + ["cad_ms_per_gb=50"]), point).batch(1)[0]
   for name in ("colocated", "wlb", "per_doc_cp"):
     assert fixed[name].iter_s == ideal[name].iter_s == per_gb[name].iter_s
@@ -129,17 +130,19 @@ def test_cad_cost_terms_slow_cad_only():
   sim = Simulator(load_sim_config(None, base), point)
   lin_s = 65536 * sim.lin_ms_per_token * sim.shape.layers / 1e3
   assert fixed["cad"].iter_s - ideal["cad"].iter_s == pytest.approx(0.1 * lin_s, rel=0.05)
-  for bad in ("cad_fixed_overhead=-0.1", "cad_ms_per_gb=-1"):
+  for bad in ("cad_machinery=-0.1", "cad_exchange_fixed=-0.1", "cad_ms_per_gb=-1"):
     with pytest.raises(ConfigError, match=bad.split("=")[0]):
       load_sim_config(None, [bad])
+  with pytest.raises(ConfigError, match="cad_fixed_overhead: removed; split into cad_machinery"):
+    load_sim_config(None, ["cad_fixed_overhead=0.02"])
 
 
 def test_gate_keeps_the_faster_of_cad_and_colocated():
   """gate=true: a batch CAD would run slower than colocated runs colocated; the others are
   CAD's result unchanged."""
   base = ["gpus=[4]", "tensor_parallel=1", "tokens_per_rank=[65536]", "layers=2",
-          "distributions=[pretrain]", "elongate_factor=1", "cad_fixed_overhead=0.02",
-          "cad_ms_per_gb=7"]  # the calibrated 4-GPU setting: batches 0 and 1 lose with CAD
+          "distributions=[pretrain]", "elongate_factor=1", "cad_machinery=0.01", "cad_exchange_fixed=0.01",
+          "cad_ms_per_gb=7"]  # a 4-GPU fit's total: batches 0 and 1 lose with CAD
   point = Point("llama3_8b", 4, 65536, "pretrain")
   free, gated = (Simulator(load_sim_config(None, base + extra), point)
                  for extra in ([], ["gate=true"]))

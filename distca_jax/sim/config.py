@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from distca_jax.config import NETWORK_GBPS, NVLINK_GBPS
 from distca_jax.schema import (Axis, ConfigError, Fraction, NonNegFloat, NonNegInt, OutputDir,
@@ -120,18 +120,26 @@ class SimConfig:
   # their holder); auto, as training: 8 when the servers span more than one node and the
   # exchange is not `tiled`.
   kv_relay_fanout: NonNegInt | Literal["auto"] = "auto"
-  # CAD's costs the model otherwise leaves out: a fixed part, as a fraction of each rank's linear
-  # time (the ping-pong split's smaller matmuls, the exchange's calls), and ms per GB a rank sends
-  # and receives (the rows that move, per layer: laying them out on the servers and the exchange
-  # ping-pong does not hide). 0 and 0: the ideal model; docs/SIMULATOR.md gives the values fit to
-  # measured steps (launch/fit_gate.py) and the tables made with each.
-  cad_fixed_overhead: NonNegFloat = 0.0
+  # CAD's costs the model otherwise leaves out, as fractions of each rank's linear time:
+  # `cad_machinery`, what CAD's own device work adds with nothing to move (the row movers around
+  # the exchange, the ping-pong split; one GPU measures it: bench_train.py --suite overhead), and
+  # `cad_exchange_fixed`, the exchange's per-call cost, which only several GPUs measure; and
+  # `cad_ms_per_gb`, ms per GB a rank sends and receives (the rows that move, per layer: laying
+  # them out on the servers and the exchange ping-pong does not hide). All 0: the ideal model;
+  # docs/SIMULATOR.md gives the fitted values and the tables made with each.
+  cad_machinery: NonNegFloat = 0.0
+  cad_exchange_fixed: NonNegFloat = 0.0
   cad_ms_per_gb: NonNegFloat = 0.0
   hardware: HardwareConfig = HardwareConfig()
   # Optional list of sub-sweeps (`Sweep`); empty: the product of the top-level axes.
   sweeps: tuple[Sweep, ...] = ()
   out_dir: OutputDir = "runs/sim"
   progress: bool = True
+
+  RENAMED: ClassVar[dict[str, str]] = {
+      "cad_fixed_overhead": "split into cad_machinery (what one GPU measures) and "
+                            "cad_exchange_fixed (the exchange's calls); their sum is the old value",
+  }
 
   def microbatches_for(self, pp: int) -> int:
     """Micro-batches per replica per step at `pp` stages (resolves the 0 = auto default)."""

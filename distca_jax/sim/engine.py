@@ -188,8 +188,9 @@ class Simulator:
     tokens = sum(x[2] for x in per)
     comm_ms = sum(x[3] for x in per)
     bytes_ = sum(x[4] for x in per)
-    # The calibrated costs beyond the model (SimConfig.cad_fixed_overhead, cad_ms_per_gb).
-    extra = (cfg.cad_fixed_overhead * tokens * self.lin_ms_per_token
+    # The calibrated costs beyond the model (SimConfig.cad_machinery, cad_exchange_fixed,
+    # cad_ms_per_gb).
+    extra = ((cfg.cad_machinery + cfg.cad_exchange_fixed) * tokens * self.lin_ms_per_token
              + cfg.cad_ms_per_gb * sum(x[5] for x in per) / 1e9)
     if len(per) == 2:  # ping-pong
       comp = [x[2] * self.lin_ms_per_token + x[1] for x in per]
