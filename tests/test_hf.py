@@ -12,7 +12,6 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors import safe_open
 
 from distca_jax import attention as attn
@@ -20,6 +19,7 @@ from distca_jax import mesh as mesh_lib
 from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch
 from distca_jax.models import hf, rope
+from distca_jax.train.evaluate import document_logits
 from distca_jax.train.step import Trainer
 from helpers import (HF_TINY, hf_inv_freq, hf_logits, hf_loss, hf_tensors, launch_script,
                      small_config, write_hf_checkpoint)
@@ -43,16 +43,7 @@ def _our_logits(paths, tokens):
   """Logits of one document of `tokens` from the parameters of each checkpoint of `paths` (all
   of the first one's shape), on one device in fp32."""
   cfg = small_config(f"model.init_from={paths[0]}", "data.tokens_per_device=128", "mesh.data=1")
-  trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
-  batch = make_batch(np.array([len(tokens)]), tokens, 1, len(tokens))
-  arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch, trainer.shape))
-
-  @jax.jit
-  def logits(params, arrays, ctx):
-    model = nnx.merge(trainer.graphdef, params)
-    return model(arrays["tokens"], arrays["positions"], ctx)[0] @ model.head_weight()
-
-  return [np.asarray(logits(trainer.load_params(str(p)), arrays, ctx)) for p in paths]
+  return document_logits(cfg, tokens, paths)
 
 
 @pytest.mark.parametrize("case", ["llama_sharded_llama3", "qwen2_tied_bias_yarn"])

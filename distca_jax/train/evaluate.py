@@ -212,3 +212,24 @@ def restore_params(trainer, checkpoint_dir, step: int | None = None,
     state, extra = restore_any_layout(checkpointer, trainer, trainer.abstract_state(),
                                       {"model": trainer.shape.record()}, step=step)
   return state.params, int(extra["step"])
+
+
+def document_logits(config, tokens: np.ndarray, paths) -> list[np.ndarray]:
+  """The logits [T, V] of one document, `tokens`, from the parameters at each of `paths` (a run's
+  checkpoint or an imported one: `Trainer.load_params`; all of `config.model`'s shape), on one
+  device and compiled once: what a reference implementation's logits are compared against."""
+  from distca_jax import mesh as mesh_lib
+  from distca_jax.data.sources import make_batch
+  from distca_jax.train.step import Trainer
+
+  trainer = Trainer(config, mesh_lib.make_mesh(config.mesh, jax.devices()[:1]))
+  batch = make_batch(np.array([len(tokens)]), tokens, 1, len(tokens))
+  arrays, ctx = trainer.put_batch(batch, attention_lib.host_context(config.attention, batch,
+                                                                    trainer.shape))
+
+  @jax.jit
+  def logits(params, arrays, ctx):
+    model = nnx.merge(trainer.graphdef, params)
+    return model(arrays["tokens"], arrays["positions"], ctx)[0] @ model.head_weight()
+
+  return [np.asarray(logits(trainer.load_params(str(p)), arrays, ctx)) for p in paths]

@@ -103,6 +103,12 @@ resumed_ok() {  # out_dir: resumes it to STEPS; 1 if its losses equal the baseli
   fi
 }
 
+resume_row() {  # case, expected, out_dir: resumes out_dir (resumed_ok) and reports it as a row
+  local obs
+  obs=$(resumed_ok "$3")
+  row "$1" "$2" "$obs" "$([[ $obs == *"losses equal" ]] && echo 1 || echo 0)"
+}
+
 # -------------------------------------------------------------------------- kill -9 mid-save
 for attempt in 1 2 3; do
   want kill || break
@@ -122,8 +128,7 @@ for attempt in 1 2 3; do
   done
   kill -9 "$pid" 2>/dev/null
   wait "$pid" 2>/dev/null
-  obs=$(resumed_ok "$out")
-  row "kill -9 during save #$attempt" "resumes, losses equal" "$obs" "$([[ $obs == *"losses equal" ]] && echo 1 || echo 0)"
+  resume_row "kill -9 during save #$attempt" "resumes, losses equal" "$out"
 done
 
 # -------------------------------------------------------------------------- signals
@@ -140,8 +145,7 @@ for sig in TERM INT; do
   saved=$(grep -o 'checkpoint at step [0-9]*' "$out.log" | head -1)
   row "SIG$sig, one process" "rc $want, checkpoint at the step" "rc $rc, ${saved:-no checkpoint line}" \
     "$([[ $rc == "$want" && -n $saved ]] && echo 1 || echo 0)"
-  obs=$(resumed_ok "$out")
-  row "resume after SIG$sig" "losses equal" "$obs" "$([[ $obs == *"losses equal" ]] && echo 1 || echo 0)"
+  resume_row "resume after SIG$sig" "losses equal" "$out"
 done
 
 for target in all one; do

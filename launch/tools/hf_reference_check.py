@@ -84,28 +84,14 @@ def _torch_logits(model, tokens):
 
 
 def _our_logits(path: Path, tokens):
-  import jax
   import numpy as np
-  from flax import nnx
 
-  from distca_jax import attention as attn
-  from distca_jax import mesh as mesh_lib
   from distca_jax.config import load_config
-  from distca_jax.data.sources import make_batch
-  from distca_jax.train.step import Trainer
+  from distca_jax.train.evaluate import document_logits
 
   cfg = load_config(None, [f"model.init_from={path}", "model.dtype=float32", "model.remat=none",
                            f"data.tokens_per_device={TOKENS}", "mesh.data=1", "attention.gate=false"])
-  trainer = Trainer(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]))
-  batch = make_batch(np.array([len(tokens)]), tokens, 1, len(tokens))
-  arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch, trainer.shape))
-
-  @jax.jit
-  def logits(params, arrays, ctx):
-    model = nnx.merge(trainer.graphdef, params)
-    return model(arrays["tokens"], arrays["positions"], ctx)[0] @ model.head_weight()
-
-  return np.asarray(logits(trainer.load_params(str(path)), arrays, ctx), np.float64)
+  return document_logits(cfg, tokens, [path])[0].astype(np.float64)
 
 
 def check(name: str, work: Path, convert) -> tuple[float, float, float]:
