@@ -27,7 +27,7 @@ from distca_jax.schedule import gate_cost
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.gate_cost import GateCosts, ModelFlops, attention_load_per_device, imbalance
-from distca_jax.schedule.transport import TILED_POOL_LIMIT, relay_for
+from distca_jax.schedule.transport import relay_for
 
 
 @functools.cache
@@ -93,17 +93,6 @@ def describe_nodes(attention_config) -> str:
           f"them {costs(attention_config).network_byte_cost:g} NVLink bytes; K/V relay "
           + (f"fanout {relay.fanout}" if relay else "off")
           + (" (kv_relay_fanout=auto)" if fanout == "auto" else ""))
-
-
-def describe_exchange(attention_config, data_ranks: int) -> str:
-  """A line for the run's log when the exchange's transport will keep most steps colocated: the
-  tiled all_to_all on more than one node's data ranks ("" otherwise)."""
-  if not attention_config.transport().padded or data_ranks <= TILED_POOL_LIMIT:
-    return ""
-  return (f"attention.exchange=tiled on {data_ranks} data ranks: every (device, server) pair is "
-          "padded to the largest one's rows, bytes that grow with the data ranks, and the gate "
-          "keeps a step colocated where they cost more than balancing gains; "
-          "attention.exchange=ragged (GPU) sends only the rows that move (docs/PERFORMANCE.md, \"Dispatch at scale\")")
 
 
 def costs(attention_config=None) -> GateCosts:

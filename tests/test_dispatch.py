@@ -14,8 +14,8 @@ from distca_jax import gate as gate_lib
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch, synthetic_from_config
-from distca_jax.dispatch import exchange
 from distca_jax.schedule.capacities import Capacities, largest
+from distca_jax.schedule import transport as transport_lib
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.train import metrics
 from distca_jax.train.step import Trainer
@@ -332,12 +332,12 @@ def test_ragged_exchange_equals_tiled():
 def test_tiled_exchange_over_a_large_pool_warns(monkeypatch, caplog):
   cfg = small_config("mesh.data=2", "attention.impl=distca")
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:2])
-  monkeypatch.setattr(exchange, "TILED_POOL_LIMIT", 1)
+  monkeypatch.setattr(transport_lib, "TILED_POOL_LIMIT", 1)
   with caplog.at_level("WARNING", logger="distca_jax.dispatch"):
     dispatch.make_distca_attention(cfg.attention, mesh)
   assert "attention.exchange=tiled over 2 attention servers" in caplog.text
   caplog.clear()
-  monkeypatch.setattr(exchange, "TILED_POOL_LIMIT", 2)
+  monkeypatch.setattr(transport_lib, "TILED_POOL_LIMIT", 2)
   with caplog.at_level("WARNING", logger="distca_jax.dispatch"):
     dispatch.make_distca_attention(cfg.attention, mesh)
   assert "attention.exchange=tiled" not in caplog.text

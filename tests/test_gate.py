@@ -513,13 +513,10 @@ def test_exchange_padding_report(capsys):
 
 
 def test_the_log_says_when_the_tiled_exchange_will_keep_steps_colocated():
-  cfg = small_config("attention.impl=distca")
-  tiled = cfg.attention
-  ragged = dataclasses.replace(tiled, exchange="ragged")
-  assert gate_lib.describe_exchange(tiled, 8) == ""  # one node's data ranks
-  assert gate_lib.describe_exchange(ragged, 64) == ""
-  note = gate_lib.describe_exchange(tiled, 64)
-  assert note.startswith("attention.exchange=tiled on 64 data ranks") and "ragged" in note
+  assert TILED.pool_note(8) == ""  # one node's servers
+  assert RAGGED.pool_note(64) == ""
+  note = TILED.pool_note(64)
+  assert note.startswith("attention.exchange=tiled over 64 attention servers") and "ragged" in note
 
 
 def test_step_logs_name_each_transports_capacities(tmp_path):

@@ -25,7 +25,7 @@ streams (models/llama.py), so XLA can overlap one stream's exchange with the oth
 """
 
 from distca_jax.dispatch.checks import validate_plan
-from distca_jax.dispatch.exchange import (COLLECTIVES, TILED_POOL_LIMIT, kv_return_index,
+from distca_jax.dispatch.exchange import (COLLECTIVES, kv_return_index,
                                           make_distca_attention, resolve_exchange, transport)
 from distca_jax.dispatch.format import ARRAY_FIELDS, DispatchPlan, PlanMismatchError, build_dispatch
 from distca_jax.dispatch.host import (StepContext, capacities_of, plan_step, plan_ticks,
@@ -33,7 +33,7 @@ from distca_jax.dispatch.host import (StepContext, capacities_of, plan_step, pla
 from distca_jax.schedule.capacities import Capacities, StepShapes
 
 __all__ = [
-    "validate_plan", "TILED_POOL_LIMIT", "COLLECTIVES", "kv_return_index", "make_distca_attention",
+    "validate_plan", "COLLECTIVES", "kv_return_index", "make_distca_attention",
     "resolve_exchange", "transport", "ARRAY_FIELDS", "DispatchPlan", "PlanMismatchError",
     "build_dispatch", "StepContext", "capacities_of", "plan_step", "plan_ticks",
     "split_pingpong_batch", "step_capacities", "stream_options", "Capacities", "StepShapes",

@@ -58,7 +58,7 @@ from distca_jax.colocated import make_colocated_attention
 from distca_jax.dispatch.format import DispatchPlan
 from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
-from distca_jax.schedule.transport import RAGGED, TILED, TILED_POOL_LIMIT, Transport
+from distca_jax.schedule.transport import RAGGED, TILED, Transport
 
 log = logging.getLogger("distca_jax.dispatch")
 
@@ -269,12 +269,9 @@ def make_distca_attention(attention_config, mesh: Mesh):
   `DispatchPlan`, colocated attention for a step the gate stopped (its `ColocatedContext`)."""
   pool = mesh.shape["pipe"] * mesh.shape["data"]
   mode = resolve_exchange(attention_config.transport())
-  if mode.padded and pool > TILED_POOL_LIMIT:
-    log.warning("attention.exchange=tiled over %d attention servers: every block of the "
-                "all_to_all is padded to the largest one, which costs more than it balances beyond "
-                "about %d servers (docs/SIMULATOR.md); attention.exchange=ragged sends only the "
-                "moving rows but XLA 0.11 blocks the host on each one (docs/PERFORMANCE.md)",
-                pool, TILED_POOL_LIMIT)
+  note = mode.pool_note(pool)
+  if note:
+    log.warning(note)
   backend = attention_config.kernel
   kernels.resolve_backend(backend)  # a bad name or platform fails here; `auto` resolves per call
   qkv_spec = P(ROW_AXES, None, "tensor", None)

@@ -75,6 +75,11 @@ class Transport:
     relays included)."""
     raise NotImplementedError
 
+  def pool_note(self, servers: int) -> str:
+    """A warning for the run's log where this transport over `servers` attention servers costs
+    more than balancing gains ("" where it does not)."""
+    return ""
+
 
 @dataclasses.dataclass(frozen=True)
 class _Tiled(Transport):
@@ -100,6 +105,15 @@ class _Tiled(Transport):
   def carried_bytes(self, caps, moved_N, comm, plans):
     n = moved_N.shape[0]
     return np.full(n, 2.0 * (n - 1) * plans * sum(self.pair_bytes(caps, comm)))
+
+  def pool_note(self, servers):
+    if servers <= TILED_POOL_LIMIT:
+      return ""
+    return (f"attention.exchange=tiled over {servers} attention servers: every (device, server) "
+            f"pair is padded to the largest one's rows, bytes that grow with the pool and cost more "
+            f"than balancing gains beyond about {TILED_POOL_LIMIT} servers, so the gate keeps most "
+            "steps colocated; attention.exchange=ragged (GPU) sends only the rows that move "
+            "(docs/PERFORMANCE.md, \"Dispatch at scale\")")
 
 
 @dataclasses.dataclass(frozen=True)

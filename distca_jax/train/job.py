@@ -81,9 +81,6 @@ def set_up(config: Config, devices, log, name: str) -> tuple[Job, Any]:
         + gate_lib.describe_nodes(trainer.config.attention))
   if config.attention.impl == "distca" and main:
     log(f"CAD exchange: {trainer.exchange_reason}")
-    note = gate_lib.describe_exchange(trainer.config.attention, mesh.shape["data"])
-    if note:
-      log(note)
   config = trainer.config  # with the gate's attention cost of the kernel the run takes
   source = make_source(config, mesh.shape["data"])
   if config.train.profile and (config.train.profile_start < 1 or config.train.profile_steps < 1):
