@@ -50,7 +50,7 @@ class StepContext:
   @property
   def capacities(self) -> Capacities:
     """The capacities its dispatch arrays have."""
-    return capacities_of(self.dispatch[0])
+    return self.dispatch[0].capacities
 
   def imbalance(self) -> tuple[float, float]:
     """Attention-area imbalance (max/mean over servers) before scheduling (the batch as loaded,
@@ -69,15 +69,6 @@ class StepContext:
     per_stream = [stream_arrays(b) for b in self.batches]
     arrays = {k: tuple(a[k] for a in per_stream) for k in per_stream[0]}
     return (arrays, P("data")), (tuple(self.dispatch), P("data"))
-
-
-def capacities_of(plan: DispatchPlan) -> Capacities:
-  """The capacities a `DispatchPlan`'s arrays have."""
-  return Capacities(send_q=plan.send_q_idx.shape[-1], recv_q=plan.recv_q,
-                    send_kv=plan.send_kv_idx.shape[-1], recv_kv=plan.recv_kv,
-                    send_kv2=plan.send_kv2_idx.shape[-1], recv_kv2=plan.recv_kv2, c=plan.c,
-                    ckv=plan.ckv, ckv2=plan.ckv2, skv=plan.server_kv_idx.shape[-1],
-                    ctask=plan.q_start.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
