@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from distca_jax import gate
 from distca_jax.colocated import colocated_contexts, stream_arrays
-from distca_jax.data.packing import Layout
+from distca_jax.data.packing import Layout, run_of
 from distca_jax.data.sources import Batch
 from distca_jax.dispatch.checks import validate_plan
 from distca_jax.dispatch.format import DispatchPlan, build_dispatch
@@ -243,12 +243,13 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
   flat = (held[:, None] * half + np.arange(half)).reshape(-1)  # the held rows of a half
   halves = []
   for lay, lens, source in zip((ping, pong), split.lens, split.source):
-    # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch.
+    # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch, so
+    # at batch position j + shift[k].
     ends = np.cumsum(lens)
     j = flat[flat < (ends[-1] if ends.size else 0)]
-    k = np.searchsorted(ends, j, side="right")
     starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)
-    got = batch.take(starts[k] + j - ends[k] + lens[k])
+    shift = starts - (ends - lens)
+    got = batch.take(j + shift[run_of(ends, j)])
 
     def fill(a):
       out = np.zeros(N * half, a.dtype)
