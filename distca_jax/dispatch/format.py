@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 from typing import Any, NamedTuple
 
 import jax
@@ -173,15 +174,21 @@ def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _exchange_arrays(count_NxN: np.ndarray) -> dict[str, np.ndarray]:
-  """The six per-device count and offset arrays of one packed exchange (a `Round`'s), int32.
-  Each is an exclusive prefix sum along the rows or the columns of the counts or of their
-  transpose, computed in place so that only the counts are transposed (a transposing copy of
-  an [N, N] array is several times slower than a prefix sum)."""
+  """The six per-device count and offset arrays of one packed exchange (a `Round`'s), int32:
+  the counts and their transpose, each one's exclusive prefix sum along its rows, and those
+  transposed (numpy's prefix sum down the columns of an [N, N] array is about 10x slower than
+  along its rows, and than a transposing copy)."""
   count = np.ascontiguousarray(count_NxN, np.int32)
   turned = np.ascontiguousarray(count.T)
-  prefix = lambda a, axis: np.cumsum(a, axis=axis, dtype=np.int32) - a
-  return dict(send_count=count, recv_count=turned, send_off=prefix(count, 1),
-              recv_off=prefix(turned, 1), peer_off=prefix(count, 0), back_off=prefix(turned, 0))
+
+  def prefix(a):
+    out = np.cumsum(a, axis=1, dtype=np.int32)
+    out -= a
+    return out
+
+  send_off, recv_off = prefix(count), prefix(turned)
+  return dict(send_count=count, recv_count=turned, send_off=send_off, recv_off=recv_off,
+              peer_off=np.ascontiguousarray(recv_off.T), back_off=np.ascontiguousarray(send_off.T))
 
 
 def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices=None,
@@ -229,9 +236,33 @@ def _open_capacities(capacities: Capacities, tasks: Tasks, layout: Layout, kv) -
   return dataclasses.replace(capacities, **{name: getattr(need, name) for name in open_})
 
 
-def _zeros(size: int):
-  """(index, valid) flat arrays of `size` slots, uncommitted until written."""
-  return np.zeros(size, np.int32), np.zeros(size, bool)
+def _zeros(width: int, mine: np.ndarray):
+  """(index, valid) flat arrays of [N, width] slots (N = mine.size), uncommitted until written."""
+  return sparse_zeros(mine, width, np.int32), sparse_zeros(mine, width, bool)
+
+
+def sparse_zeros(mine: np.ndarray, width: int, dtype) -> np.ndarray:
+  """A flat zero array of [N, width] (N = mine.size), of which a process writes and reads the
+  rows of its devices (`mine`) and writes a few scattered ranges of the others' rows (the slots
+  they send its devices). numpy asks the kernel for 2 MiB pages for every large array, so each
+  first touch anywhere zeroes 2 MiB (at 512 devices about 1 s of a step's host time went
+  there); here only the span of `mine`'s rows gets them, the rest 4 KiB pages."""
+  itemsize = np.dtype(dtype).itemsize
+  nbytes = mine.size * width * itemsize
+  if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_NOHUGEPAGE"):  # (Linux)
+    return np.zeros(mine.size * width, dtype)
+  # Private and anonymous (a shared one is shmem, which takes no huge pages): zero, committed
+  # page by page when touched.
+  buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+  buf.madvise(mmap.MADV_NOHUGEPAGE)
+  rows = np.flatnonzero(mine)
+  if rows.size:
+    lo = int(rows[0]) * width * itemsize // mmap.PAGESIZE * mmap.PAGESIZE
+    buf.madvise(mmap.MADV_HUGEPAGE, lo, (int(rows[-1]) + 1) * width * itemsize - lo)
+  return np.frombuffer(buf, dtype)
+
+
+_HUGE_PAGE = 2 << 20
 
 
 class _Queries(NamedTuple):
@@ -258,15 +289,15 @@ def _query_arrays(tasks: Tasks, t: int, caps: Capacities, exchange: dict, mine) 
   local = home == server
   if np.bincount(home[local], weights=ql[local], minlength=n).max(initial=0) > t:
     raise PlanMismatchError("plan keeps more than T rows at home")
-  local_q_idx, local_q_valid = _zeros(n * t)
+  local_q_idx, local_q_valid = _zeros(t, mine)
   w = local & mine[home]
   fill_ranges(local_q_idx, local_q_valid, home[w] * t + pos[w], hoff[w], ql[w])
   send_slot = send_off[home, server] + pos  # the row's place in its home's send buffer
-  send_q_idx, send_q_valid = _zeros(n * sq)
+  send_q_idx, send_q_valid = _zeros(sq, mine)
   w = ~local & (mine[home] | mine[server])
   fill_ranges(send_q_idx, send_q_valid, (home * sq + send_slot)[w], hoff[w], ql[w])
   q_start = np.where(local, pos, t + recv_off[server, home] + pos)
-  return_idx, return_valid = _zeros(n * t)
+  return_idx, return_valid = _zeros(t, mine)
   w = mine[home]
   fill_ranges(return_idx, return_valid, home[w] * t + hoff[w],
               np.where(local, pos, t + send_slot)[w], ql[w])
@@ -316,11 +347,11 @@ def _kv_arrays(kv, layout: Layout, caps: Capacities, round1: dict, round2: dict,
   # Round 1 also fills, for `devices`, the pieces their relays forward to them.
   feeds = np.zeros(rel.size, bool)
   feeds[fed[rel & mine[kdst]]] = True
-  send_kv_idx, send_kv_valid = _zeros(n * skvs)
+  send_kv_idx, send_kv_valid = _zeros(skvs, mine)
   w = ~own & ~rel & (mine[src] | mine[kdst] | feeds)
   fill_ranges(send_kv_idx, send_kv_valid, (src * skvs + kv_send_off[src, kdst] + kpos)[w],
               src_off[w], rows[w])
-  send_kv2_idx, send_kv2_valid = _zeros(n * skvs2)
+  send_kv2_idx, send_kv2_valid = _zeros(skvs2, mine)
   w = rel & (mine[r] | mine[kdst])
   fill_ranges(send_kv2_idx, send_kv2_valid, (r * skvs2 + kv2_send_off[r, kdst] + kpos)[w],
               kv_row[fed][w], rows[w])
@@ -329,13 +360,13 @@ def _kv_arrays(kv, layout: Layout, caps: Capacities, round1: dict, round2: dict,
     raise PlanMismatchError(f"plan gathers {int(need)} K/V rows on one server, more than the "
                             f"capacity {skv}")
   pair_base = cumsum_in_groups(kv.pair_need, kv.pair_server)
-  server_kv_idx, server_kv_valid = _zeros(n * skv)
+  server_kv_idx, server_kv_valid = _zeros(skv, mine)
   w = mine[kdst]
   slot = (pair_base[kv.piece_pair[korder]] + kv.piece_doc_off[korder])[w]
   fill_ranges(server_kv_idx, server_kv_valid, (kdst * skv)[w] + slot, kv_row[w], rows[w])
   held = tkv + rkv + rkv2
   _refuse_overlaps(kdst[w], kv_row[w], rows[w])
-  kv_inv, kv_inv_valid = _zeros(n * held)
+  kv_inv, kv_inv_valid = _zeros(held, mine)
   fill_ranges(kv_inv, kv_inv_valid, (kdst * held + kv_row)[w], slot, rows[w])
   return _KV(arrays=dict(server_kv_idx=server_kv_idx, server_kv_valid=server_kv_valid,
                          server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid),
@@ -358,7 +389,7 @@ def _task_tables(tasks: tuple, kv, pair_base: np.ndarray, ctask: int, mine,
                             f"capacity {ctask}")
   w = mine[srv]
   flat, torder = (srv * ctask + slot)[w], torder[w]
-  tab = {k: np.zeros(n * ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
+  tab = {k: sparse_zeros(mine, ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
   tab["q_start"][flat] = q_start[torder]
   tab["q_len"][flat] = q_len[torder]
   tab["kv_start"][flat] = pair_base[tpair[torder]]
