@@ -109,7 +109,8 @@ def run_of(ends: np.ndarray, p: np.ndarray) -> np.ndarray:
   p = np.asarray(p)
   if p.ndim != 1 or p.size < 2 * ends.size or (p[1:] < p[:-1]).any():
     return np.searchsorted(ends, p, side="right")
-  return np.cumsum(np.bincount(np.searchsorted(p, ends, side="left"), minlength=p.size + 1)[:-1])
+  counts = np.diff(np.searchsorted(p, ends, side="left"), prepend=0, append=p.size)
+  return np.repeat(np.arange(ends.size + 1), counts)
 
 
 def index_in_runs(counts: np.ndarray) -> np.ndarray:

@@ -251,10 +251,12 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
     shift = starts - (ends - lens)
     got = batch.take(j + shift[run_of(ends, j)])
 
-    def fill(a):
-      out = np.zeros(N * half, a.dtype)
-      out[j] = a
-      return out.reshape(N, half)
+    def fill(a):  # the held rows' positions are in order, those with a token first
+      rows = np.zeros(flat.size, a.dtype)
+      rows[:j.size] = a
+      out = np.zeros((N, half), a.dtype)
+      out[held] = rows.reshape(held.size, half)
+      return out
 
     segment_ids = np.zeros((N, half), np.int32)
     segment_ids[held] = lay.segment_ids(held)
