@@ -249,7 +249,7 @@ def sparse_zeros(mine: np.ndarray, width: int, dtype) -> np.ndarray:
   there); here only the span of `mine`'s rows gets them, the rest 4 KiB pages."""
   itemsize = np.dtype(dtype).itemsize
   nbytes = mine.size * width * itemsize
-  if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_NOHUGEPAGE"):  # (Linux)
+  if not nbytes or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_NOHUGEPAGE"):  # (Linux)
     return np.zeros(mine.size * width, dtype)
   # Private and anonymous (a shared one is shmem, which takes no huge pages): zero, committed
   # page by page when touched.
