@@ -118,10 +118,11 @@ def _carried(d, name: str) -> dict[str, float]:
   move, and the packed buffers against the busiest sender's and receiver's moving rows."""
   from distca_jax.schedule.items import exchange_capacity
 
-  count = np.asarray(getattr(d, f"send_{name}_count"), np.int64)
+  r = getattr(d, name)
+  count = np.asarray(r.send_count, np.int64)
   n = count.shape[0]
   moved = int(count.sum())
-  buffers = getattr(d, f"send_{name}_idx").shape[-1] + getattr(d, f"recv_{name}")
+  buffers = r.send_rows + r.recv_rows
   busiest = int(count.sum(1).max() + count.sum(0).max())
   return {"moved": moved, RAGGED.name: moved,
           TILED.name: n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
@@ -154,10 +155,10 @@ def _compiled_buffers(plans: dict, n: int, row_heads: int = 8,
   out = {}
   for name, mover in (("q", ex._rows_to_servers), ("kv", ex._kv_to_servers)):
     for mode, plan in plans.items():
-      send_rows, recv_rows = getattr(plan, f"send_{name}_idx").shape[-1], getattr(plan, f"recv_{name}")
+      send_rows, recv_rows = getattr(plan, name).send_rows, getattr(plan, name).recv_rows
       def alone(x, p, name=name, mode=mode, recv_rows=recv_rows):
         p = jax.tree.map(lambda a: a[0], p)
-        return ex.transport(x[0], recv_rows, ex.Exchange.of(p, name), mode)[None]
+        return ex.transport(x[0], recv_rows, ex.Exchange.of(getattr(p, name)), mode)[None]
 
       def movers(x, p, mover=mover, mode=mode):
         p = jax.tree.map(lambda a: a[0], p)
@@ -260,7 +261,7 @@ def exchange_table(args):
         # The plan moving the most query rows, planned for each transport; its step's buffers
         # are sized for the busier of its plans (Ping and Pong), so is the denominator.
         i, j = max(((i, j) for i, ds in enumerate(steps) for j in range(len(ds))),
-                   key=lambda ij: int(np.asarray(steps[ij[0]][ij[1]].send_q_count).sum()))
+                   key=lambda ij: int(np.asarray(steps[ij[0]][ij[1]].q.send_count).sum()))
         others = {mode: _step_contexts(dist, n, t, args.batches, mode.name)[2] for mode in modes
                   if mode is not TILED}
         step_of = lambda mode: [c.dispatch for c in (others.get(mode) or ctxs) if c.cad][i]

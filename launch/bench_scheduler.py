@@ -300,10 +300,10 @@ def step_host_path(args):
                   epsilon=config.attention.epsilon)
       sched = (time.perf_counter() - t0) * 1e3
       # The counts are the whole plan's on every process (off-diagonal blocks only).
-      pad_q = sum(n * (n - 1) * d.send_q_idx.shape[-1] for d in ctx.dispatch)
-      pad_kv = sum(n * (n - 1) * d.send_kv_idx.shape[-1] for d in ctx.dispatch)
-      real_q = sum(int(d.send_q_count.sum()) for d in ctx.dispatch)
-      real_kv = sum(int(d.send_kv_count.sum()) for d in ctx.dispatch)
+      pad_q = sum(n * (n - 1) * d.q.send_idx.shape[-1] for d in ctx.dispatch)
+      pad_kv = sum(n * (n - 1) * d.kv.send_idx.shape[-1] for d in ctx.dispatch)
+      real_q = sum(int(d.q.send_count.sum()) for d in ctx.dispatch)
+      real_kv = sum(int(d.kv.send_count.sum()) for d in ctx.dispatch)
       wlb_all = wlb_host_ms(config, shape, source, None) if n <= args.all_rows_upto else None
       wlb_local = wlb_host_ms(config, shape, source, np.arange(k)) if k and k < n else None
       before, after = ctx.imbalance()

@@ -226,14 +226,13 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
   keep = lambda valid, x: np.where(valid.reshape(valid.shape + (1, 1)), x, 0.0)
   server_q = np.concatenate(
       [keep(plan.local_q_valid, q[home, plan.local_q_idx]),
-       simulate_exchange(keep(plan.send_q_valid, q[home, plan.send_q_idx]), plan.send_q_count,
-                         plan.recv_q)], axis=1)
+       simulate_exchange(keep(plan.q.send_valid, q[home, plan.q.send_idx]), plan.q.send_count,
+                         plan.q.recv_rows)], axis=1)
 
   def kv_rows(x):  # [local T | round 1 | round 2]: a relay forwards from its [local | round 1]
-    for name in ("kv", "kv2"):
-      sent = keep(getattr(plan, f"send_{name}_valid"), x[home, getattr(plan, f"send_{name}_idx")])
-      x = np.concatenate([x, simulate_exchange(sent, getattr(plan, f"send_{name}_count"),
-                                               getattr(plan, f"recv_{name}"))], axis=1)
+    for r in (plan.kv, plan.kv2):
+      sent = keep(r.send_valid, x[home, r.send_idx])
+      x = np.concatenate([x, simulate_exchange(sent, r.send_count, r.recv_rows)], axis=1)
     return x
 
   server_kv = [keep(plan.server_kv_valid, kv_rows(x)[home, plan.server_kv_idx]) for x in (k, v)]
@@ -244,7 +243,7 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
       if ql:
         out[s, qs:qs + ql] = _attention_np(server_q[s, qs:qs + ql], server_kv[0][s, ks:ks + kl],
                                            server_kv[1][s, ks:ks + kl])
-  back = simulate_exchange(out[:, t:], plan.recv_q_count, plan.send_q_idx.shape[-1])
+  back = simulate_exchange(out[:, t:], plan.q.recv_count, plan.q.send_rows)
   got = np.concatenate([out[:, :t], back], axis=1)[home, plan.return_idx]
   seg, pos = layout.segment_ids(), layout.positions()
   want = np.zeros_like(got)

@@ -244,7 +244,7 @@ def test_balanced_batch_skips_the_exchange():
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
   ctx = attn.host_context(cfg.attention, batch, trainer.shape)
-  assert ctx.dispatch[0].recv_q == 0 and ctx.dispatch[0].recv_kv == 0
+  assert ctx.dispatch[0].q.recv_rows == 0 and ctx.dispatch[0].kv.recv_rows == 0
   arrays, dctx = trainer.put_batch(batch, ctx)
   step = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))
   hlo = step.lower(state.params, arrays, dctx).compile().as_text()
@@ -272,7 +272,7 @@ def test_backward_has_no_autodiff_scatters():
   from distca_jax.models.presets import resolve
 
   _, plan = plan_for_layout(cfg.attention, batch.layout, resolve(cfg.model))
-  assert plan.recv_q > 0, "want a plan that moves rows"
+  assert plan.q.recv_rows > 0, "want a plan that moves rows"
   q = jax.numpy.ones((2, 128, 4, 16))
   kv = jax.numpy.ones((2, 128, 2, 16))
   loss = lambda q, k, v: core_attention(q, k, v, plan).sum()
@@ -292,9 +292,9 @@ def test_kv_gradients_return_drops_the_empty_slots():
   batch, plan = global_plan(n, "prolong")
   d = dispatch.build_dispatch(plan.tasks, batch.layout,
                               Capacities(skv=plan.capacities.skv, ctask=plan.capacities.ctask))
-  assert d.send_kv_valid.any() and (~d.send_kv_valid).any()
+  assert d.kv.send_valid.any() and (~d.kv.send_valid).any()
   for dev in range(n):
-    idx, valid = d.send_kv_idx[dev], d.send_kv_valid[dev]
+    idx, valid = d.kv.send_idx[dev], d.kv.send_valid[dev]
     assert (idx[~valid] == 0).all()  # the plan's empty slots all name row 0
     got = np.asarray(dispatch.kv_return_index(idx, valid, T))
     np.testing.assert_array_equal(got, np.where(valid, idx, T).reshape(-1))
@@ -368,7 +368,7 @@ def test_relayed_kv_matches_reference(n, T, exchange, pingpong, mode, fanout):
   batch = layout_batch("wide_prefix", n, seed=n, T=T)
   loss, grads, params, shape, ctx = run_step(cfg, batch, n)
   assert len(ctx.batches) == (2 if pingpong else 1)
-  assert sum(int(d.send_kv2_valid.sum()) for d in ctx.dispatch) > 0  # round 2 carries rows
+  assert sum(int(d.kv2.send_valid.sum()) for d in ctx.dispatch) > 0  # round 2 carries rows
   ref_loss, ref_grads = reference_over(params, shape, [batch])
   assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
   assert tree_rel_err(grads, ref_grads) <= 1e-5
@@ -387,7 +387,7 @@ def test_relayed_kv_backward_is_explicit():
 
   ctx = dispatch.plan_step(dataclasses.replace(cfg.attention, gate=False), batch, resolve(cfg.model))
   plan = ctx.dispatch[0]
-  assert plan.recv_kv2 > 0, "want a plan that relays"
+  assert plan.kv2.recv_rows > 0, "want a plan that relays"
   q = jax.numpy.ones((n, T, 4, 16))
   kv = jax.numpy.ones((n, T, 2, 16))
   loss = lambda q, k, v: core_attention(q, k, v, plan).sum()
@@ -415,7 +415,7 @@ def test_relayed_kv_in_a_pipelined_step_matches_reference():
                     data, 256) for _ in range(M)]
   ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
   arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
-  assert int(np.asarray(dctx["forward"].send_kv2_valid).sum()) > 0
+  assert int(np.asarray(dctx["forward"].kv2.send_valid).sum()) > 0
   step = jax.jit(lambda p, a, c: trainer.pipeline.value_and_grad(p, a, c["forward"], c["backward"],
                                                                  c["schedule"]))
   (loss, _), grads = step(state.params, arrays, dctx)

@@ -12,7 +12,6 @@ from distca_jax import attention as attn
 from distca_jax import dispatch
 from distca_jax import mesh as mesh_lib
 from distca_jax.data.sources import synthetic_from_config
-from distca_jax.dispatch.format import META_FIELDS
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.schedule.traffic import kv_requests, pair_rows
@@ -20,6 +19,14 @@ from distca_jax.train.step import Trainer
 from helpers import global_plan, layout_batch, plan_for_layout, small_config
 
 T = 256  # buffer length
+
+
+def _with(plan, name: str, value):
+  """`plan` with its array `name` (a round's as `q.send_idx`, `DispatchPlan.arrays`) replaced."""
+  if "." not in name:
+    return dataclasses.replace(plan, **{name: value})
+  rnd, field = name.split(".")
+  return dataclasses.replace(plan, **{rnd: dataclasses.replace(getattr(plan, rnd), **{field: value})})
 
 
 @pytest.mark.parametrize("source", ["span_all", "pretrain", "prolong"])
@@ -56,7 +63,7 @@ def _step_shape(ctx):
   dispatch plans carry beside their arrays (receive rows, blocks; the window)."""
   if isinstance(ctx, attn.ColocatedContext):
     return ("colocated", ctx.q_start.shape, ctx.window)
-  static = tuple(int(x) for d in ctx.dispatch for f in META_FIELDS for x in np.ravel(getattr(d, f)))
+  static = tuple(d.static() for d in ctx.dispatch)
   return (f"cad x{len(ctx.batches)}",) + tuple(jax.tree.leaves(jax.tree.map(np.shape, ctx.dispatch))) + (static,)
 
 
@@ -136,15 +143,15 @@ def test_plan_for_another_batch_is_refused():
   inv[tuple(slot)] += 1
   with pytest.raises(dispatch.PlanMismatchError, match="inverse"):
     dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_inv=inv), a.layout)
-  counts = plan_a.send_q_count.copy()  # the exchange's counts must describe its blocks
+  counts = plan_a.q.send_count.copy()  # the exchange's counts must describe its blocks
   off = np.argwhere(counts > 0)[0]
   counts[tuple(off)] -= 1
-  with pytest.raises(dispatch.PlanMismatchError, match="send_q_count"):
-    dispatch.validate_plan(dataclasses.replace(plan_a, send_q_count=counts), a.layout)
-  with pytest.raises(dispatch.PlanMismatchError, match="recv_kv_count"):
-    dispatch.validate_plan(dataclasses.replace(plan_a, recv_kv_count=plan_a.send_kv_count), a.layout)
-  with pytest.raises(dispatch.PlanMismatchError, match="send_kv_idx outside"):
-    dispatch.validate_plan(dataclasses.replace(plan_a, send_kv_idx=plan_a.send_kv_idx - T), a.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match=r"q\.send_count"):
+    dispatch.validate_plan(_with(plan_a, "q.send_count", counts), a.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match=r"kv\.recv_count"):
+    dispatch.validate_plan(_with(plan_a, "kv.recv_count", plan_a.kv.send_count), a.layout)
+  with pytest.raises(dispatch.PlanMismatchError, match=r"kv\.send_idx outside"):
+    dispatch.validate_plan(_with(plan_a, "kv.send_idx", plan_a.kv.send_idx - T), a.layout)
   kv_idx = plan_a.server_kv_idx.copy()  # one K/V row gathered into two slots of server 0
   used = np.flatnonzero(plan_a.server_kv_valid[0])
   kv_idx[0, used[1]] = kv_idx[0, used[0]]
@@ -202,20 +209,21 @@ def test_validate_plan_refuses_a_mutated_range():
   layout, tasks, kv, _ = _relay_case()
   plan = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
   dispatch.validate_plan(plan, layout)
-  for name in ("local_q_idx", "send_q_idx", "send_kv_idx", "send_kv2_idx", "server_kv_idx",
+  arrays = plan.arrays()
+  for name in ("local_q_idx", "q.send_idx", "kv.send_idx", "kv2.send_idx", "server_kv_idx",
                "return_idx"):
-    idx = getattr(plan, name)
-    d, start, size = _a_run(idx, getattr(plan, name.replace("idx", "valid")))
+    idx = arrays[name]
+    d, start, size = _a_run(idx, arrays[name.replace("idx", "valid")])
     moved = idx.copy()
     moved[d, start:start + size] += 1 if idx[d, start + size - 1] + 1 < idx.shape[-1] else -1
-    bad = dataclasses.replace(plan, **{name: moved})
+    bad = _with(plan, name, moved)
     with pytest.raises(dispatch.PlanMismatchError, match="match the batch|inverse|outside"):
       dispatch.validate_plan(bad, layout)
     # Refused by the process that reads the run: a sent row's server's (a query row's home's
     # too), any other array's own device's.
-    if name.startswith("send_"):
-      rnd = name[len("send_"):-len("_idx")]
-      count, off = getattr(plan, f"send_{rnd}_count")[d], getattr(plan, f"send_{rnd}_off")[d]
+    if name.endswith(".send_idx"):
+      rnd = getattr(plan, name.split(".")[0])
+      count, off = rnd.send_count[d], rnd.send_off[d]
       d = int(np.flatnonzero((off <= start) & (count > 0))[-1])
     with pytest.raises(dispatch.PlanMismatchError):
       dispatch.validate_plan(bad, layout, [d])
@@ -253,10 +261,13 @@ def test_validate_plan_checks_the_given_devices_rows():
 
 
 @pytest.mark.parametrize("dist", ["pretrain", "prolong"])
-def test_a_process_builds_only_its_devices_plan(dist):
+def test_a_process_builds_only_its_devices_plan(dist, monkeypatch):
   """build_dispatch(devices=D): D's rows and the rows others send D equal the whole plan's,
   every other row stays zero, the counts and offsets are the whole plan's, and it passes D's
-  checks."""
+  checks. The arrays are mapped as a large job's are (`format.sparse_zeros`), however small."""
+  from distca_jax.dispatch import format as format_lib
+
+  monkeypatch.setattr(format_lib, "_HUGE_PAGE", 0)
   n = 8
   batch, plan = global_plan(n, dist)
   assert (plan.tasks.server != plan.tasks.home).any()
@@ -270,19 +281,19 @@ def test_a_process_builds_only_its_devices_plan(dist):
                 {"send_kv": req.send_kv - 1}, {"recv_kv": req.recv_kv - 1}):
     with pytest.raises(dispatch.PlanMismatchError, match="capacit"):
       dispatch.build_dispatch(*args[:2], dataclasses.replace(caps, **small))
-  blocks = ("send_q_idx", "send_q_valid", "send_kv_idx", "send_kv_valid")
+  blocks = ("q.send_idx", "q.send_valid", "kv.send_idx", "kv.send_valid")
   for D in (np.array([0]), np.array([2, 5, 7]), np.arange(4, 8)):
     part = dispatch.build_dispatch(*args, devices=D)
     dispatch.validate_plan(part, batch.layout, D)
     others = np.setdiff1d(np.arange(n), D)
-    for f in dispatch.ARRAY_FIELDS:
-      x, y = getattr(whole, f), getattr(part, f)
+    for f, x in whole.arrays().items():
+      y = part.arrays()[f]
       if f.endswith("_count") or f.endswith("_off"):
         np.testing.assert_array_equal(y, x, err_msg=f)
       elif f in blocks:  # packed send buffers: D's own, and the ranges others send D
         np.testing.assert_array_equal(y[D], x[D], err_msg=f)
-        kind = f.split("_")[1]
-        count, off = getattr(whole, f"send_{kind}_count"), getattr(whole, f"send_{kind}_off")
+        rnd = getattr(whole, f.split(".")[0])
+        count, off = rnd.send_count, rnd.send_off
         for o in others:
           to_d = np.zeros(y.shape[-1], bool)
           for srv in D:
@@ -337,19 +348,19 @@ def test_relayed_plan_moves_the_same_rows_from_fewer_per_sender(n, T, fanout):
   assert (kv.piece_via >= 0).any()
   off = dispatch.build_dispatch(tasks, layout, Capacities(), kv=direct)
   on = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
-  assert off.send_kv2_idx.shape == (n, 0) and off.recv_kv2 == 0 and off.ckv2 == 0
-  assert not any(getattr(off, f).any() for f in dispatch.ARRAY_FIELDS if "kv2" in f)
-  assert on.recv_kv2 > 0 and on.send_kv2_valid.sum() == on.send_kv2_count.sum() > 0
+  assert off.kv2.send_idx.shape == (n, 0) and off.kv2.recv_rows == 0 and off.kv2.block == 0
+  assert not any(a.any() for f, a in off.arrays().items() if f.startswith("kv2."))
+  assert on.kv2.recv_rows > 0 and on.kv2.send_valid.sum() == on.kv2.send_count.sum() > 0
   for d in (off, on):
     dispatch.validate_plan(d, layout)
     assert simulate_dispatch(d, layout) < 1e-9
-  for f in dispatch.ARRAY_FIELDS:
+  for f, a in off.arrays().items():
     if "kv" not in f:
-      np.testing.assert_array_equal(getattr(on, f), getattr(off, f), err_msg=f)
+      np.testing.assert_array_equal(on.arrays()[f], a, err_msg=f)
   np.testing.assert_array_equal(on.kv_start, off.kv_start)
-  got = on.send_kv_count.sum(0) + on.send_kv2_count.sum(0)  # rows each server receives
-  np.testing.assert_array_equal(got, off.send_kv_count.sum(0))
-  sent = lambda d: (d.send_kv_count.sum(1) + d.send_kv2_count.sum(1)).max()
+  got = on.kv.send_count.sum(0) + on.kv2.send_count.sum(0)  # rows each server receives
+  np.testing.assert_array_equal(got, off.kv.send_count.sum(0))
+  sent = lambda d: (d.kv.send_count.sum(1) + d.kv2.send_count.sum(1)).max()
   assert sent(on) < sent(off)
   part = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv, devices=np.array([1, 2]))
   dispatch.validate_plan(part, layout, np.array([1, 2]))
@@ -360,15 +371,15 @@ def test_relayed_plan_with_a_wrong_round_two_is_refused():
   describe its buffers, or a relay that never received the rows: refused."""
   layout, tasks, kv, _ = _relay_case()
   plan = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
-  idx = plan.send_kv2_idx.copy()
-  r, j = np.argwhere(plan.send_kv2_valid)[3]
-  idx[r, j] = (idx[r, j] + 1) % (plan.kv_rows + plan.recv_kv)
+  idx = plan.kv2.send_idx.copy()
+  r, j = np.argwhere(plan.kv2.send_valid)[3]
+  idx[r, j] = (idx[r, j] + 1) % (plan.kv_rows + plan.kv.recv_rows)
   with pytest.raises(dispatch.PlanMismatchError, match="one document"):
-    dispatch.validate_plan(dataclasses.replace(plan, send_kv2_idx=idx), layout)
-  count = plan.send_kv2_count.copy()
+    dispatch.validate_plan(_with(plan, "kv2.send_idx", idx), layout)
+  count = plan.kv2.send_count.copy()
   count[r, (r + 1) % layout.num_buffers] += 1
-  with pytest.raises(dispatch.PlanMismatchError, match="send_kv2_count"):
-    dispatch.validate_plan(dataclasses.replace(plan, send_kv2_count=count), layout)
+  with pytest.raises(dispatch.PlanMismatchError, match=r"kv2\.send_count"):
+    dispatch.validate_plan(_with(plan, "kv2.send_count", count), layout)
   via = kv.piece_via.copy()
   relayed = np.flatnonzero(via >= 0)
   same = relayed[(kv.piece_src[relayed] == kv.piece_src[relayed[0]])
@@ -395,11 +406,11 @@ def test_relays_on_the_host_path():
   cfg = small_config(*base, "attention.kv_relay_fanout=2")
   on = dispatch.plan_step(cfg.attention, batch, shape)
   assert off.capacities.recv_kv2 == 0 and on.capacities.recv_kv2 > 0
-  assert on.dispatch[0].send_kv2_valid.any()
+  assert on.dispatch[0].kv2.send_valid.any()
   assert on.plans[0].traffic.kv_rows_out.max() < off.plans[0].traffic.kv_rows_out.max()
   assert on.plans[0].requirements.recv_kv2 > 0
   d = on.dispatch[0]  # the rows the arrays send are the ones the planner's traffic counts
-  np.testing.assert_array_equal(d.send_kv_count.sum(1) + d.send_kv2_count.sum(1),
+  np.testing.assert_array_equal(d.kv.send_count.sum(1) + d.kv2.send_count.sum(1),
                                 on.plans[0].traffic.kv_rows_out)
   caps = on.capacities
   assert caps.ckv2 > 0
@@ -458,8 +469,8 @@ def test_a_process_plans_from_its_rows_alone(dist, n):
     for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids"):
       np.testing.assert_array_equal(getattr(b, k)[rows], getattr(a, k)[rows], err_msg=k)
   for a, b in zip(whole.dispatch, mine.dispatch):
-    for f in dispatch.ARRAY_FIELDS:
-      np.testing.assert_array_equal(getattr(b, f), getattr(a, f), err_msg=f)
+    for f, x in a.arrays().items():
+      np.testing.assert_array_equal(b.arrays()[f], x, err_msg=f)
   with pytest.raises(ValueError, match="does not hold the rows"):
     dispatch.plan_step(cfg.attention, source.batch(0, rows[:1]), shape, rows)
   ping = mine.batches[0]

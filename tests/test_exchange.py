@@ -147,7 +147,7 @@ def test_cad_matches_a_single_device_run(data, tensor, mode, exchange, T):
   batch = random_layout_batch(data, T, seed=100 * data + 10 * tensor + len(mode) + len(exchange))
   loss, grads, params, shape, ctx = run_step(cfg, batch, data * tensor)
   (d,) = ctx.dispatch
-  assert d.recv_q > 0 and d.recv_kv > 0  # queries and K/V rows travel
+  assert d.q.recv_rows > 0 and d.kv.recv_rows > 0  # queries and K/V rows travel
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(
       lambda p: dense_reference_loss(p, shape, batch)))(params)
   assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))

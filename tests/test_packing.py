@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from distca_jax.data.doclens import FULL_CONTEXT_TOKENS, LengthSampler, load_lengths
-from distca_jax.data.packing import PAD_SEGMENT, index_in_runs, pack, ranges
+from distca_jax.data.packing import PAD_SEGMENT, index_in_runs, pack, ranges, run_of
 from distca_jax.data.sources import SyntheticSource, make_batch, packed_batch
 
 FAST = settings(max_examples=60, deadline=None)
@@ -309,8 +309,9 @@ def test_synthetic_source_builds_the_rows_asked_for():
 
 
 def test_ranges_and_index_in_runs_match_loops():
-  """`ranges` and `index_in_runs`, the vectorised helpers the host paths share, equal their
-  Python loops on random runs, empty runs and no runs included."""
+  """`ranges`, `index_in_runs` and `run_of`, the vectorised helpers the host paths share, equal
+  their Python loops on random runs, empty runs and no runs included (`run_of` on positions in
+  order, its fast path, and out of order)."""
   rng = np.random.default_rng(0)
   for size in (0, 1, 7, 50):
     counts = rng.integers(0, 5, size)
@@ -319,3 +320,6 @@ def test_ranges_and_index_in_runs_match_loops():
     want_ranges = [s + k for s, c in zip(starts, counts) for k in range(c)]
     np.testing.assert_array_equal(index_in_runs(counts), np.array(want_idx, np.int64))
     np.testing.assert_array_equal(ranges(starts, counts), np.array(want_ranges, np.int64))
+    ends = np.cumsum(counts)
+    for p in (np.arange(-2, int(ends[-1] if size else 0) + 3), rng.integers(-2, 120, 300)):
+      np.testing.assert_array_equal(run_of(ends, p), [sum(e <= x for e in ends) for x in p])

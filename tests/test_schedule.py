@@ -78,24 +78,24 @@ def _query_rows(a, s, rows, t):
   rows < T are its local rows, row T + r is row r of its receive buffer."""
   local = rows < t
   lr = np.minimum(rows, t - 1)
-  if a.recv_q == 0:
+  if a.q.recv_rows == 0:
     return np.full_like(rows, s), a.local_q_idx[s, lr], a.local_q_valid[s, lr]
-  src, slot = (np.asarray(x) for x in zip(*(_received_from(a.send_q_count, s, int(r) - t)
+  src, slot = (np.asarray(x) for x in zip(*(_received_from(a.q.send_count, s, int(r) - t)
                                             if r >= t else (s, 0) for r in rows)))
-  return (np.where(local, s, src), np.where(local, a.local_q_idx[s, lr], a.send_q_idx[src, slot]),
-          np.where(local, a.local_q_valid[s, lr], a.send_q_valid[src, slot]))
+  return (np.where(local, s, src), np.where(local, a.local_q_idx[s, lr], a.q.send_idx[src, slot]),
+          np.where(local, a.local_q_valid[s, lr], a.q.send_valid[src, slot]))
 
 
 def _kv_rows(a, s, slots, t):
   """(home device, home K/V rows, valid) of server s's gathered K/V slots."""
   flat = a.server_kv_idx[s, slots]
   local = flat < t
-  if a.recv_kv == 0:
+  if a.kv.recv_rows == 0:
     return np.full_like(flat, s), flat, a.server_kv_valid[s, slots]
-  src, slot = (np.asarray(x) for x in zip(*(_received_from(a.send_kv_count, s, int(r) - t)
+  src, slot = (np.asarray(x) for x in zip(*(_received_from(a.kv.send_count, s, int(r) - t)
                                             if r >= t else (s, 0) for r in flat)))
-  return (np.where(local, s, src), np.where(local, flat, a.send_kv_idx[src, slot]),
-          a.server_kv_valid[s, slots] & np.where(local, True, a.send_kv_valid[src, slot]))
+  return (np.where(local, s, src), np.where(local, flat, a.kv.send_idx[src, slot]),
+          a.server_kv_valid[s, slots] & np.where(local, True, a.kv.send_valid[src, slot]))
 
 
 def check_plan(plan, layout, epsilon=None):
@@ -120,14 +120,14 @@ def check_plan(plan, layout, epsilon=None):
   assert np.isclose(plan.stats.load_after.sum(), plan.stats.load_before.sum())
   # 3. Capacities respected and arrays of the stated shapes.
   c = plan.capacities
-  assert a.send_q_idx.shape == (n, c.send_q) and a.send_kv_idx.shape == (n, c.send_kv)
-  assert (a.recv_q, a.recv_kv) == (c.recv_q, c.recv_kv)
+  assert a.q.send_idx.shape == (n, c.send_q) and a.kv.send_idx.shape == (n, c.send_kv)
+  assert (a.q.recv_rows, a.kv.recv_rows) == (c.recv_q, c.recv_kv)
   assert a.server_kv_idx.shape == (n, c.skv) and a.q_start.shape == (n, c.ctask)
   r = plan.requirements
   assert r.c <= c.c and r.ckv <= c.ckv and r.skv <= c.skv and r.ctask <= c.ctask
   assert r.send_q <= c.send_q and r.recv_q <= c.recv_q
   assert r.send_kv <= c.send_kv and r.recv_kv <= c.recv_kv
-  for arr in (a.send_q_idx, a.send_kv_idx, a.server_kv_idx, a.q_start, a.return_idx):
+  for arr in (a.q.send_idx, a.kv.send_idx, a.server_kv_idx, a.q_start, a.return_idx):
     assert arr.dtype == np.int32
   # 4. Server task tables: query rows trace to one document's positions [q_hi - q_len, q_hi),
   # key rows to the same document's positions [0, kv_len): the KV is exactly the prefix.
@@ -154,7 +154,7 @@ def check_plan(plan, layout, epsilon=None):
   for s in range(n):
     for j in range(c.ctask):
       used[s, a.q_start[s, j]:a.q_start[s, j] + a.q_len[s, j]] += 1
-  received = np.arange(c.recv_q)[None, :] < a.send_q_count.sum(0)[:, None]
+  received = np.arange(c.recv_q)[None, :] < a.q.send_count.sum(0)[:, None]
   held = np.concatenate([a.local_q_valid, received], 1)
   assert (used == held.astype(np.int64)).all()
   assert (a.return_valid == (seg >= 0)).all()
@@ -287,7 +287,7 @@ def test_equal_documents_nothing_moves(n, t, size):
   assert plan.traffic.send.sum() == 0 and plan.traffic.recv.sum() == 0
   # No off-diagonal block holds a row: every query row stays local.
   a = dispatch_of(plan, layout)
-  assert not a.send_q_valid.any() and a.local_q_valid.sum() == layout.length.sum()
+  assert not a.q.send_valid.any() and a.local_q_valid.sum() == layout.length.sum()
 
 
 def test_colocated_plan_keeps_everything_home():

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .doclens import LengthSampler, load_lengths
-from .packing import PAD_SEGMENT, Layout, pack
+from .packing import PAD_SEGMENT, Layout, pack, run_of
 
 
 TOKEN_ARRAYS = ("tokens", "targets", "loss_mask", "positions")
@@ -62,17 +62,30 @@ def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray) -> dict[str
   """The `TOKEN_ARRAYS` at flat positions `flat` of documents packed in order from position 0
   (flat position p is token p of their concatenated stream; past their end, padding), reading
   only the tokens they need: `tokens_at(p)` gives the stream's tokens at positions p."""
-  flat = np.asarray(flat, np.int64)
-  doc_end = np.cumsum(np.asarray(doc_lens, np.int64))
-  real = flat < (doc_end[-1] if doc_end.size else 0)
-  doc = np.minimum(np.searchsorted(doc_end, flat, side="right"), max(doc_end.size - 1, 0))
-  has_next = real & (flat + 1 < doc_end[doc]) if doc_end.size else real
+  shape = np.shape(flat)
+  flat = np.asarray(flat, np.int64).reshape(-1)
+  doc_lens = np.asarray(doc_lens, np.int64)
+  doc_end = np.cumsum(doc_lens)
   tokens, targets = np.zeros(flat.shape, np.int32), np.zeros(flat.shape, np.int32)
+  if not doc_end.size:
+    return {"tokens": tokens.reshape(shape), "targets": targets.reshape(shape),
+            "loss_mask": np.zeros(shape, np.float32), "positions": np.zeros(shape, np.int32)}
+  real = flat < doc_end[-1]
+  doc = np.minimum(run_of(doc_end, flat), doc_end.size - 1)
+  end = doc_end[doc]
+  has_next = real & (flat + 1 < end)
   tokens[real] = tokens_at(flat[real])
-  targets[has_next] = tokens_at(flat[has_next] + 1)
-  start = doc_end[doc] - np.asarray(doc_lens, np.int64)[doc] if doc_end.size else 0
-  return {"tokens": tokens, "targets": targets, "loss_mask": has_next.astype(np.float32),
-          "positions": np.where(real, flat - start, 0).astype(np.int32)}
+  # A position's target is the token at the next position, usually read already (positions are
+  # mostly read in order): only the others are read again.
+  read = np.zeros(flat.shape, bool)
+  read[:-1] = has_next[:-1] & (flat[1:] == flat[:-1] + 1)
+  targets[:-1][read[:-1]] = tokens[1:][read[:-1]]
+  again = has_next & ~read
+  targets[again] = tokens_at(flat[again] + 1)
+  position = np.where(real, flat - end + doc_lens[doc], 0).astype(np.int32)
+  return {"tokens": tokens.reshape(shape), "targets": targets.reshape(shape),
+          "loss_mask": has_next.astype(np.float32).reshape(shape),
+          "positions": position.reshape(shape)}
 
 
 def cut_documents(doc_lens: np.ndarray, max_len: int | None) -> np.ndarray:
@@ -155,10 +168,14 @@ class SyntheticSource:
     start = rng.integers(0, self.vocab_size, doc_lens.size)
     stride = rng.choice(np.asarray(self.strides), doc_lens.size)
     doc_end = np.cumsum(doc_lens)
+    # Token p of document d is start[d] + stride[d] * (p - its first position), mod the
+    # vocabulary: with the first position folded into a per-document shift, a read is two
+    # gathers per token.
+    shift = (start - stride * (doc_end - doc_lens)) % self.vocab_size
 
     def tokens_at(p):
-      d = np.searchsorted(doc_end, p, side="right")
-      return ((start[d] + stride[d] * (p - doc_end[d] + doc_lens[d])) % self.vocab_size).astype(np.int32)
+      d = run_of(doc_end, p)
+      return ((shift[d] + stride[d] * p) % self.vocab_size).astype(np.int32)
 
     return doc_lens, tokens_at
 

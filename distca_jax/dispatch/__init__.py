@@ -9,7 +9,8 @@ there and back. Its files are its seams:
   host.py      the host's planning of one step (`plan_step`): batch -> ping/pong split -> the
                scheduler's plans -> the gate (`distca_jax.gate`) -> dispatch arrays -> check;
                `plan_ticks` for a pipelined step's ticks; `split_pingpong_batch`.
-  format.py    the exchange's arrays (`DispatchPlan`, whose docstring is the format) and
+  format.py    the exchange's arrays (`DispatchPlan`, one `Round` per exchange round; their
+               docstrings are the format) and
                `build_dispatch`, which lays a task placement out in them. Rows that stay home
                are copied locally rather than sent, so the exchange carries only rows that
                really move, each (device, server) block padded to a small bucket.
@@ -27,14 +28,14 @@ streams (models/llama.py), so XLA can overlap one stream's exchange with the oth
 from distca_jax.dispatch.checks import validate_plan
 from distca_jax.dispatch.exchange import (COLLECTIVES, kv_return_index,
                                           make_distca_attention, resolve_exchange, transport)
-from distca_jax.dispatch.format import ARRAY_FIELDS, DispatchPlan, PlanMismatchError, build_dispatch
-from distca_jax.dispatch.host import (StepContext, capacities_of, plan_step, plan_ticks,
+from distca_jax.dispatch.format import ROUNDS, DispatchPlan, PlanMismatchError, Round, build_dispatch
+from distca_jax.dispatch.host import (StepContext, plan_step, plan_ticks,
                                       split_pingpong_batch, step_capacities, stream_options)
 from distca_jax.schedule.capacities import Capacities, StepShapes
 
 __all__ = [
     "validate_plan", "COLLECTIVES", "kv_return_index", "make_distca_attention",
-    "resolve_exchange", "transport", "ARRAY_FIELDS", "DispatchPlan", "PlanMismatchError",
-    "build_dispatch", "StepContext", "capacities_of", "plan_step", "plan_ticks",
+    "resolve_exchange", "transport", "ROUNDS", "DispatchPlan", "PlanMismatchError", "Round",
+    "build_dispatch", "StepContext", "plan_step", "plan_ticks",
     "split_pingpong_batch", "step_capacities", "stream_options", "Capacities", "StepShapes",
 ]

@@ -35,12 +35,10 @@ class _Tables(dict):
       table = whole(p.local_q_idx, p.local_q_valid)
     elif name == "server_kv":
       table = whole(p.server_kv_idx, p.server_kv_valid)
-    elif name == "send_q":
-      table = runs.table_of(p.send_q_idx, p.send_q_valid, *runs.send_regions(
-          p.send_q_count, p.send_q_off, s.devices, s.devices))
-    elif name == "send_kv2":
-      table = runs.table_of(p.send_kv2_idx, p.send_kv2_valid, *runs.send_regions(
-          p.send_kv2_count, p.send_kv2_off, s.devices, s.devices))
+    elif name in ("send_q", "send_kv2"):
+      r = p.q if name == "send_q" else p.kv2
+      table = runs.table_of(r.send_idx, r.send_valid, *runs.send_regions(
+          r.send_count, r.send_off, s.devices, s.devices))
     elif name == "shards":
       table = runs.shard_table(s.layout)
     elif name == "prior_shards":
@@ -77,9 +75,9 @@ class Scope:
   def kv_send_table(self, receivers) -> runs.Table:
     """The round-1 K/V send slots read by `receivers` (the checked servers, and the relays that
     forward to them), and every slot the checked devices send."""
-    p = self.plan
-    regions = runs.send_regions(p.send_kv_count, p.send_kv_off, receivers, self.devices)
-    return runs.table_of(p.send_kv_idx, p.send_kv_valid, *regions)
+    r = self.plan.kv
+    regions = runs.send_regions(r.send_count, r.send_off, receivers, self.devices)
+    return runs.table_of(r.send_idx, r.send_valid, *regions)
 
   @property
   def N(self) -> int:
@@ -95,15 +93,15 @@ class Scope:
 
   @property
   def Rq(self) -> int:
-    return self.plan.recv_q
+    return self.plan.q.recv_rows
 
   @property
   def Rkv(self) -> int:
-    return self.plan.recv_kv
+    return self.plan.kv.recv_rows
 
   @property
   def Rkv2(self) -> int:
-    return self.plan.recv_kv2
+    return self.plan.kv2.recv_rows
 
   def mine(self, a: np.ndarray) -> np.ndarray:
     """The checked devices' rows of a per-device array."""
@@ -144,8 +142,8 @@ def check_shapes(plan: DispatchPlan, layout: Layout) -> None:
   N, T = layout.num_buffers, layout.buffer_len
   if plan.return_idx.shape != (N, T) or plan.local_q_idx.shape != (N, T):
     raise PlanMismatchError(f"plan is for buffers {plan.return_idx.shape}, the batch has ({N}, {T})")
-  if plan.send_q_idx.shape[0] != N or plan.send_q_count.shape != (N, N) or plan.q_start.shape[0] != N:
-    raise PlanMismatchError(f"plan is for {plan.send_q_idx.shape[0]} devices, the batch has {N}")
+  if plan.q.send_idx.shape[0] != N or plan.q.send_count.shape != (N, N) or plan.q_start.shape[0] != N:
+    raise PlanMismatchError(f"plan is for {plan.q.send_idx.shape[0]} devices, the batch has {N}")
 
 
 def _scope(plan, layout, devices, batch) -> Scope:
@@ -203,7 +201,7 @@ def check_indices_in_range(s: Scope) -> None:
   """Every index points inside the array it indexes."""
   p, T = s.plan, s.T
   server_rows = T + s.Rq  # a server's query rows: local, then received
-  home_rows = T + p.send_q_idx.shape[-1]  # a home's outputs: local, then returned to send slots
+  home_rows = T + p.q.send_rows  # a home's outputs: local, then returned to send slots
   return_idx = s.mine(p.return_idx)
   if (return_idx < 0).any() or (return_idx >= home_rows).any():
     raise PlanMismatchError(f"plan return_idx outside the {home_rows} rows a home gets back")
@@ -218,9 +216,9 @@ def check_indices_in_range(s: Scope) -> None:
   # The checked devices' own buffers; the rows others send them are followed (and checked) by
   # `check_tasks_cover_one_document`.
   for name, a, limit in (("local_q_idx", s.mine(p.local_q_idx), T),
-                         ("send_q_idx", s.mine(p.send_q_idx), T),
-                         ("send_kv_idx", s.mine(p.send_kv_idx), s.Tkv),
-                         ("send_kv2_idx", s.mine(p.send_kv2_idx), s.Tkv + s.Rkv)):
+                         ("q.send_idx", s.mine(p.q.send_idx), T),
+                         ("kv.send_idx", s.mine(p.kv.send_idx), s.Tkv),
+                         ("kv2.send_idx", s.mine(p.kv2.send_idx), s.Tkv + s.Rkv)):
     if a.size and (a.min() < 0 or a.max() >= limit):
       raise PlanMismatchError(f"plan {name} outside the {limit} rows of a buffer")
 
@@ -254,46 +252,42 @@ def check_exchange_counts(s: Scope) -> None:
   receives from d is what d sends, offsets are the exclusive prefix sums of the counts (so the
   valid rows of a send buffer are its first ones), every buffer holds its rows, and the tiled
   exchange's blocks hold theirs."""
-  p = s.plan
-  for name, valid, recv_rows, block in (
-      ("q", p.send_q_valid, s.Rq, p.c), ("kv", p.send_kv_valid, s.Rkv, p.ckv),
-      ("kv2", p.send_kv2_valid, s.Rkv2, p.ckv2)):
-    count = getattr(p, f"send_{name}_count")
+  for name, r in s.plan.rounds.items():
+    count, valid = r.send_count, r.send_valid
     if count.shape != (s.N, s.N) or (count < 0).any():
-      raise PlanMismatchError(f"plan send_{name}_count is not the [N, N] rows of one exchange")
+      raise PlanMismatchError(f"plan {name}.send_count is not the [N, N] rows of one exchange")
     # Exclusive prefix sums along each device's sends and each server's receives; each checked
     # device's rows of the six arrays against them ([N, N] work only in these two sums).
     send_off = np.cumsum(count, axis=1, dtype=np.int64) - count
     land = np.cumsum(count, axis=0, dtype=np.int64) - count  # [d, s]: where d's rows land at s
     mine = lambda a: a[s.rows]
     cols = lambda a: a[:, s.rows].T
-    want = {f"recv_{name}_count": cols(count), f"send_{name}_off": mine(send_off),
-            f"recv_{name}_off": cols(land), f"peer_{name}_off": mine(land),
-            f"back_{name}_off": cols(send_off)}
+    want = {"recv_count": cols(count), "send_off": mine(send_off), "recv_off": cols(land),
+            "peer_off": mine(land), "back_off": cols(send_off)}
     if (count[s.devices, s.devices].any()
-        or any(not np.array_equal(s.mine(getattr(p, k)), v) for k, v in want.items())):
-      raise PlanMismatchError(f"plan send_{name}_count / recv_{name}_count and their offsets do "
+        or any(not np.array_equal(s.mine(getattr(r, k)), v) for k, v in want.items())):
+      raise PlanMismatchError(f"plan {name}.send_count / {name}.recv_count and their offsets do "
                               f"not describe one packed exchange (recv the transpose, offsets "
                               f"their prefix sums)")
     sent, got = count.sum(1), count.sum(0)
-    if sent.max(initial=0) > valid.shape[-1] or got.max(initial=0) > recv_rows:
+    if sent.max(initial=0) > valid.shape[-1] or got.max(initial=0) > r.recv_rows:
       raise PlanMismatchError(f"plan's {name} rows do not fit its buffers: a device sends "
                               f"{int(sent.max())} of {valid.shape[-1]} / receives "
-                              f"{int(got.max())} of {recv_rows}")
+                              f"{int(got.max())} of {r.recv_rows}")
     if any(not valid[d, :k].all() or valid[d, k:].any()
            for d, k in zip(s.devices.tolist(), sent[s.devices].tolist())):
-      raise PlanMismatchError(f"plan send_{name}_valid is not the first send_{name}_count rows "
+      raise PlanMismatchError(f"plan {name}.send_valid is not the first {name}.send_count rows "
                               f"of each send buffer")
-    if block and count.max(initial=0) > block:
+    if r.block and count.max(initial=0) > r.block:
       raise PlanMismatchError(f"plan sends {int(count.max())} {name} rows between two devices, "
-                              f"more than the tiled exchange's blocks of {block}")
+                              f"more than the tiled exchange's blocks of {r.block}")
 
 
 def check_each_token_has_one_slot(s: Scope) -> None:
   """As many query slots as real tokens: a local row or a row it sends, per checked home (with
   the next check, every real token sits in exactly one slot, so the O return is the exact
   transpose of the Q dispatch)."""
-  slots = int(s.mine(s.plan.local_q_valid).sum()) + int(s.mine(s.plan.send_q_valid).sum())
+  slots = int(s.mine(s.plan.local_q_valid).sum()) + int(s.mine(s.plan.q.send_valid).sum())
   tokens = int(s.real.sum())
   if slots != tokens:
     raise PlanMismatchError(f"plan places {slots} query rows on servers for {tokens} real tokens")
@@ -342,8 +336,8 @@ def _server_query_rows(s: Scope, r: runs.Runs):
   own, bad1 = runs.follow(r.take(local), s.tables["local_q"], T)
   got = r.take(~local)
   got = got._replace(row=got.row - T)
-  recv = runs.exchange_table(p.send_q_count, p.recv_q_off, p.send_q_off, s.devices, max(s.Rq, 1))
-  slots, bad2 = runs.follow(got, recv, p.send_q_idx.shape[-1])
+  recv = runs.exchange_table(p.q.send_count, p.q.recv_off, p.q.send_off, s.devices, max(s.Rq, 1))
+  slots, bad2 = runs.follow(got, recv, p.q.send_rows)
   away, bad3 = runs.follow(slots, s.tables["send_q"], T)
   return own.concat(away), np.concatenate([bad1, bad2, bad3])
 
@@ -360,9 +354,9 @@ def _server_kv_rows(s: Scope, r: runs.Runs):
     second = held.row >= first
     r2 = held.take(second)
     held = held.take(~second)
-    recv = runs.exchange_table(p.send_kv2_count, p.recv_kv2_off, p.send_kv2_off, s.devices,
+    recv = runs.exchange_table(p.kv2.send_count, p.kv2.recv_off, p.kv2.send_off, s.devices,
                                s.Rkv2)
-    slots, b = runs.follow(r2._replace(row=r2.row - first), recv, p.send_kv2_idx.shape[-1])
+    slots, b = runs.follow(r2._replace(row=r2.row - first), recv, p.kv2.send_rows)
     at_relay, b2 = runs.follow(slots, s.tables["send_kv2"], first)
     held = held.concat(at_relay)
     bad += [b, b2]
@@ -370,9 +364,9 @@ def _server_kv_rows(s: Scope, r: runs.Runs):
   local = held.row < Tkv
   own, got = held.take(local), held.take(~local)
   if got.n.size:
-    recv = runs.exchange_table(p.send_kv_count, p.recv_kv_off, p.send_kv_off,
+    recv = runs.exchange_table(p.kv.send_count, p.kv.recv_off, p.kv.send_off,
                                np.unique(got.dev), max(s.Rkv, 1))
-    slots, b = runs.follow(got._replace(row=got.row - Tkv), recv, p.send_kv_idx.shape[-1])
+    slots, b = runs.follow(got._replace(row=got.row - Tkv), recv, p.kv.send_rows)
     away, b2 = runs.follow(slots, s.kv_send_table(np.unique(got.dev)), Tkv)
     own = own.concat(away)
     bad += [b, b2]

@@ -1,7 +1,7 @@
 """The device side of CAD: the exchange over the server pool, the row movers, `core_attention`.
 
 Per layer, inside one `shard_map` over (pipe, data, tensor), a device (plan arrays without their
-leading N, `format.DispatchPlan`):
+leading N, `format.DispatchPlan` and its `format.Round`s):
 
   1. gathers the Q rows and the deduplicated K/V rows it sends into ONE packed send buffer each,
      grouped by server (`_rows_to_servers`, `_kv_to_servers`),
@@ -55,7 +55,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from distca_jax import kernels
 from distca_jax.schema import ConfigError
 from distca_jax.colocated import make_colocated_attention
-from distca_jax.dispatch.format import DispatchPlan
+from distca_jax.dispatch.format import DispatchPlan, Round
 from distca_jax.kernels import TaskTable
 from distca_jax.mesh import ROW_AXES
 from distca_jax.schedule.transport import RAGGED, TILED, Transport
@@ -87,13 +87,10 @@ class Exchange:
                     block=self.block)
 
   @classmethod
-  def of(cls, p: DispatchPlan, name: str) -> "Exchange":
-    """The query (`name` "q"), K/V ("kv") or relayed K/V ("kv2") exchange of a device's plan."""
-    get = lambda field: getattr(p, f"{field.split('_')[0]}_{name}_{field.split('_')[1]}")
-    return cls(send_count=get("send_count"), send_off=get("send_off"),
-               recv_count=get("recv_count"), recv_off=get("recv_off"),
-               peer_off=get("peer_off"), back_off=get("back_off"),
-               block=p.c if name == "q" else getattr(p, f"c{name}"))
+  def of(cls, r: Round) -> "Exchange":
+    """The exchange of one round of a device's plan (`DispatchPlan.q`, `.kv`, `.kv2`)."""
+    return cls(send_count=r.send_count, send_off=r.send_off, recv_count=r.recv_count,
+               recv_off=r.recv_off, peer_off=r.peer_off, back_off=r.back_off, block=r.block)
 
 
 def _take_rows(x_SxE, idx, valid):
@@ -162,11 +159,11 @@ def _with_transpose(linear, transpose):
 def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode: Transport = TILED):
   """Home rows -> server-side rows [local T | received Rq] (Q forward, dO backward)."""
   local = _masked(p.local_q_valid, jnp.take(x_TxHxD, p.local_q_idx, axis=0))
-  if p.recv_q == 0:
+  if p.q.recv_rows == 0:
     return local
-  send = _masked(p.send_q_valid, jnp.take(x_TxHxD, p.send_q_idx, axis=0))
+  send = _masked(p.q.send_valid, jnp.take(x_TxHxD, p.q.send_idx, axis=0))
   with jax.named_scope("dispatch"):
-    recv = transport(send, p.recv_q, Exchange.of(p, "q"), mode)
+    recv = transport(send, p.q.recv_rows, Exchange.of(p.q), mode)
   return jnp.concatenate([local, recv])
 
 
@@ -175,9 +172,9 @@ def _rows_to_home(y_RxHxD, p: DispatchPlan, mode: Transport = TILED):
   (every real token sits in exactly one server slot; `validate_plan` checks it). The reverse
   exchange brings each output back to the send slot its query row left from."""
   T = p.return_idx.shape[0]
-  if p.recv_q:
+  if p.q.recv_rows:
     with jax.named_scope("return"):
-      back = transport(y_RxHxD[T:], p.send_q_idx.shape[0], Exchange.of(p, "q").reversed(), mode)
+      back = transport(y_RxHxD[T:], p.q.send_rows, Exchange.of(p.q).reversed(), mode)
     y_RxHxD = jnp.concatenate([y_RxHxD[:T], back])
   return _masked(p.return_valid, jnp.take(y_RxHxD, p.return_idx, axis=0))
 
@@ -187,12 +184,11 @@ def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode: Transport = TILED):
   Round 1 brings the holders' pieces; round 2 (relays on) each relay's forwarded pieces, which
   it gathers from its [local | round-1] rows."""
   rows = x_TxKxD
-  for name, send_idx, send_valid, recv in (("kv", p.send_kv_idx, p.send_kv_valid, p.recv_kv),
-                                           ("kv2", p.send_kv2_idx, p.send_kv2_valid, p.recv_kv2)):
-    if recv:
-      send = _masked(send_valid, jnp.take(rows, send_idx, axis=0))
+  for r in (p.kv, p.kv2):
+    if r.recv_rows:
+      send = _masked(r.send_valid, jnp.take(rows, r.send_idx, axis=0))
       with jax.named_scope("dispatch"):
-        rows = jnp.concatenate([rows, transport(send, recv, Exchange.of(p, name), mode)])
+        rows = jnp.concatenate([rows, transport(send, r.recv_rows, Exchange.of(r), mode)])
   return _masked(p.server_kv_valid, jnp.take(rows, p.server_kv_idx, axis=0))
 
 
@@ -202,13 +198,12 @@ def _kv_grads_to_home(g_SxKxD, p: DispatchPlan, mode: Transport = TILED):
   rows they were sent from (a row sent to several servers, or forwarded by a relay, sums their
   gradients), in place."""
   rows = _masked(p.server_kv_inv_valid, jnp.take(g_SxKxD, p.server_kv_inv, axis=0))
-  for name, send_idx, send_valid, recv in (("kv2", p.send_kv2_idx, p.send_kv2_valid, p.recv_kv2),
-                                           ("kv", p.send_kv_idx, p.send_kv_valid, p.recv_kv)):
-    if recv:
-      kept = rows.shape[0] - recv  # the rows this round's send buffer was gathered from
+  for r in (p.kv2, p.kv):
+    if r.recv_rows:
+      kept = rows.shape[0] - r.recv_rows  # the rows this round's send buffer was gathered from
       with jax.named_scope("return"):
-        back = transport(rows[kept:], send_idx.shape[0], Exchange.of(p, name).reversed(), mode)
-      rows = rows[:kept].at[kv_return_index(send_idx, send_valid, kept)].add(back, mode="drop")
+        back = transport(rows[kept:], r.send_rows, Exchange.of(r).reversed(), mode)
+      rows = rows[:kept].at[kv_return_index(r.send_idx, r.send_valid, kept)].add(back, mode="drop")
   return rows
 
 
@@ -294,7 +289,7 @@ def make_distca_attention(attention_config, mesh: Mesh):
     # Ping-pong's Pong reads K/V rows of Ping too (the prefix of the document the split cut):
     # its plan's local K/V rows are [its own T | Ping's T] (`Layout.prior`), static per plan.
     T = ctx.return_idx.shape[-1]
-    kv_rows = ctx.server_kv_inv.shape[-1] - ctx.recv_kv - ctx.recv_kv2
+    kv_rows = ctx.kv_rows
     if kv_rows != T:
       if prior_kv is None or kv_rows != 2 * T:
         have = T if prior_kv is None else 2 * T

@@ -1,7 +1,7 @@
 """The exchange's arrays (`DispatchPlan`) and how a task placement becomes them (`build_dispatch`).
 
-Host side, numpy. `DispatchPlan`'s docstring is the format: every array the device side
-(`exchange.py`) reads, with its shape and meaning. `checks.validate_plan` refuses arrays that
+Host side, numpy. `DispatchPlan`'s and `Round`'s docstrings are the format: every array the
+device side (`exchange.py`) reads, with its shape and meaning. `checks.validate_plan` refuses arrays that
 do not follow it, and tests/helpers.py's `simulate_dispatch` runs them in numpy against direct
 attention (the format's executable specification).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 from typing import Any, NamedTuple
 
 import jax
@@ -21,23 +22,63 @@ from distca_jax.schedule.items import Tasks
 from distca_jax.schedule.plan import cumsum_in_groups, fill_ranges
 from distca_jax.schedule.traffic import kv_requests, pair_rows
 
-ARRAY_FIELDS = ("local_q_idx", "local_q_valid", "send_q_idx", "send_q_valid", "send_kv_idx",
-                "send_kv_valid", "server_kv_idx", "server_kv_valid", "server_kv_inv",
-                "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len", "return_idx",
-                "return_valid", "send_q_count", "recv_q_count", "send_q_off", "recv_q_off",
-                "peer_q_off", "back_q_off", "send_kv_count", "recv_kv_count", "send_kv_off",
-                "recv_kv_off", "peer_kv_off", "back_kv_off", "send_kv2_idx", "send_kv2_valid",
-                "send_kv2_count", "recv_kv2_count", "send_kv2_off", "recv_kv2_off",
-                "peer_kv2_off", "back_kv2_off")
-META_FIELDS = ("recv_q", "recv_kv", "recv_kv2", "c", "ckv", "ckv2")
+# The exchange's rounds, in the order the forward runs them, each with the names of its send,
+# receive and tiled-block sizes in `Capacities`.
+ROUNDS = {"q": ("send_q", "recv_q", "c"), "kv": ("send_kv", "recv_kv", "ckv"),
+          "kv2": ("send_kv2", "recv_kv2", "ckv2")}
 
 
 class PlanMismatchError(ValueError):
   """A dispatch plan does not belong to the batch it is used with, or breaks its capacities."""
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=list(ARRAY_FIELDS),
-                   meta_fields=list(META_FIELDS))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["send_idx", "send_valid", "send_count", "recv_count", "send_off",
+                                "recv_off", "peer_off", "back_off"],
+                   meta_fields=["recv_rows", "block"])
+@dataclasses.dataclass(frozen=True)
+class Round:
+  """One packed exchange round of a `DispatchPlan`, leading dim N: the rows each device sends,
+  grouped by server, and where every block sits on both sides.
+
+  send_idx    [N, S]   rows sent (over the sender's rows the round reads), the rows for server s
+                       at [send_off[s], + send_count[s])
+  send_valid  [N, S]   bool: the first sum(send_count) slots
+  send_count  [N, N]   rows device d sends server s (zero diagonal)
+  recv_count  [N, N]   rows server s receives from each home d (the transpose)
+  send_off    [N, N]   where d's rows for s start in d's send buffer (exclusive prefix sum)
+  recv_off    [N, N]   where s's rows from d start in s's receive buffer (the same over d)
+  peer_off    [N, N]   where d's rows land in s's receive buffer (recv_off transposed: what
+                       `ragged_all_to_all` asks of the sender)
+  back_off    [N, N]   where s's returned rows land in d's send layout (send_off transposed: the
+                       reverse exchange's peer offsets)
+  recv_rows            static: R, the receive buffer's rows (0: the round is skipped)
+  block                static: the tiled exchange's rows per padded (device, server) block (0 for
+                       the ragged exchange)
+  """
+
+  send_idx: Any
+  send_valid: Any
+  send_count: Any
+  recv_count: Any
+  send_off: Any
+  recv_off: Any
+  peer_off: Any
+  back_off: Any
+  recv_rows: int = 0
+  block: int = 0
+
+  @property
+  def send_rows(self) -> int:
+    """S, the send buffer's rows."""
+    return self.send_idx.shape[-1]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["local_q_idx", "local_q_valid", "return_idx", "return_valid", "q",
+                                "kv", "kv2", "server_kv_idx", "server_kv_valid", "server_kv_inv",
+                                "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
   """One step's dispatch arrays, leading dim N (one row per device, sharded over `ROW_AXES`).
@@ -54,43 +95,28 @@ class DispatchPlan:
 
   local_q_idx   [N, T]       home rows kept for local tasks, in the order the tasks expect
   local_q_valid [N, T]       bool (unused local rows: 0 and False; no task reads them)
-  send_q_idx    [N, Sq]      home rows sent, rows for server s at [send_q_off[s], + count)
-  send_q_valid  [N, Sq]      bool: the first sum(send_q_count) rows
-  send_kv_idx   [N, Skvs]    local K/V rows sent, grouped by server the same way
-  send_kv_valid [N, Skvs]
+  return_idx    [N, T]       where home row r's output is in [local T | returned Sq] rows (an
+                             output comes back to the send slot its query row left from)
+  return_valid  [N, T]       False for padding tokens (output zero)
+  q             `Round`      the query rows: home rows out, outputs back (Sq send, Rq receive)
+  kv            `Round`      K/V round 1: local K/V rows a holder sends (Skvs, Rkv)
+  kv2           `Round`      K/V round 2: a relay's rows forwarded, over its [local Tkv | round-1
+                             Rkv] rows (Skvs2, Rkv2; [N, 0] and all zero without relays)
   server_kv_idx [N, Skv]     server-side K/V gather over [local Tkv | received Rkv | Rkv2] rows
   server_kv_valid [N, Skv]
   server_kv_inv [N, Tkv + Rkv + Rkv2]  its inverse (each K/V row a server holds sits in at most one
   server_kv_inv_valid           slot): the backward gathers K/V gradients instead of scattering
   q_start, q_len, kv_start, kv_len [N, Ctask]  the server's task table (kernels/tasks.py) over
                              its [local T | received Rq] query rows and gathered K/V rows
-  return_idx    [N, T]       where home row r's output is in [local T | returned Sq] rows (an
-                             output comes back to the send slot its query row left from)
-  return_valid  [N, T]       False for padding tokens (output zero)
-  send_q_count  [N, N]       query rows device d sends server s (zero diagonal)
-  recv_q_count  [N, N]       rows server s receives from each home d (the transpose)
-  send_q_off    [N, N]       where d's rows for s start in d's send buffer (exclusive prefix sum)
-  recv_q_off    [N, N]       where s's rows from d start in s's receive buffer (the same over d)
-  peer_q_off    [N, N]       where d's rows land in s's receive buffer (recv_q_off transposed:
-                             what `ragged_all_to_all` asks of the sender)
-  back_q_off    [N, N]       where s's returned outputs land in d's send layout (send_q_off
-                             transposed: the reverse exchange's peer offsets)
-  send_kv_count ... back_kv_off  the same six for the K/V rows (round 1)
-  send_kv2_idx  [N, Skvs2]   round 2: a relay's rows forwarded, over its [local Tkv | round-1
-  send_kv2_valid             Rkv] rows, grouped by server ([N, 0] without relays)
-  send_kv2_count ... back_kv2_off  round 2's six (all zero without relays)
-  recv_q, recv_kv, recv_kv2  static: Rq, Rkv and Rkv2, the receive buffers' rows (Rkv2 = 0: no
-                             second round, skipped)
-  c, ckv, ckv2               static: the tiled exchange's rows per padded (device, server) block
-                             (0 for the ragged exchange)
   """
 
   local_q_idx: Any
   local_q_valid: Any
-  send_q_idx: Any
-  send_q_valid: Any
-  send_kv_idx: Any
-  send_kv_valid: Any
+  return_idx: Any
+  return_valid: Any
+  q: Round
+  kv: Round
+  kv2: Round
   server_kv_idx: Any
   server_kv_valid: Any
   server_kv_inv: Any
@@ -99,41 +125,44 @@ class DispatchPlan:
   q_len: Any
   kv_start: Any
   kv_len: Any
-  return_idx: Any
-  return_valid: Any
-  send_q_count: Any
-  recv_q_count: Any
-  send_q_off: Any
-  recv_q_off: Any
-  peer_q_off: Any
-  back_q_off: Any
-  send_kv_count: Any
-  recv_kv_count: Any
-  send_kv_off: Any
-  recv_kv_off: Any
-  peer_kv_off: Any
-  back_kv_off: Any
-  send_kv2_idx: Any
-  send_kv2_valid: Any
-  send_kv2_count: Any
-  recv_kv2_count: Any
-  send_kv2_off: Any
-  recv_kv2_off: Any
-  peer_kv2_off: Any
-  back_kv2_off: Any
-  recv_q: int = 0
-  recv_kv: int = 0
-  recv_kv2: int = 0
-  c: int = 0
-  ckv: int = 0
-  ckv2: int = 0
 
   KIND = "distca"  # what `core_attention` runs for this context (attention.py's protocol)
 
   @property
+  def rounds(self) -> dict[str, Round]:
+    """The exchange's rounds by name (`ROUNDS`)."""
+    return {name: getattr(self, name) for name in ROUNDS}
+
+  @property
   def kv_rows(self) -> int:
     """Tkv, a device's local K/V rows (T, or 2T for ping-pong's Pong)."""
-    return self.server_kv_inv.shape[-1] - self.recv_kv - self.recv_kv2
+    return self.server_kv_inv.shape[-1] - self.kv.recv_rows - self.kv2.recv_rows
+
+  @property
+  def capacities(self) -> Capacities:
+    """The capacities its arrays have."""
+    sizes = {}
+    for name, (send, recv, block) in ROUNDS.items():
+      r = getattr(self, name)
+      sizes.update({send: r.send_rows, recv: r.recv_rows, block: r.block})
+    return Capacities(**sizes, skv=self.server_kv_idx.shape[-1], ctask=self.q_start.shape[-1])
+
+  def arrays(self) -> dict[str, Any]:
+    """Every array by name (a round's as `q.send_idx`), for comparing plans array for array."""
+    out = {}
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, Round):
+        out.update({f"{f.name}.{g.name}": getattr(value, g.name) for g in dataclasses.fields(Round)
+                    if g.name not in ("recv_rows", "block")})
+      else:
+        out[f.name] = value
+    return out
+
+  def static(self) -> tuple[tuple[int, int], ...]:
+    """Each round's static sizes (`recv_rows`, `block`): what a step compiles for beside the
+    arrays' shapes."""
+    return tuple((r.recv_rows, r.block) for r in self.rounds.values())
 
 
 def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,17 +173,22 @@ def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return np.cumsum(count, axis=1) - count, (np.cumsum(count, axis=0) - count).T
 
 
-def _exchange_arrays(name: str, count_NxN: np.ndarray) -> dict[str, np.ndarray]:
-  """The six per-device arrays of one packed exchange (`DispatchPlan`'s `*_{name}_*`), int32.
-  Each is an exclusive prefix sum along the rows or the columns of the counts or of their
-  transpose, computed in place so that only the counts are transposed (a transposing copy of
-  an [N, N] array is several times slower than a prefix sum)."""
+def _exchange_arrays(count_NxN: np.ndarray) -> dict[str, np.ndarray]:
+  """The six per-device count and offset arrays of one packed exchange (a `Round`'s), int32:
+  the counts and their transpose, each one's exclusive prefix sum along its rows, and those
+  transposed (numpy's prefix sum down the columns of an [N, N] array is about 10x slower than
+  along its rows, and than a transposing copy)."""
   count = np.ascontiguousarray(count_NxN, np.int32)
   turned = np.ascontiguousarray(count.T)
-  prefix = lambda a, axis: np.cumsum(a, axis=axis, dtype=np.int32) - a
-  return {f"send_{name}_count": count, f"recv_{name}_count": turned,
-          f"send_{name}_off": prefix(count, 1), f"recv_{name}_off": prefix(turned, 1),
-          f"peer_{name}_off": prefix(count, 0), f"back_{name}_off": prefix(turned, 0)}
+
+  def prefix(a):
+    out = np.cumsum(a, axis=1, dtype=np.int32)
+    out -= a
+    return out
+
+  send_off, recv_off = prefix(count), prefix(turned)
+  return dict(send_count=count, recv_count=turned, send_off=send_off, recv_off=recv_off,
+              peer_off=np.ascontiguousarray(recv_off.T), back_off=np.ascontiguousarray(send_off.T))
 
 
 def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices=None,
@@ -174,22 +208,23 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   n, t = layout.num_buffers, layout.buffer_len
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   kv = kv_requests(tasks, layout) if kv is None else kv
-  # Rows per (device, server) pair of the whole plan (every process agrees on them).
+  # Rows per (device, server) pair of each round, of the whole plan (every process agrees).
   counts = pair_rows(tasks, layout, kv)
   caps = _open_capacities(capacities, tasks, layout, kv)
   _check_fits(*counts, caps)
-  rounds = [_exchange_arrays(name, c) for name, c in zip(("q", "kv", "kv2"), counts)]
-  offsets = [(r[f"send_{name}_off"], r[f"recv_{name}_off"])  # of each round
-             for name, r in zip(("q", "kv", "kv2"), rounds)]
-  q = _query_arrays(tasks, t, caps, offsets[0], mine)
-  k = _kv_arrays(kv, layout, caps, offsets[1], offsets[2], mine)
+  exchanges = dict(zip(ROUNDS, (_exchange_arrays(c) for c in counts)))
+  q = _query_arrays(tasks, t, caps, exchanges["q"], mine)
+  k = _kv_arrays(kv, layout, caps, exchanges["kv"], exchanges["kv2"], mine)
   tables = _task_tables(q.tasks, kv, k.pair_base, caps.ctask, mine,
                         max(int(np.asarray(layout.doc_lens).size), 1))
-  as_rows = lambda arrays: {name: a.reshape(n, a.size // n) for name, a in arrays.items()}
-  return DispatchPlan(
-      **as_rows(q.arrays), **as_rows(k.arrays), **as_rows(tables),
-      **rounds[0], **rounds[1], **rounds[2], recv_q=caps.recv_q, recv_kv=caps.recv_kv,
-      recv_kv2=caps.recv_kv2, c=caps.c or 0, ckv=caps.ckv or 0, ckv2=caps.ckv2 or 0)
+  as_rows = lambda a: a.reshape(n, a.size // n)
+  sends = {"q": q.send, "kv": k.send, "kv2": k.send2}
+  rounds = {name: Round(send_idx=as_rows(sends[name][0]), send_valid=as_rows(sends[name][1]),
+                        **exchanges[name], recv_rows=getattr(caps, recv),
+                        block=getattr(caps, block) or 0)
+            for name, (_, recv, block) in ROUNDS.items()}
+  arrays = {name: as_rows(a) for name, a in {**q.arrays, **k.arrays, **tables}.items()}
+  return DispatchPlan(**arrays, **rounds)
 
 
 def _open_capacities(capacities: Capacities, tasks: Tasks, layout: Layout, kv) -> Capacities:
@@ -201,25 +236,51 @@ def _open_capacities(capacities: Capacities, tasks: Tasks, layout: Layout, kv) -
   return dataclasses.replace(capacities, **{name: getattr(need, name) for name in open_})
 
 
-def _zeros(size: int):
-  """(index, valid) flat arrays of `size` slots, uncommitted until written."""
-  return np.zeros(size, np.int32), np.zeros(size, bool)
+def _zeros(width: int, mine: np.ndarray):
+  """(index, valid) flat arrays of [N, width] slots (N = mine.size), uncommitted until written."""
+  return sparse_zeros(mine, width, np.int32), sparse_zeros(mine, width, bool)
+
+
+def sparse_zeros(mine: np.ndarray, width: int, dtype) -> np.ndarray:
+  """A flat zero array of [N, width] (N = mine.size), of which a process writes and reads the
+  rows of its devices (`mine`) and writes a few scattered ranges of the others' rows (the slots
+  they send its devices). numpy asks the kernel for 2 MiB pages for every large array, so each
+  first touch anywhere zeroes 2 MiB (at 512 devices about 1 s of a step's host time went
+  there); here only the span of `mine`'s rows gets them, the rest 4 KiB pages."""
+  itemsize = np.dtype(dtype).itemsize
+  nbytes = mine.size * width * itemsize
+  if not nbytes or nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_NOHUGEPAGE"):  # (Linux)
+    return np.zeros(mine.size * width, dtype)
+  # Private and anonymous (a shared one is shmem, which takes no huge pages): zero, committed
+  # page by page when touched.
+  buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+  buf.madvise(mmap.MADV_NOHUGEPAGE)
+  rows = np.flatnonzero(mine)
+  if rows.size:
+    lo = int(rows[0]) * width * itemsize // mmap.PAGESIZE * mmap.PAGESIZE
+    buf.madvise(mmap.MADV_HUGEPAGE, lo, (int(rows[-1]) + 1) * width * itemsize - lo)
+  return np.frombuffer(buf, dtype)
+
+
+_HUGE_PAGE = 2 << 20
 
 
 class _Queries(NamedTuple):
-  """The query side's arrays (flat), and the tasks in its order, which the task tables read:
-  their server, document, first row at the server (`q_start`), rows and last position + 1."""
+  """The query side's arrays (flat): the local and return arrays, the send buffer's (index,
+  valid), and the tasks in its order, which the task tables read: their server, document,
+  first row at the server (`q_start`), rows and last position + 1."""
 
   arrays: dict
+  send: tuple
   tasks: tuple
 
 
-def _query_arrays(tasks: Tasks, t: int, caps: Capacities, offsets, mine) -> _Queries:
+def _query_arrays(tasks: Tasks, t: int, caps: Capacities, exchange: dict, mine) -> _Queries:
   """Queries, grouped by (home, server) in home-row order: local rows first at the server, the
   others at their pair's place in the home's send buffer and the server's receive buffer; the
   output of each home row returns to where its query row left from."""
   n, sq = mine.size, caps.send_q
-  send_off, recv_off = offsets
+  send_off, recv_off = exchange["send_off"], exchange["recv_off"]
   block = tasks.home * n + tasks.server
   order = np.lexsort((tasks.home_off, block))
   home, server = tasks.home[order], tasks.server[order]
@@ -228,33 +289,37 @@ def _query_arrays(tasks: Tasks, t: int, caps: Capacities, offsets, mine) -> _Que
   local = home == server
   if np.bincount(home[local], weights=ql[local], minlength=n).max(initial=0) > t:
     raise PlanMismatchError("plan keeps more than T rows at home")
-  local_q_idx, local_q_valid = _zeros(n * t)
+  local_q_idx, local_q_valid = _zeros(t, mine)
   w = local & mine[home]
   fill_ranges(local_q_idx, local_q_valid, home[w] * t + pos[w], hoff[w], ql[w])
   send_slot = send_off[home, server] + pos  # the row's place in its home's send buffer
-  send_q_idx, send_q_valid = _zeros(n * sq)
+  send_q_idx, send_q_valid = _zeros(sq, mine)
   w = ~local & (mine[home] | mine[server])
   fill_ranges(send_q_idx, send_q_valid, (home * sq + send_slot)[w], hoff[w], ql[w])
   q_start = np.where(local, pos, t + recv_off[server, home] + pos)
-  return_idx, return_valid = _zeros(n * t)
+  return_idx, return_valid = _zeros(t, mine)
   w = mine[home]
   fill_ranges(return_idx, return_valid, home[w] * t + hoff[w],
               np.where(local, pos, t + send_slot)[w], ql[w])
   return _Queries(
-      arrays=dict(local_q_idx=local_q_idx, local_q_valid=local_q_valid, send_q_idx=send_q_idx,
-                  send_q_valid=send_q_valid, return_idx=return_idx, return_valid=return_valid),
+      arrays=dict(local_q_idx=local_q_idx, local_q_valid=local_q_valid, return_idx=return_idx,
+                  return_valid=return_valid),
+      send=(send_q_idx, send_q_valid),
       tasks=(server, tasks.doc[order], q_start, ql, tasks.q_hi[order]))
 
 
 class _KV(NamedTuple):
-  """The K/V side's arrays (flat), and where each (server, document) pair's prefix starts in
-  its server's gathered K/V rows."""
+  """The K/V side's arrays (flat): the server's gather and its inverse, each round's send
+  buffer (index, valid), and where each (server, document) pair's prefix starts in its
+  server's gathered K/V rows."""
 
   arrays: dict
+  send: tuple
+  send2: tuple
   pair_base: np.ndarray
 
 
-def _kv_arrays(kv, layout: Layout, caps: Capacities, offsets1, offsets2, mine) -> _KV:
+def _kv_arrays(kv, layout: Layout, caps: Capacities, round1: dict, round2: dict, mine) -> _KV:
   """Keys/values: deduplicated prefix pieces (one per server, document and holding shard). A
   server reads its own pieces from its buffer; the others arrive packed by sender: in round 1
   from their holder, relayed ones in round 2 from their relay (its blocks after round 1's). The
@@ -262,7 +327,8 @@ def _kv_arrays(kv, layout: Layout, caps: Capacities, offsets1, offsets2, mine) -
   gather is the same ranges turned around (the backward gathers K/V gradients by it)."""
   n, tkv = mine.size, layout.kv_rows  # K/V rows per device: its buffer, then a prior buffer's
   rkv, rkv2, skvs, skvs2, skv = caps.recv_kv, caps.recv_kv2, caps.send_kv, caps.send_kv2, caps.skv
-  (kv_send_off, kv_recv_off), (kv2_send_off, kv2_recv_off) = offsets1, offsets2
+  kv_send_off, kv_recv_off = round1["send_off"], round1["recv_off"]
+  kv2_send_off, kv2_recv_off = round2["send_off"], round2["recv_off"]
   num_docs = max(int(np.asarray(layout.doc_lens).size), 1)
   dst = kv.pair_server[kv.piece_pair]
   relayed = kv.piece_via >= 0
@@ -281,11 +347,11 @@ def _kv_arrays(kv, layout: Layout, caps: Capacities, offsets1, offsets2, mine) -
   # Round 1 also fills, for `devices`, the pieces their relays forward to them.
   feeds = np.zeros(rel.size, bool)
   feeds[fed[rel & mine[kdst]]] = True
-  send_kv_idx, send_kv_valid = _zeros(n * skvs)
+  send_kv_idx, send_kv_valid = _zeros(skvs, mine)
   w = ~own & ~rel & (mine[src] | mine[kdst] | feeds)
   fill_ranges(send_kv_idx, send_kv_valid, (src * skvs + kv_send_off[src, kdst] + kpos)[w],
               src_off[w], rows[w])
-  send_kv2_idx, send_kv2_valid = _zeros(n * skvs2)
+  send_kv2_idx, send_kv2_valid = _zeros(skvs2, mine)
   w = rel & (mine[r] | mine[kdst])
   fill_ranges(send_kv2_idx, send_kv2_valid, (r * skvs2 + kv2_send_off[r, kdst] + kpos)[w],
               kv_row[fed][w], rows[w])
@@ -294,18 +360,17 @@ def _kv_arrays(kv, layout: Layout, caps: Capacities, offsets1, offsets2, mine) -
     raise PlanMismatchError(f"plan gathers {int(need)} K/V rows on one server, more than the "
                             f"capacity {skv}")
   pair_base = cumsum_in_groups(kv.pair_need, kv.pair_server)
-  server_kv_idx, server_kv_valid = _zeros(n * skv)
+  server_kv_idx, server_kv_valid = _zeros(skv, mine)
   w = mine[kdst]
   slot = (pair_base[kv.piece_pair[korder]] + kv.piece_doc_off[korder])[w]
   fill_ranges(server_kv_idx, server_kv_valid, (kdst * skv)[w] + slot, kv_row[w], rows[w])
   held = tkv + rkv + rkv2
   _refuse_overlaps(kdst[w], kv_row[w], rows[w])
-  kv_inv, kv_inv_valid = _zeros(n * held)
+  kv_inv, kv_inv_valid = _zeros(held, mine)
   fill_ranges(kv_inv, kv_inv_valid, (kdst * held + kv_row)[w], slot, rows[w])
-  return _KV(arrays=dict(send_kv_idx=send_kv_idx, send_kv_valid=send_kv_valid,
-                         send_kv2_idx=send_kv2_idx, send_kv2_valid=send_kv2_valid,
-                         server_kv_idx=server_kv_idx, server_kv_valid=server_kv_valid,
+  return _KV(arrays=dict(server_kv_idx=server_kv_idx, server_kv_valid=server_kv_valid,
                          server_kv_inv=kv_inv, server_kv_inv_valid=kv_inv_valid),
+             send=(send_kv_idx, send_kv_valid), send2=(send_kv2_idx, send_kv2_valid),
              pair_base=pair_base)
 
 
@@ -324,7 +389,7 @@ def _task_tables(tasks: tuple, kv, pair_base: np.ndarray, ctask: int, mine,
                             f"capacity {ctask}")
   w = mine[srv]
   flat, torder = (srv * ctask + slot)[w], torder[w]
-  tab = {k: np.zeros(n * ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
+  tab = {k: sparse_zeros(mine, ctask, np.int32) for k in ("q_start", "q_len", "kv_start", "kv_len")}
   tab["q_start"][flat] = q_start[torder]
   tab["q_len"][flat] = q_len[torder]
   tab["kv_start"][flat] = pair_base[tpair[torder]]

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from distca_jax import gate
 from distca_jax.colocated import colocated_contexts, stream_arrays
-from distca_jax.data.packing import Layout
+from distca_jax.data.packing import Layout, run_of
 from distca_jax.data.sources import Batch
 from distca_jax.dispatch.checks import validate_plan
 from distca_jax.dispatch.format import DispatchPlan, build_dispatch
@@ -50,7 +50,7 @@ class StepContext:
   @property
   def capacities(self) -> Capacities:
     """The capacities its dispatch arrays have."""
-    return capacities_of(self.dispatch[0])
+    return self.dispatch[0].capacities
 
   def imbalance(self) -> tuple[float, float]:
     """Attention-area imbalance (max/mean over servers) before scheduling (the batch as loaded,
@@ -69,15 +69,6 @@ class StepContext:
     per_stream = [stream_arrays(b) for b in self.batches]
     arrays = {k: tuple(a[k] for a in per_stream) for k in per_stream[0]}
     return (arrays, P("data")), (tuple(self.dispatch), P("data"))
-
-
-def capacities_of(plan: DispatchPlan) -> Capacities:
-  """The capacities a `DispatchPlan`'s arrays have."""
-  return Capacities(send_q=plan.send_q_idx.shape[-1], recv_q=plan.recv_q,
-                    send_kv=plan.send_kv_idx.shape[-1], recv_kv=plan.recv_kv,
-                    send_kv2=plan.send_kv2_idx.shape[-1], recv_kv2=plan.recv_kv2, c=plan.c,
-                    ckv=plan.ckv, ckv2=plan.ckv2, skv=plan.server_kv_idx.shape[-1],
-                    ctask=plan.q_start.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,17 +243,20 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
   flat = (held[:, None] * half + np.arange(half)).reshape(-1)  # the held rows of a half
   halves = []
   for lay, lens, source in zip((ping, pong), split.lens, split.source):
-    # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch.
+    # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch, so
+    # at batch position j + shift[k].
     ends = np.cumsum(lens)
     j = flat[flat < (ends[-1] if ends.size else 0)]
-    k = np.searchsorted(ends, j, side="right")
     starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)
-    got = batch.take(starts[k] + j - ends[k] + lens[k])
+    shift = starts - (ends - lens)
+    got = batch.take(j + shift[run_of(ends, j)])
 
-    def fill(a):
-      out = np.zeros(N * half, a.dtype)
-      out[j] = a
-      return out.reshape(N, half)
+    def fill(a):  # the held rows' positions are in order, those with a token first
+      rows = np.zeros(flat.size, a.dtype)
+      rows[:j.size] = a
+      out = np.zeros((N, half), a.dtype)
+      out[held] = rows.reshape(held.size, half)
+      return out
 
     segment_ids = np.zeros((N, half), np.int32)
     segment_ids[held] = lay.segment_ids(held)

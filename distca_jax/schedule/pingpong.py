@@ -69,33 +69,50 @@ def split_pingpong(doc_lens) -> NanoSplit:
   if lens.size and lens.min() < 1:
     raise ValueError(f"split_pingpong: document lengths must be >= 1, found {int(lens.min())}")
   total = int(lens.sum())
-  room = [-(-total // 2), total // 2]
-  sq = [0.0, 0.0]
-  pieces: list[list[tuple[int, int, int]]] = [[], []]  # (doc, offset, length)
-  # Python loop over documents, not tokens: a micro-batch has at most a few thousand documents.
-  for g in np.argsort(-lens, kind="stable").tolist():
-    l = int(lens[g])
-    fits = [h for h in (0, 1) if room[h] >= l]
-    if fits:  # whole, to the half with the smaller sum of squares that has room
-      h = min(fits, key=lambda i: sq[i])
-      pieces[h].append((g, 0, l))
-      room[h] -= l
-      sq[h] += float(l) ** 2
-      continue
-    # Fits in neither: the prefix fills Ping (x >= 1 rows: Pong alone would have room otherwise)
-    # and the suffix, whose queries also see the prefix, goes to Pong.
-    x = room[0]
-    pieces[0].append((g, 0, x))
-    pieces[1].append((g, x, l - x))
-    room = [0, room[1] - (l - x)]
-    sq[0] += float(x) ** 2
-    sq[1] += float(l) ** 2 - float(x) ** 2
-  out_lens, out_src = [], []
-  for h in (0, 1):
-    p = sorted(pieces[h])
-    out_lens.append(np.asarray([x[2] for x in p], np.int64))
-    out_src.append(np.asarray([[x[0], x[1]] for x in p], np.int64).reshape(-1, 2))
-  return NanoSplit(lens=tuple(out_lens), source=tuple(out_src))
+  order = np.argsort(-lens, kind="stable")
+  pong, cut = _assign(order.tolist(), lens[order].tolist(),
+                      (lens[order].astype(np.float64) ** 2).tolist(), -(-total // 2), total // 2)
+  in_pong = np.zeros(lens.size, bool)
+  in_pong[pong] = True
+  ping_docs = np.flatnonzero(~in_pong)
+  ping_lens = lens[ping_docs]
+  pong_docs = np.flatnonzero(in_pong)
+  pong_off = np.zeros(pong_docs.size, np.int64)
+  if cut is not None:  # the cut document: its prefix in Ping, its suffix in Pong
+    g, x = cut
+    ping_lens[np.searchsorted(ping_docs, g)] = x
+    at = int(np.searchsorted(pong_docs, g))
+    pong_docs, pong_off = np.insert(pong_docs, at, g), np.insert(pong_off, at, x)
+  pong_lens = lens[pong_docs] - pong_off
+  return NanoSplit(lens=(ping_lens, pong_lens),
+                   source=(np.stack([ping_docs, np.zeros_like(ping_docs)], axis=1),
+                           np.stack([pong_docs, pong_off], axis=1)))
+
+
+def _assign(docs: list, lens: list, squares: list, room0: int, room1: int):
+  """The greedy's decisions, documents in descending length (`docs`, their `lens` and `squares`
+  as floats): (the documents whole in Pong, the cut (document, prefix length) or None). A plain
+  Python loop over documents (a micro-batch has at most a few thousand), kept to scalars: each
+  step depends on the sums before it."""
+  sq0 = sq1 = 0.0
+  pong, cut = [], None
+  for g, l, l2 in zip(docs, lens, squares):
+    if room0 >= l and (sq0 <= sq1 or room1 < l):  # whole, to the half with the smaller Σl²
+      room0 -= l                                   # that has room (Ping on a tie)
+      sq0 += l2
+    elif room1 >= l:
+      pong.append(g)
+      room1 -= l
+      sq1 += l2
+    else:
+      # Fits in neither: the prefix fills Ping (x >= 1 rows: Pong alone would have room
+      # otherwise) and the suffix, whose queries also see the prefix, goes to Pong.
+      x = room0
+      cut = (g, x)
+      room0, room1 = 0, room1 - (l - x)
+      sq0 += float(x) ** 2
+      sq1 += l2 - float(x) ** 2
+  return pong, cut
 
 
 def pingpong_layouts(doc_lens, num_buffers: int, buffer_len: int) -> tuple[Layout, Layout, NanoSplit]:

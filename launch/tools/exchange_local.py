@@ -66,13 +66,13 @@ def main(argv=None) -> int:
       continue
     for i, p in enumerate(ctx.dispatch):
       for side, heads, name in (("Q", shape.heads, "q"), ("K/V", shape.kv_heads, "kv")):
-        count = np.asarray(getattr(p, f"send_{name}_count"))
+        r = getattr(p, name)
+        count = np.asarray(r.send_count)
         if not count.any():  # nothing moves: no exchange runs
           continue
         d = int(np.argmax(count.sum(1)))  # the busiest sender
         block = max(int(count.max()), 1)
-        idx, valid = getattr(p, f"send_{name}_idx")[d], getattr(p, f"send_{name}_valid")[d]
-        off, cnt = getattr(p, f"send_{name}_off")[d], count[d]
+        idx, valid, off, cnt = r.send_idx[d], r.send_valid[d], r.send_off[d], count[d]
         rows = (p.kv_rows if name == "kv" else t)
         x = jax.random.normal(jax.random.PRNGKey(step), (rows, heads, 128), jnp.bfloat16)
         j = np.arange(block)[None, :]
