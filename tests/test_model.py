@@ -238,3 +238,31 @@ def test_remat_auto_resolves_without_compiling_on_cpu_and_in_the_pipeline():
     remat, why = remat_lib.fixed_policy(piped, mesh)
     assert remat == "full" and "pipeline" in why
   assert small_config().model.remat == "none"  # the tests' own configs still choose
+
+
+def _all_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _all_eqns(inner)
+
+
+def test_pingpong_makes_each_vocabulary_gradient_once():
+  """With ping-pong the embedding and the LM head run once over the streams joined along T: the
+  gradient adds no two per-stream [V, D] weight gradients (each a full fp32 copy of the
+  vocabulary's weights, a step's largest elementwise work at a 128K vocabulary)."""
+  cfg = small_config("mesh.data=1", "data.tokens_per_device=256", "attention.impl=distca",
+                     "attention.gate=false")
+  trainer, _ = _one_device_trainer(cfg)
+  state = trainer.init_state(0)
+  batch = synthetic_from_config(cfg.data, trainer.shape.vocab_size, 1).batch(0)
+  arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch, trainer.shape))
+  assert isinstance(arrays["tokens"], tuple) and len(arrays["tokens"]) == 2
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p: trainer.loss_fn(p, arrays, ctx)[0]))(state.params)
+  V, D = trainer.shape.vocab_size, trainer.shape.hidden
+  sums = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "add_any"
+          and any(getattr(v.aval, "shape", None) in ((V, D), (D, V)) for v in e.outvars)]
+  assert not sums
