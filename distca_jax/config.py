@@ -20,6 +20,7 @@ from distca_jax.schema import (ConfigError, Fraction, NonNegFloat, NonNegInt, No
                                StepCount, check, load, parse_override, read_yaml_mapping, to_yaml)
 from distca_jax.schema import to_dict as _to_dict
 from distca_jax.models.rope import RopeScaling
+from distca_jax.schedule.tick import default_min_imbalance
 from distca_jax.schema import NON_EMPTY
 
 __all__ = ["Config", "ConfigError", "load_config", "parse_override", "read_yaml_mapping", "to_dict",
@@ -232,10 +233,11 @@ class AttentionConfig:
     return choose(self.exchange, self.data_rank_nodes)[0]
 
   def min_imbalance_for(self, pipelined: bool) -> float:
-    """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
+    """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25,
+    `schedule.tick.default_min_imbalance`, which the simulator asks too)."""
     if self.min_imbalance is not None:
       return self.min_imbalance
-    return 1.25 if pipelined else 1.0
+    return default_min_imbalance(pipelined)
 
 
 @dataclasses.dataclass(frozen=True)

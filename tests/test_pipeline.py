@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from distca_jax import mesh as mesh_lib
-from distca_jax.train import pipeline
+from distca_jax.train import pipeline, pipeline_host
 from distca_jax.config import ConfigError, load_config
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.train.step import Trainer
@@ -18,7 +18,7 @@ from helpers import dense_reference_value_and_grad, small_config, tree_rel_err
 
 @pytest.mark.parametrize("stages,mbs", [(2, 1), (2, 3), (3, 5), (4, 4), (4, 9)])
 def test_schedule_is_lockstep_1f1b(stages, mbs):
-  s = pipeline.Schedule(stages, mbs)
+  s = pipeline_host.Schedule(stages, mbs)
   fwd_done, bwd_done = set(), set()
   for kind, t in s.ticks:
     for stage in range(stages):
@@ -104,7 +104,7 @@ def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_sta
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
   mbs = _microbatches(cfg, layout, data, M, trainer.shape.vocab_size, seed=pipe * 10 + data)
-  ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
+  ctx = pipeline_host.host_context(cfg.attention, mbs, pipe, trainer.shape)
   assert ctx.num_streams == (2 if "pingpong" in options else 1)
   if "pingpong" in options:  # the split cut a document: Pong reads Ping's K/V of its prefix
     assert any(tick[1].prior.num_shards for tick in ctx.forward_streams)
@@ -135,7 +135,7 @@ def test_cad_idle_stages_serve_attention():
   from distca_jax.models.presets import resolve
 
   src = synthetic_from_config(cfg.data, 512, 2)
-  ctx = pipeline.host_context(cfg.attention, [src.batch(i) for i in range(3)], 2, resolve(cfg.model))
+  ctx = pipeline_host.host_context(cfg.attention, [src.batch(i) for i in range(3)], 2, resolve(cfg.model))
   first = ctx.plans[0].stats
   assert first.load_before[2:].sum() == 0 and first.load_after[2:].min() > 0
   ratio = lambda x: np.max(x) / np.mean(x)
