@@ -80,26 +80,30 @@ def _microbatches(cfg, kind, data, M, vocab, seed):
 
 
 CASES = [
-    # pipe, data, tensor, micro-batches, attention (-pingpong, -resend), layout, blocks per stage
-    (2, 2, 2, 3, "colocated", "sampled", 1),
-    (2, 2, 2, 3, "distca", "sampled", 2),
-    (2, 1, 1, 2, "distca", "mixed", 2),
-    (4, 1, 2, 4, "colocated", "span_all", 1),
-    # Ping-pong per tick: Ping and Pong planned on their own, a document cut between them.
-    (2, 4, 1, 1, "distca-pingpong", "mixed", 1),
-    (4, 2, 1, 2, "distca-pingpong-resend", "span_all", 1),
+    # pipe, data, tensor, micro-batches, attention (-pingpong, -resend), layout, blocks per stage,
+    # tokens per device
+    (2, 2, 2, 3, "colocated", "sampled", 1, 128),
+    (2, 2, 2, 3, "distca", "sampled", 2, 128),
+    (2, 1, 1, 2, "distca", "mixed", 2, 128),
+    (4, 1, 2, 4, "colocated", "span_all", 1, 128),
+    # Ping-pong per tick: Ping and Pong planned on their own, a document cut between them. At 512
+    # tokens the halves hold pieces the planner can move (two 128-row granules): Ping's warm-up
+    # plan of the first case spreads over one idle row of four (`schedule.tick.plan_tick`), the
+    # second's ticks balance over the active stages only.
+    (2, 4, 1, 1, "distca-pingpong", "mixed", 1, 512),
+    (4, 2, 1, 2, "distca-pingpong-resend", "span_all", 1, 512),
 ]
 
 
-@pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,per_stage", CASES)
-def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_stage):
+@pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,per_stage,tokens", CASES)
+def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_stage, tokens):
   kind, *options = impl.split("-")
   memory = ["attention.memory_mode=resend"] if "resend" in options else []
   cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"mesh.tensor={tensor}",
                      f"model.layers={pipe * per_stage}", f"attention.impl={kind}",
                      f"attention.pingpong={'pingpong' in options}", f"train.microbatches={M}",
-                     "data.tokens_per_device=128", "attention.epsilon=0.05", "model.remat=full",
-                     *memory)
+                     f"data.tokens_per_device={tokens}", "attention.epsilon=0.05",
+                     "model.remat=full", *memory)
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:pipe * data * tensor])
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
@@ -108,6 +112,7 @@ def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_sta
   assert ctx.num_streams == (2 if "pingpong" in options else 1)
   if "pingpong" in options:  # the split cut a document: Pong reads Ping's K/V of its prefix
     assert any(tick[1].prior.num_shards for tick in ctx.forward_streams)
+    assert any(p.stats.moves for p in ctx.plans)
   arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
   step = jax.jit(lambda p, a, c: trainer.pipeline.value_and_grad(p, a, c["forward"], c["backward"],
                                                                  c["schedule"]))
