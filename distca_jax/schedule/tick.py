@@ -37,8 +37,8 @@ TICK_MIN_IMBALANCE = 1.25
 # How many idle ranks may take attention, as multiples of the active ranks (capped at the idle
 # ranks there are): helpers h of a active ranks take h / (a + h) of the tick's attention. Fewer
 # helpers take larger pieces, so a long document is cut, and its K/V prefix sent, fewer times;
-# spreading a quarter of the attention over every idle rank instead (a share of an active
-# rank's load each) moved more bytes than the even spread on the 34B ticks this was tried on.
+# giving every idle rank a fraction of an active rank's load instead moved more bytes than the
+# even spread on the 34B warm-up tick it was tried on (smaller deficits, smaller pieces).
 HELPERS_PER_ACTIVE = (2.0, 1.0, 0.5, 0.25, 0.0)
 
 
