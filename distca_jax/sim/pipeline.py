@@ -26,8 +26,10 @@ stragglers both show, and an idle stage adds nothing but waits. Step = Σ over t
   micro-batch); wlb_best keeps the CP size with the best *step* time.
 * CAD: the tick's Ping (and Pong) nano-batches of every active (replica, stage) are laid side by
   side as the buffers of one layout over all DP × PP ranks, idle stages as empty buffers, and the
-  real scheduler (`schedule.plan.make_plan`) balances their attention over every rank: idle stages
-  serve attention only (the paper's "dummy" pass), linear work stays with its stage. Streams per
+  trainer's tick planner (`schedule.tick.plan_tick`: the real scheduler, the tick gate, one node
+  per tick) balances their attention: idle stages serve attention only (the paper's "dummy"
+  pass), linear work stays with its stage, and a warm-up or drain tick whose even spread would
+  lengthen it is spread over fewer idle ranks. Streams per
   tick are the trainer's (`train/pipeline.py`): two plans with `pingpong` (Ping and Pong, each
   exchange hidden under the other's compute), one without (its exchange exposed whole: the
   tick's one core attention call per block waits for it); never the unpipelined step's
@@ -228,8 +230,9 @@ class PipelineSimulator(Simulator):
                       attention_per_area=attn_ms / area if area > 0 else 0.0,
                       # Every byte at the network's rate: at TP 8 every rank is its own node.
                       per_byte=1.0 / (cfg.hardware.network_gbps * 1e6))
+    # The relay changes no placement, only the bytes the rule weighs, as the trainer's plans do.
     return plan_tick(lays, comm, costs, epsilon=cfg.epsilon,
-                     min_imbalance=cfg.min_imbalance_for(pipelined=True))
+                     min_imbalance=cfg.min_imbalance_for(pipelined=True), relay=self.relay)
 
   def _cad_tick(self, step: int, tick: int, pairs, mbs, dump_dir: Path | None):
     """(SystemResult, busy, area_after) of CAD in one tick: every active stage's nano-batches
