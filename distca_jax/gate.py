@@ -129,8 +129,9 @@ def tick_costs(shape: ModelShape, attention_config) -> TickCosts:
   """What a pipelined tick's plan weighs (`schedule.tick.plan_tick`), per layer in matmul FLOPs
   from the config's cost profile. The profile prices a byte a device sends plus receives; a
   full-duplex link's time is the busier direction, about half of that sum when the two are
-  equal, so a byte of the busier direction costs twice. A tick's ranks span stages, which sit on
-  other nodes as soon as the data ranks span more than one: bytes at the network's cost then."""
+  equal, so a byte of the busier direction costs twice. The mesh orders devices (data, pipe,
+  tensor), so a node holds whole data ranks with all their stages, and a tick's bytes cross nodes
+  once the data ranks span more than one (`attention.data_rank_nodes`): the network's cost then."""
   m, c = model_flops(shape), costs(attention_config)
   across = len(set(attention_config.data_rank_nodes or ())) > 1
   return TickCosts(linear_per_token=3.0 * m.matmul_per_token / m.layers,
