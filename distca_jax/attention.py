@@ -32,7 +32,7 @@ __all__ = ["StepContext", "ColocatedContext", "colocated_context", "colocated_co
 
 class StepContext(Protocol):
   """What the trainer reads of a step's host context: `colocated.ColocatedContext`,
-  `dispatch.StepContext` (CAD) or `pipeline.StepContext` (a pipelined step's ticks).
+  `dispatch.StepContext` (CAD) or `pipeline_host.StepContext` (a pipelined step's ticks).
 
   cad            whether the step runs CAD's exchange (False: colocated, or stopped by the gate)
   plans          the scheduler's plans (empty: none; their loads are the step's "after")

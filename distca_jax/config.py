@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from distca_jax.config_checks import validate
 from distca_jax.models.rope import RopeScaling
+from distca_jax.schedule.tick import default_min_imbalance
 from distca_jax.schema import (NON_EMPTY, ConfigError, Fraction, NonNegFloat, NonNegInt,
                                NonNegStepCount, OutputDir, PositiveFloat, PositiveInt, Probability,
                                Range, Removed, Seed, StepCount)
@@ -234,10 +235,11 @@ class AttentionConfig:
     return choose(self.exchange, self.data_rank_nodes)[0]
 
   def min_imbalance_for(self, pipelined: bool) -> float:
-    """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25)."""
+    """`min_imbalance`, or its default for unpipelined steps (1.0) or a pipeline's ticks (1.25,
+    `schedule.tick.default_min_imbalance`, which the simulator asks too)."""
     if self.min_imbalance is not None:
       return self.min_imbalance
-    return 1.25 if pipelined else 1.0
+    return default_min_imbalance(pipelined)
 
 
 @dataclasses.dataclass(frozen=True)

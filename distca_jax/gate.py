@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from distca_jax.schedule import gate_cost
 from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.gate_cost import GateCosts, ModelFlops, attention_load_per_device, imbalance
+from distca_jax.schedule.tick import TickCosts
 from distca_jax.schedule.transport import relay_for
 
 
@@ -111,6 +111,20 @@ def model_flops(shape: ModelShape) -> ModelFlops:
   return ModelFlops(matmul_per_token=shape.matmul_flops_per_token(),
                     attention_per_area=3.5 * 4.0 * shape.head_dim * shape.heads * shape.layers,
                     layers=shape.layers)
+
+
+def tick_costs(shape: ModelShape, attention_config) -> TickCosts:
+  """What a pipelined tick's plan weighs (`schedule.tick.plan_tick`), per layer in matmul FLOPs
+  from the config's cost profile. The profile prices a byte a device sends plus receives; a
+  full-duplex link's time is the busier direction, about half of that sum when the two are
+  equal, so a byte of the busier direction costs twice. The mesh orders devices (data, pipe,
+  tensor), so a node holds whole data ranks with all their stages, and a tick's bytes cross nodes
+  once the data ranks span more than one (`attention.data_rank_nodes`): the network's cost then."""
+  m, c = model_flops(shape), costs(attention_config)
+  across = len(set(attention_config.data_rank_nodes or ())) > 1
+  return TickCosts(linear_per_token=3.0 * m.matmul_per_token / m.layers,
+                   attention_per_area=c.attention_cost * m.attention_per_area / m.layers,
+                   per_byte=2.0 * c.exchange_flops_per_byte * (c.network_byte_cost if across else 1.0))
 
 
 def colocated_flops(shape: ModelShape, layout: Layout) -> tuple[np.ndarray, np.ndarray]:

@@ -85,7 +85,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
 
   from distca_jax import attention as attention_lib
   from distca_jax import mesh as mesh_lib
-  from distca_jax.train import pipeline
+  from distca_jax.train import pipeline_host
   from distca_jax.train.step import Trainer
 
   mesh = mesh_lib.make_mesh(config.mesh)
@@ -94,7 +94,7 @@ def _time_variant(config, batch, warmup: int, steps: int, trace_dir: str | None 
   state = trainer.abstract_state() if compile_only else trainer.init_state(0)
   t0 = time.perf_counter()
   if isinstance(batch, list):
-    ctx = pipeline.host_context(trainer.config.attention, batch, mesh.shape["pipe"], trainer.shape)
+    ctx = pipeline_host.host_context(trainer.config.attention, batch, mesh.shape["pipe"], trainer.shape)
     batch = ctx.as_batch()
   elif config.data.packing == "wlb":  # the WLB-LLM baseline: the batch's documents re-packed
     from distca_jax import wlb_attention
@@ -445,7 +445,7 @@ def main(argv=None) -> int:
   elif args.suite == "overhead":
     rows = _overhead_suite(args)
   elif args.suite == "pp":
-    from distca_jax.train import pipeline
+    from distca_jax.train import pipeline_host
 
     # Every device is a pipeline stage (data = 1); colocated vs CAD attention in the pipeline,
     # CAD with ping-pong per tick (Ping's exchange beside Pong's compute) and as one stream.
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
         r = _time_variant(config, mbs, args.warmup, args.steps, trace, compile_only=args.compile_only)
         if name == "colocated":
           base_time = r["median_s"]
-        bubble = pipeline.Schedule(n, args.microbatches).bubble_fraction
+        bubble = pipeline_host.Schedule(n, args.microbatches).bubble_fraction
         r.update(batch=kind, variant=f"pp{n}-{name}", speedup=base_time / r["median_s"], bubble=bubble)
         rows.append(r)
         print(f"{kind:9s} pp{n}-{name:13s} {r['median_s']*1e3:9.1f} ms  x{r['speedup']:.3f}  "

@@ -401,7 +401,7 @@ def test_relayed_kv_backward_is_explicit():
 def test_relayed_kv_in_a_pipelined_step_matches_reference():
   """A pipelined step's ticks (plan_ticks) with relays: round 2 carries rows and the loss and
   every gradient equal the single-device reference over the micro-batches."""
-  from distca_jax.train import pipeline
+  from distca_jax.train import pipeline, pipeline_host
   pipe, data, M = 2, 4, 2
   cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"model.layers={pipe}",
                      "attention.impl=distca", "attention.pingpong=false", f"train.microbatches={M}",
@@ -413,7 +413,7 @@ def test_relayed_kv_in_a_pipelined_step_matches_reference():
   lens = np.r_[512, np.full(32, 16)]  # one document over data ranks 0 and 1, short ones after
   mbs = [make_batch(lens, rng.integers(0, trainer.shape.vocab_size, lens.sum()).astype(np.int32),
                     data, 256) for _ in range(M)]
-  ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
+  ctx = pipeline_host.host_context(cfg.attention, mbs, pipe, trainer.shape)
   arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
   assert int(np.asarray(dctx["forward"].kv2.send_valid).sum()) > 0
   step = jax.jit(lambda p, a, c: trainer.pipeline.value_and_grad(p, a, c["forward"], c["backward"],

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from distca_jax import mesh as mesh_lib
-from distca_jax.train import pipeline
+from distca_jax.train import pipeline, pipeline_host
 from distca_jax.config import ConfigError, load_config
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.train.step import Trainer
@@ -18,7 +18,7 @@ from helpers import dense_reference_value_and_grad, small_config, tree_rel_err
 
 @pytest.mark.parametrize("stages,mbs", [(2, 1), (2, 3), (3, 5), (4, 4), (4, 9)])
 def test_schedule_is_lockstep_1f1b(stages, mbs):
-  s = pipeline.Schedule(stages, mbs)
+  s = pipeline_host.Schedule(stages, mbs)
   fwd_done, bwd_done = set(), set()
   for kind, t in s.ticks:
     for stage in range(stages):
@@ -80,34 +80,39 @@ def _microbatches(cfg, kind, data, M, vocab, seed):
 
 
 CASES = [
-    # pipe, data, tensor, micro-batches, attention (-pingpong, -resend), layout, blocks per stage
-    (2, 2, 2, 3, "colocated", "sampled", 1),
-    (2, 2, 2, 3, "distca", "sampled", 2),
-    (2, 1, 1, 2, "distca", "mixed", 2),
-    (4, 1, 2, 4, "colocated", "span_all", 1),
-    # Ping-pong per tick: Ping and Pong planned on their own, a document cut between them.
-    (2, 4, 1, 1, "distca-pingpong", "mixed", 1),
-    (4, 2, 1, 2, "distca-pingpong-resend", "span_all", 1),
+    # pipe, data, tensor, micro-batches, attention (-pingpong, -resend), layout, blocks per stage,
+    # tokens per device
+    (2, 2, 2, 3, "colocated", "sampled", 1, 128),
+    (2, 2, 2, 3, "distca", "sampled", 2, 128),
+    (2, 1, 1, 2, "distca", "mixed", 2, 128),
+    (4, 1, 2, 4, "colocated", "span_all", 1, 128),
+    # Ping-pong per tick: Ping and Pong planned on their own, a document cut between them. At 512
+    # tokens the halves hold pieces the planner can move (two 128-row granules): Ping's warm-up
+    # plan of the first case spreads over one idle row of four (`schedule.tick.plan_tick`), the
+    # second's ticks balance over the active stages only.
+    (2, 4, 1, 1, "distca-pingpong", "mixed", 1, 512),
+    (4, 2, 1, 2, "distca-pingpong-resend", "span_all", 1, 512),
 ]
 
 
-@pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,per_stage", CASES)
-def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_stage):
+@pytest.mark.parametrize("pipe,data,tensor,M,impl,layout,per_stage,tokens", CASES)
+def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_stage, tokens):
   kind, *options = impl.split("-")
   memory = ["attention.memory_mode=resend"] if "resend" in options else []
   cfg = small_config(f"mesh.pipe={pipe}", f"mesh.data={data}", f"mesh.tensor={tensor}",
                      f"model.layers={pipe * per_stage}", f"attention.impl={kind}",
                      f"attention.pingpong={'pingpong' in options}", f"train.microbatches={M}",
-                     "data.tokens_per_device=128", "attention.epsilon=0.05", "model.remat=full",
-                     *memory)
+                     f"data.tokens_per_device={tokens}", "attention.epsilon=0.05",
+                     "model.remat=full", *memory)
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:pipe * data * tensor])
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
   mbs = _microbatches(cfg, layout, data, M, trainer.shape.vocab_size, seed=pipe * 10 + data)
-  ctx = pipeline.host_context(cfg.attention, mbs, pipe, trainer.shape)
+  ctx = pipeline_host.host_context(cfg.attention, mbs, pipe, trainer.shape)
   assert ctx.num_streams == (2 if "pingpong" in options else 1)
   if "pingpong" in options:  # the split cut a document: Pong reads Ping's K/V of its prefix
     assert any(tick[1].prior.num_shards for tick in ctx.forward_streams)
+    assert any(p.stats.moves for p in ctx.plans)
   arrays, dctx = trainer.put_batch(ctx.as_batch(), ctx)
   step = jax.jit(lambda p, a, c: trainer.pipeline.value_and_grad(p, a, c["forward"], c["backward"],
                                                                  c["schedule"]))
@@ -127,22 +132,37 @@ def test_pipeline_matches_reference(pipe, data, tensor, M, impl, layout, per_sta
     assert tree_rel_err(got[name], ref_grads[name]) <= 1e-5, name
 
 
-def test_cad_idle_stages_serve_attention():
-  """In warm-up only stage 0 holds tokens; with CAD its attention is spread over the idle stage's
-  devices too, and no tick's plan is worse balanced than its colocated layout."""
-  cfg = load_config(None, ["data.tokens_per_device=16384", "data.length_scale=1",
-                           "attention.impl=distca", "attention.pingpong=false", "model.preset=llama3_8b"])
+def test_cad_idle_stages_serve_attention_where_their_bytes_hide():
+  """In warm-up only stage 0 holds tokens. With ping-pong (each stream's exchange beside the
+  other's compute) its attention is spread over the idle stage's devices too; with one stream a
+  tick, whose exchange adds to the tick, the trainer keeps the warm-up tick's plan that the cost
+  model predicts shortest (`schedule.tick.plan_tick`), here shorter than the even spread. No
+  tick's plan is worse balanced than its colocated layout."""
+  from distca_jax import gate
   from distca_jax.models.presets import resolve
+  from distca_jax.schedule.plan import make_plan
+  from distca_jax.schedule.tick import tick_time
 
-  src = synthetic_from_config(cfg.data, 512, 2)
-  ctx = pipeline.host_context(cfg.attention, [src.batch(i) for i in range(3)], 2, resolve(cfg.model))
-  first = ctx.plans[0].stats
-  assert first.load_before[2:].sum() == 0 and first.load_after[2:].min() > 0
-  ratio = lambda x: np.max(x) / np.mean(x)
-  for p in ctx.plans:
-    assert ratio(p.stats.load_after) <= ratio(p.stats.load_before) + 1e-9
-  before, after = ctx.attention_loads()
-  assert before.shape == after.shape == (4,)
+  for pingpong in (True, False):
+    cfg = load_config(None, ["data.tokens_per_device=16384", "data.length_scale=1",
+                             "attention.impl=distca", f"attention.pingpong={pingpong}",
+                             "model.preset=llama3_8b"])
+    shape = resolve(cfg.model)
+    src = synthetic_from_config(cfg.data, 512, 2)
+    ctx = pipeline_host.host_context(cfg.attention, [src.batch(i) for i in range(2)], 2, shape)
+    first = ctx.plans[0].stats
+    assert first.load_before[2:].sum() == 0
+    if pingpong:
+      assert first.load_after[2:].min() > 0
+    else:
+      lay, costs = ctx.forward_streams[0], gate.tick_costs(shape, cfg.attention)
+      even = [make_plan(l, gate.comm_model(shape, cfg.attention), cfg.attention.epsilon) for l in lay]
+      assert tick_time(ctx.plans[:1], lay, costs) < tick_time(even, lay, costs)
+    ratio = lambda x: np.max(x) / np.mean(x)
+    for p in ctx.plans:
+      assert ratio(p.stats.load_after) <= ratio(p.stats.load_before) + 1e-9
+    before, after = ctx.attention_loads()
+    assert before.shape == after.shape == (4,)
 
 
 def test_pipeline_trains_end_to_end(tmp_path):

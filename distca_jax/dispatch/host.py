@@ -3,7 +3,7 @@
 Runs in the trainer's prefetch thread, one step ahead of the devices, numpy only (the arrays
 are host numpy; `DispatchPlan` is a JAX pytree only to travel to the devices). `plan_step` is the
 whole path of an unpipelined step; `plan_ticks` plans a pipelined step's ticks
-(`pipeline.host_context`). Both size the arrays of all their plans alike (they stack) and, given
+(`pipeline_host.host_context`). Both size the arrays of all their plans alike (they stack) and, given
 the run's `StepShapes`, at the largest capacities any earlier step needed (a step compiles only
 when one grows).
 """
@@ -26,6 +26,7 @@ from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
 from distca_jax.schedule.gate_cost import attention_load_per_device, imbalance
 from distca_jax.schedule.relay import Relay
+from distca_jax.schedule.tick import plan_tick
 from distca_jax.schedule.transport import relay_for
 
 
@@ -137,39 +138,45 @@ def _plan_option(attention_config, shape, layout: Layout, batches,
   run's, if larger, uncommitted: the gate may still turn the step away) and what the gate
   predicts they save at those capacities."""
   layouts = [b.layout for b in batches]
-  plans, kvs = _plans_and_kv(attention_config, layouts, shape, pipelined=False)
+  plans, kvs = _plans_and_kv(attention_config, layouts, shape)
   caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
   saving = gate.predicted_cad_saving(shape, layout, plans, attention_config,
                                      gate.exchange_bytes(attention_config, shape, plans, caps))
   return _Option(batches=tuple(batches), plans=plans, kvs=kvs, capacities=caps, saving=saving)
 
 
-def plan_ticks(attention_config, layouts, shape, devices=None,
-               shapes: StepShapes | None = None) -> tuple[list[Plan], list[DispatchPlan]]:
+def plan_ticks(attention_config, layouts, shape, devices=None, shapes: StepShapes | None = None,
+               streams: int = 1) -> tuple[list[Plan], list[DispatchPlan]]:
   """A pipelined step's ticks planned into checked dispatch arrays of one shape (they stack):
-  each tick's layout over all stages' rows (with ping-pong, its Ping and its Pong layout), its plan
-  (`attention.min_imbalance` for pipelined ticks; no gate, no single-stream fallback)."""
-  plans, kvs = _plans_and_kv(attention_config, layouts, shape, pipelined=True)
+  `layouts`, tick-major, each tick's `streams` layouts over all stages' rows (with ping-pong, its
+  Ping and its Pong layout); a tick's plans made together by `schedule.tick.plan_tick` (how far
+  warm-up and drain ticks spread over idle stages, the tick gate `attention.min_imbalance`; no
+  step gate, no single-stream fallback)."""
+  comm, costs = gate.comm_model(shape, attention_config), gate.tick_costs(shape, attention_config)
+  plans = tuple(p for i in range(0, len(layouts), streams) for p in plan_tick(
+      layouts[i:i + streams], comm, costs, epsilon=attention_config.epsilon,
+      min_imbalance=attention_config.min_imbalance_for(pipelined=True),
+      relay=relay_of(attention_config)))
+  kvs = tuple(p.kv for p in plans)
   caps = step_capacities(attention_config, plans, layouts[0].buffer_len, shapes)
   dispatch = _arrays(plans, layouts, kvs, caps, devices, shapes)
   _check(dispatch, layouts, devices)
   return list(plans), dispatch
 
 
-def _schedule(attention_config, layout: Layout, shape, pipelined: bool) -> Plan:
-  """The scheduler's plan for one nano-batch or tick (global: the same on every process), with
+def _schedule(attention_config, layout: Layout, shape) -> Plan:
+  """The scheduler's plan for one nano-batch (global: the same on every process), with
   its K/V relayed as `attention.kv_relay_fanout` asks (its capacities, traffic and K/V requests
   those of the relayed exchange, which the gate and the reports then see)."""
   return make_plan(layout, gate.comm_model(shape, attention_config),
                    epsilon=attention_config.epsilon,
-                   min_imbalance=attention_config.min_imbalance_for(pipelined=pipelined),
+                   min_imbalance=attention_config.min_imbalance_for(pipelined=False),
                    nodes=planner_nodes(attention_config, layout), relay=relay_of(attention_config))
 
 
 def planner_nodes(attention_config, layout: Layout):
   """The node of each of `layout`'s buffers for the planner (`attention.data_rank_nodes`, one per data
-  rank), or None: unknown, or a pipelined tick's layout (a buffer per stage and data rank), which
-  is planned as one node."""
+  rank), or None: unknown. (A pipelined tick is planned as one node, `schedule/tick.py`.)"""
   nodes = attention_config.data_rank_nodes
   return nodes if nodes is not None and len(nodes) == layout.num_buffers else None
 
@@ -181,9 +188,9 @@ def relay_of(attention_config) -> Relay | None:
                    attention_config.data_rank_nodes)
 
 
-def _plans_and_kv(attention_config, layouts, shape, pipelined: bool):
-  """(plans, their `kv_requests`) of each nano-batch or tick."""
-  plans = tuple(_schedule(attention_config, l, shape, pipelined) for l in layouts)
+def _plans_and_kv(attention_config, layouts, shape):
+  """(plans, their `kv_requests`) of each nano-batch."""
+  plans = tuple(_schedule(attention_config, l, shape) for l in layouts)
   return plans, tuple(p.kv for p in plans)
 
 

@@ -119,7 +119,7 @@ class Move(NamedTuple):
 
 
 def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int = 3,
-            max_sources: int = 32, max_moves: int | None = None, nodes=None,
+            max_sources: int = 32, max_moves: int | None = None, nodes=None, servers=None,
             validate: bool = True) -> tuple[Tasks, BalanceStats]:
   """Assigns every CA-task of `layout` to a server (servers = the layout's N buffers/devices).
 
@@ -135,6 +135,9 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
       sources on its own node whose surplus covers the move the flat rule would make (its deficit
       or the largest surplus, the smaller), largest first, and from the others only when none of
       those has a candidate that fits: the same moves, more of them over NVLink.
+    servers: which servers take work (N bools, not all False; None: all): the target F̄ is
+      ΣF over their number, a server outside takes nothing and gives all it holds (a pipelined
+      tick spreads its attention over only some idle stages' servers, `schedule/tick.py`).
   Returns:
     (tasks, stats): tasks ordered by (home, home_off) with their servers; stats with loads and
     why the planner stopped (`BalanceStats.stopped`). A planner stuck short of the tolerance
@@ -150,7 +153,7 @@ def balance(layout: Layout, comm: CommModel, epsilon: float = 0.1, *, top_k: int
   n = layout.num_buffers
   max_moves = 8 * n + 64 if max_moves is None else max_moves
   pool = _Pool(base, n, comm, top_k)
-  loads = _Loads(pool.load_before, epsilon, _node_ids(nodes, n))
+  loads = _Loads(pool.load_before, epsilon, _node_ids(nodes, n), _servers(servers, n))
   scorer = _Scorer(comm, loads.tol)
   moves, stopped = 0, "balanced"
   while True:
@@ -283,18 +286,20 @@ class _Loads:
   with lazy deletion: an entry is current while its version matches. With nodes, each node's
   surplus entries too. Destinations no candidate fits (stuck) leave the deficit heap."""
 
-  def __init__(self, load_before: np.ndarray, epsilon: float, node):
+  def __init__(self, load_before: np.ndarray, epsilon: float, node, servers: np.ndarray | None):
     n = load_before.size
     self.load = load_before.tolist()
-    self.target = float(load_before.sum()) / n if n else 0.0
-    self.tol = epsilon * self.target
+    takers = int(servers.sum()) if servers is not None else n
+    mean = float(load_before.sum()) / takers if takers else 0.0
+    self.target = [mean] * n if servers is None else np.where(servers, mean, 0.0).tolist()
+    self.tol = epsilon * mean
     self.node = node
     load, target = self.load, self.target
     self.ver = [0] * n
     self.stuck = [False] * n
     self.stuck_max = 0.0  # largest deficit among stuck destinations (their loads no longer change)
-    self.surplus = [(target - load[s], 0, s) for s in range(n) if load[s] > target]
-    self.deficit = [(load[d] - target, 0, d) for d in range(n) if load[d] < target]
+    self.surplus = [(target[s] - load[s], 0, s) for s in range(n) if load[s] > target[s]]
+    self.deficit = [(load[d] - target[d], 0, d) for d in range(n) if load[d] < target[d]]
     heapq.heapify(self.surplus)
     heapq.heapify(self.deficit)
     self.node_surplus = None  # one node: none, every source is local
@@ -345,7 +350,7 @@ class _Loads:
 
   def _push(self, s: int) -> None:
     self.ver[s] += 1
-    load, target, v = self.load[s], self.target, self.ver[s]
+    load, target, v = self.load[s], self.target[s], self.ver[s]
     if load > target:
       heapq.heappush(self.surplus, (target - load, v, s))
       if self.node_surplus is not None:
@@ -453,6 +458,16 @@ def _node_ids(nodes, n: int) -> list[int] | None:
                      f"dtype {arr.dtype}")
   uniq, dense = np.unique(arr, return_inverse=True)
   return None if uniq.size <= 1 or uniq.size == n else dense.tolist()
+
+
+def _servers(servers, n: int) -> np.ndarray | None:
+  """`servers` checked, as bool [n] (None: every server takes work)."""
+  if servers is None:
+    return None
+  arr = np.asarray(servers)
+  if arr.shape != (n,) or arr.dtype != bool or not arr.any():
+    raise ValueError(f"servers: one bool per server ({n}), not all False, got {servers!r}")
+  return arr
 
 
 def _clip(v: float, lo: float, hi: float) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 from distca_jax.config import NETWORK_GBPS, NVLINK_GBPS
+from distca_jax.schedule.tick import default_min_imbalance
 from distca_jax.schema import (Axis, ConfigError, Fraction, NonNegFloat, NonNegInt, OutputDir,
                                PositiveFloat, PositiveInt, Probability, Range, Removed, Seed, check)
 from distca_jax.schema_io import load
@@ -87,9 +88,10 @@ class SimConfig:
   # The scheduler's tolerance (attention.epsilon). Training's default is 0.1; the predictions in
   # docs/SIMULATOR.md were made at 0.05, so it stays here: `epsilon=0.1` prices training's.
   epsilon: Probability = 0.05
-  # A batch whose colocated attention imbalance is below this runs colocated (training's
-  # attention.min_imbalance); 1: off, so the simulator shows what CAD costs on balanced batches.
-  min_imbalance: Annotated[float, Range(ge=1, why="a max / mean ratio")] = 1.0
+  # A batch (or pipelined tick) whose colocated attention imbalance is below this runs colocated
+  # (training's attention.min_imbalance). Unset: training's defaults (`min_imbalance_for`), 1.0
+  # (off) for a batch, so the 3D tables show what CAD does on every batch, 1.25 for a tick.
+  min_imbalance: Annotated[float, Range(ge=1, why="a max / mean ratio")] | None = None
   # Training's step gate (attention.gate), here with the simulator's own model as the prediction:
   # a batch CAD would run slower than colocated runs colocated. Off (training: on), so the
   # tables show what CAD does on every batch.
@@ -140,6 +142,10 @@ class SimConfig:
       "cad_fixed_overhead": "split into cad_machinery (what one GPU measures) and "
                             "cad_exchange_fixed (the exchange's calls); their sum is the old value",
   }
+
+  def min_imbalance_for(self, pipelined: bool) -> float:
+    """`min_imbalance`, or training's default for a batch or a pipelined tick."""
+    return default_min_imbalance(pipelined) if self.min_imbalance is None else self.min_imbalance
 
   def microbatches_for(self, pp: int) -> int:
     """Micro-batches per replica per step at `pp` stages (resolves the 0 = auto default)."""

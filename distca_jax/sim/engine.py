@@ -78,7 +78,9 @@ class SystemResult:
   bytes_per_layer: float  # max over ranks of per-GPU bytes sent or received per layer
   comm_ms: float  # max over ranks
   compute_ms: float  # max over ranks
-  hidden: bool  # communication fully overlapped on every rank
+  # Share of the step's ticks whose communication hid under compute on every rank (3D: the
+  # batch is one tick, so 0 or 1).
+  hidden: float
   iter_s: float  # predicted step time, seconds
   shards_max: int = 0  # CAD: most remote CA-tasks one server computes per nano-batch
   # Fraction of GPU time in the step not spent computing (waiting for the slowest rank, exposed
@@ -217,7 +219,7 @@ class Simulator:
         name=name, cp=load.cp if load is not None else 1, compute_imbalance=ratio(area),
         memory_imbalance=ratio(tokens), total_compute_imbalance=ratio(compute),
         bytes_per_layer=float(bytes_.max(initial=0.0)), comm_ms=float(comm_ms.max(initial=0.0)),
-        compute_ms=float(compute.max()), hidden=hidden,
+        compute_ms=float(compute.max()), hidden=float(hidden),
         iter_s=float(per_rank.max()) * self.shape.layers / 1e3,
         idle_frac=1.0 - float(compute.sum()) / (compute.size * float(per_rank.max()))
         if per_rank.max() > 0 else 0.0)
@@ -248,7 +250,7 @@ class Simulator:
                                     cfg.cp_overlap, col.area, col.tokens, col.attn_ms,
                                     np.maximum(col.send, col.recv))
     # CAD; below min_imbalance nothing moves and the step runs colocated (the trainer's gate).
-    if col.area.max() < cfg.min_imbalance * col.area.mean():
+    if col.area.max() < cfg.min_imbalance_for(pipelined=False) * col.area.mean():
       out["cad"], area_after = dataclasses.replace(out["colocated"], name="cad"), col.area
     else:
       out["cad"], area_after = self._cad(lens, layout, step, dump_dir)

@@ -26,8 +26,10 @@ stragglers both show, and an idle stage adds nothing but waits. Step = Σ over t
   micro-batch); wlb_best keeps the CP size with the best *step* time.
 * CAD: the tick's Ping (and Pong) nano-batches of every active (replica, stage) are laid side by
   side as the buffers of one layout over all DP × PP ranks, idle stages as empty buffers, and the
-  real scheduler (`schedule.plan.make_plan`) balances their attention over every rank: idle stages
-  serve attention only (the paper's "dummy" pass), linear work stays with its stage. Streams per
+  trainer's tick planner (`schedule.tick.plan_tick`: the real scheduler, the tick gate, one node
+  per tick) balances their attention: idle stages serve attention only (the paper's "dummy"
+  pass), linear work stays with its stage, and a warm-up or drain tick whose even spread would
+  lengthen it is spread over fewer idle ranks. Streams per
   tick are the trainer's (`train/pipeline.py`): two plans with `pingpong` (Ping and Pong, each
   exchange hidden under the other's compute), one without (its exchange exposed whole: the
   tick's one core attention call per block waits for it); never the unpipelined step's
@@ -59,6 +61,7 @@ from distca_jax.schedule.cost import CommModel
 from distca_jax.schedule.items import initial_tasks
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import make_plan
+from distca_jax.schedule.tick import TickCosts, plan_tick
 from distca_jax.schedule.traffic import traffic
 from distca_jax.sim.config import SimConfig
 from distca_jax.sim.engine import Point, Simulator, SystemResult
@@ -212,6 +215,25 @@ class PipelineSimulator(Simulator):
     out["per_doc_cp"] = (self._baseline(load, cfg.cp_overlap, "per_doc_cp"), busy)
     return out
 
+  def _plan_tick(self, lays: list[Layout], comm: CommModel):
+    """The plans of a tick's streams as the trainer makes them (`schedule.tick.plan_tick`: the
+    idle stages' share limited where the exchange would lengthen the tick, a tick as one node,
+    the tick gate); one stage is no pipeline: its micro-batches are planned as 3D batches."""
+    cfg = self.cfg
+    if self.pp == 1:
+      return [make_plan(lay, comm, cfg.epsilon, min_imbalance=cfg.min_imbalance_for(pipelined=False),
+                        nodes=self.node[:lay.num_buffers]) for lay in lays]
+    tasks = [initial_tasks(lay, validate=False) for lay in lays]
+    area = sum(float(t.area().sum()) for t in tasks)
+    attn_ms = sum(float(self.kernel.fwdbwd_ms(t.q_len, t.kv_len).sum()) for t in tasks)
+    costs = TickCosts(linear_per_token=self.lin_ms_per_token,
+                      attention_per_area=attn_ms / area if area > 0 else 0.0,
+                      # Every byte at the network's rate: at TP 8 every rank is its own node.
+                      per_byte=1.0 / (cfg.hardware.network_gbps * 1e6))
+    # The relay changes no placement, only the bytes the rule weighs, as the trainer's plans do.
+    return plan_tick(lays, comm, costs, epsilon=cfg.epsilon,
+                     min_imbalance=cfg.min_imbalance_for(pipelined=True), relay=self.relay)
+
   def _cad_tick(self, step: int, tick: int, pairs, mbs, dump_dir: Path | None):
     """(SystemResult, busy, area_after) of CAD in one tick: every active stage's nano-batches
     balanced over all DP × PP ranks."""
@@ -219,16 +241,15 @@ class PipelineSimulator(Simulator):
     active = np.zeros(n, bool)
     for s, _ in pairs:
       active[s * dp:(s + 1) * dp] = True
-    per, shards, lays = [], 0, []
+    per, shards = [], 0
     nh = len(mbs[pairs[0][1]].halves)
+    lays = []
     for h in range(nh):
       parts = [None] * self.pp
       for s, m in pairs:
         parts[s] = mbs[m].halves[h]
-      lay, base = side_by_side(parts, dp, mbs[pairs[0][1]].halves[h].buffer_len)
-      lays.append((lay, base))
-      plan = make_plan(lay, comm, cfg.epsilon, min_imbalance=cfg.min_imbalance,
-                       nodes=self.node[:lay.num_buffers])
+      lays.append(side_by_side(parts, dp, mbs[pairs[0][1]].halves[h].buffer_len)[0])
+    for h, (lay, plan) in enumerate(zip(lays, self._plan_tick(lays, comm))):
       tasks = plan.tasks
       attn = np.bincount(tasks.server, weights=self.kernel.fwdbwd_ms(tasks.q_len, tasks.kv_len),
                          minlength=n)
@@ -285,7 +306,7 @@ class PipelineSimulator(Simulator):
         memory_imbalance=float(np.mean([r.memory_imbalance for r in rs])),
         total_compute_imbalance=float(np.mean([r.total_compute_imbalance for r in rs])),
         bytes_per_layer=max(r.bytes_per_layer for r in rs), comm_ms=max(r.comm_ms for r in rs),
-        compute_ms=max(r.compute_ms for r in rs), hidden=all(r.hidden for r in rs),
+        compute_ms=max(r.compute_ms for r in rs), hidden=float(np.mean([r.hidden for r in rs])),
         iter_s=sum(r.iter_s for r in rs), shards_max=max(r.shards_max for r in rs),
         idle_frac=1.0 - busy / (self.ranks * per_layer_max) if per_layer_max > 0 else 0.0)
 

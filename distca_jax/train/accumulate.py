@@ -17,7 +17,7 @@ import numpy as np
 
 from distca_jax.data.sources import Batch
 from distca_jax.train.metrics import attention_load_per_device, imbalance
-from distca_jax.train.pipeline import tick_layout
+from distca_jax.train.pipeline_host import tick_layout
 
 
 def target_tokens(layout) -> int:

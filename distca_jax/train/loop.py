@@ -313,9 +313,9 @@ def _summary(job: Job, p: Progress) -> Summary:
   peak = _peak_flops(job)
   bubble = 0.0
   if trainer.pipeline is not None:
-    from distca_jax.train import pipeline
+    from distca_jax.train import pipeline_host
 
-    bubble = pipeline.Schedule(trainer.stages, job.config.train.microbatches).bubble_fraction
+    bubble = pipeline_host.Schedule(trainer.stages, job.config.train.microbatches).bubble_fraction
   return Summary(
       steps=len(p.losses), losses=p.losses, step_times_s=times, compile_s=p.compile_s + job.init_s,
       compile_count=trainer.compile_count(),

@@ -80,14 +80,14 @@ def host_work(job, step: int, report: bool = True):
   c, trainer, shape, shapes = job.config, job.trainer, job.trainer.shape, job.shapes
   rows = mesh_lib.local_rows(job.mesh)  # each process checks the plans of the rows it feeds
   if trainer.pipeline is not None:
-    from distca_jax.train import pipeline
+    from distca_jax.train import pipeline_host
 
     m = c.train.microbatches
     # Tokens are sharded over `data` only: a process reads its data ranks' buffers of each
     # micro-batch (every stage of them), never the whole batch.
     data_rows = None if rows is None else np.unique(rows % job.mesh.shape["data"])
     mbs = [job.source.batch(step * m + i, data_rows) for i in range(m)]
-    ctx = pipeline.host_context(c.attention, mbs, job.mesh.shape["pipe"], shape, rows, shapes)
+    ctx = pipeline_host.host_context(c.attention, mbs, job.mesh.shape["pipe"], shape, rows, shapes)
     return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
   if c.data.packing == "wlb":  # the WLB-LLM baseline: the step's documents re-packed
     from distca_jax import wlb_attention
