@@ -9,9 +9,15 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
+# Most of the suite's time is XLA compiling small CPU programs, and most of a compile is LLVM
+# optimising code that then runs on toy shapes: tests compile without it (the HLO passes, and so
+# the numerics, are unchanged). Processes the tests start get the same flag (`helpers.child_env`).
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  os.environ.setdefault("DISTCA_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+_flags = (os.environ.get("XLA_FLAGS", "") + " " + os.environ.get("DISTCA_TEST_XLA_FLAGS", "")).strip()
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=16").strip()
+  _flags += " --xla_force_host_platform_device_count=16"
+os.environ["XLA_FLAGS"] = _flags.strip()
 # Set at import, so pytest-xdist's workers (started after the controller read this file) share one
 # directory, and the tests that start processes can hand it to them.
 os.environ.setdefault("DISTCA_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="distca_compile_cache_"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from pathlib import Path
 
 import jax
@@ -16,6 +17,13 @@ from distca_jax import gate as gate_lib
 from distca_jax.config import load_config
 from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.schedule.plan import make_plan
+
+
+def child_env(**extra: str) -> dict[str, str]:
+  """The environment of a process a test starts: on the CPU, with the suite's compile flags
+  (tests/conftest.py) but not its device count (the script sets its own)."""
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=os.environ.get("DISTCA_TEST_XLA_FLAGS", ""), **extra)
 
 
 def launch_script(name: str):

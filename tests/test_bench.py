@@ -3,14 +3,13 @@
 rows say."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import launch_script
+from helpers import child_env, launch_script
 
 from distca_jax.gate_profile import read_profile
 
@@ -21,8 +20,7 @@ def _bench(tmp_path, *args: str, tokens: int = 512) -> tuple[list[dict], str]:
   """bench_train.py in its own process (it turns on a compilation cache of its own) on two
   simulated devices: its JSON rows and its printed output. `args`: options, then overrides."""
   out = tmp_path / "bench.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", DISTCA_CPU_DEVICES="2")
-  env.pop("XLA_FLAGS", None)  # the conftest's 8 devices; the script sets its own
+  env = child_env(DISTCA_CPU_DEVICES="2")
   proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_train.py"), "--warmup", "1",
                          "--steps", "1", "--json", str(out), *args, f"data.tokens_per_device={tokens}"],
                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -128,11 +126,10 @@ def test_exchange_bench_compiles_whole_steps():
 
 def test_bench_kernels_rounds(tmp_path):
   """bench_kernels.py on the CPU (the reference and Pallas backends; no cuDNN here, so no dense
-  baseline): every backend row of every batch, timed `--rounds` times, and the (q, kv) table."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  baseline): every backend's row of the batch, timed `--rounds` times, and the (q, kv) table."""
+  env = child_env()
   proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--backends",
-                         "reference,pallas", "--contexts", "1024", "--datasets", "pretrain,prolong",
+                         "reference,pallas", "--contexts", "1024", "--datasets", "prolong",
                          "--sweep", "128", "--sweep-area", "4e4", "--table-backend", "reference",
                          "--rounds", "2", "--heads", "2,1", "--head-dim", "16",
                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
@@ -141,8 +138,7 @@ def test_bench_kernels_rounds(tmp_path):
   assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
   rows = json.loads((tmp_path / "bench_kernels.json").read_text())["batches"]
   assert sorted((r["dataset"], r["backend"]) for r in rows) == [
-      ("pretrain", "pallas"), ("pretrain", "reference"), ("prolong", "pallas"),
-      ("prolong", "reference")]
+      ("prolong", "pallas"), ("prolong", "reference")]
   assert all(r["rounds"] == 2 and r["fwdbwd_ms"] > r["fwd_ms"] > 0 for r in rows), rows
   table, = (json.loads(p.read_text()) for p in tmp_path.glob("*.json")
             if p.name != "bench_kernels.json")
@@ -152,8 +148,7 @@ def test_bench_kernels_rounds(tmp_path):
 def test_bench_kernels_gpu_time_trace(tmp_path):
   """bench_kernels.py --gpu-time: its profiler trace written and read (no GPU kernels in it on a
   CPU), run with `python -P` as `launch/gpu_session.sh` runs it."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = child_env()
   proc = subprocess.run([sys.executable, "-P", str(ROOT / "launch" / "bench_kernels.py"),
                          "--backends", "reference", "--contexts", "1024", "--datasets", "pretrain",
                          "--sweep=", "--gpu-time", "--heads", "2,1", "--head-dim", "16", "--out",
@@ -252,8 +247,7 @@ def test_ab_mosaic_trace_plumbing():
 def test_compile_profile(tmp_path):
   """compile_profile.py on the CPU: its summary line, and its trace summed by event name with
   XLA's compile among the events and no Python frames."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", DISTCA_CPU_DEVICES="1")
-  env.pop("XLA_FLAGS", None)
+  env = child_env(DISTCA_CPU_DEVICES="1")
   proc = subprocess.run(
       [sys.executable, str(ROOT / "launch" / "compile_profile.py"), "--trace", str(tmp_path),
        "--top", "200", "model.preset=tiny", "model.layers=1", "attention.kernel=reference",

@@ -14,12 +14,12 @@ from distca_jax import gate as gate_lib
 from distca_jax import mesh as mesh_lib
 from distca_jax.config import ConfigError
 from distca_jax.data.sources import make_batch, synthetic_from_config
-from distca_jax.schedule.capacities import Capacities, largest
+from distca_jax.schedule.capacities import Capacities
 from distca_jax.schedule import transport as transport_lib
 from distca_jax.schedule.pingpong import split_pingpong
 from distca_jax.train import metrics
 from distca_jax.train.step import Trainer
-from helpers import (global_plan, launch_script, layout_batch, plan_for_layout, prefer_streams,
+from helpers import (global_plan, layout_batch, plan_for_layout, prefer_streams,
                      pure_params, reference_over, run_step, small_config, tree_rel_err)
 
 T = 256  # default buffer length; CASES may use less to keep the suite fast on 2 CPU cores

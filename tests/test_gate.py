@@ -247,8 +247,6 @@ def test_fit_gate_reads_bench_json(tmp_path):
   are skipped."""
   import json
 
-  from distca_jax.config import AttentionConfig
-
   fit_gate = launch_script("fit_gate")
   row = lambda batch, variant, s, ran=False: dict(batch=batch, variant=variant, median_s=s,
                                                   cad_ran=ran)
@@ -326,7 +324,7 @@ def test_fit_gate_kernel_cost_from_train_logs(tmp_path, capsys):
   attention FLOPs of the sampler's batch each step trained on (log step s: batch s - 1);
   compiled steps are left out; gate_attention_cost scales by each kernel's attention time per
   FLOP over the first log's. Logs made from known costs give them back."""
-  from distca_jax.config import AttentionConfig, load_config
+  from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
   from distca_jax.models.presets import resolve
 

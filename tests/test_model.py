@@ -8,9 +8,9 @@ from flax import nnx
 
 from distca_jax import attention as attn
 from distca_jax import mesh as mesh_lib
-from distca_jax.data.sources import SyntheticSource, make_batch, synthetic_from_config
+from distca_jax.data.sources import make_batch, synthetic_from_config
 from distca_jax.models.presets import resolve
-from distca_jax.train.step import Trainer, put_global
+from distca_jax.train.step import Trainer
 from helpers import (pure_params, reference_hidden, reference_loss, rel_err, small_config,
                      tree_rel_err)
 

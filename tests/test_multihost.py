@@ -26,7 +26,7 @@ import pytest
 from distca_jax import launch_env
 from distca_jax.launch_env import enable_compile_cache
 from distca_jax.train import loop
-from helpers import small_config
+from helpers import child_env, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # The schema's attention and no evaluation (launch/train.py starts from the default job's
@@ -53,8 +53,7 @@ def _free_port() -> int:
 
 
 def _env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)  # the launcher sets the device count per process
+  env = child_env(PYTHONUNBUFFERED="1")
   return env
 
 
@@ -70,26 +69,27 @@ def _two_processes(tmp_path: Path, name: str, *args: str) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def colocated_two():
-  """The uninterrupted 2-process colocated run (its directory, with its final checkpoint), run
-  once for the whole test run: by the first pytest-xdist worker that needs it, while a second
-  waits on the lock and then reads the same directory (next to the shared compilation cache)."""
+def distca_two():
+  """The uninterrupted 2-process CAD run (its directory, with its final checkpoint), run once for
+  the whole test run: by the first pytest-xdist worker that needs it, while a second waits on the
+  lock and then reads the same directory (next to the shared compilation cache)."""
   enable_compile_cache(_cache_dir())
-  tmp = Path(_cache_dir() + "_colocated_two")
+  tmp = Path(_cache_dir() + "_distca_two")
   tmp.mkdir(exist_ok=True)
   with open(tmp / "lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (tmp / "done").exists():
       shutil.rmtree(tmp / "two", ignore_errors=True)  # a failed attempt's: never resumed
-      proc = _two_processes(tmp, "two", "attention.impl=colocated")
+      proc = _two_processes(tmp, "two", "attention.impl=distca")
       assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
       (tmp / "done").touch()
   return tmp
 
 
-@pytest.mark.parametrize("impl", ["colocated", "distca", "wlb", "pipeline"])
+@pytest.mark.parametrize("impl", ["distca", "wlb", "pipeline"])
 def test_two_processes_match_one_process(tmp_path, impl, request):
-  """distca: the exchange crosses processes, and each process checks only its own rows' plans.
+  """distca: the exchange crosses processes, and each process checks only its own rows' plans
+  (colocated attention's path is the same one without the exchange: no case of its own).
   wlb: each process re-packs only the buffers it feeds, its tokens read from the stream.
   pipeline (CAD in a 2-stage pipeline): each process builds only its data ranks' micro-batches."""
   if jax.device_count() < 8:
@@ -106,8 +106,8 @@ def test_two_processes_match_one_process(tmp_path, impl, request):
   args = [*ARGS, *extra]
   one = loop.run(small_config(*args, f"train.out_dir={tmp_path / 'one'}"), devices=jax.devices()[:8],
                  log=lambda *a: None)
-  if impl == "colocated":
-    base = request.getfixturevalue("colocated_two")
+  if impl == "distca":
+    base = request.getfixturevalue("distca_two")
   else:
     base = tmp_path
     proc = _two_processes(base, "two", *extra)
@@ -158,12 +158,12 @@ def _checkpoint_state(directory: Path, step: int):
     return ck.restore(step, abstract_state=target)[0]
 
 
-def test_sigterm_stops_every_process_with_a_checkpoint_that_resumes_exactly(tmp_path, colocated_two):
+def test_sigterm_stops_every_process_with_a_checkpoint_that_resumes_exactly(tmp_path, distca_two):
   """SIGTERM to the launcher, once both trainers run their loop: both stop after step 1 (the step
   they are in), save it, write the summary and exit 143; the launcher exits 143. The same command
   resumes from step 1: its step 2 loss and its final state equal the uninterrupted run's bit for
   bit."""
-  proc = _start(tmp_path, "a", "attention.impl=colocated")
+  proc = _start(tmp_path, "a", "attention.impl=distca")
   _wait_for(tmp_path / "a.out", "run directory", proc)  # the stop handlers are installed
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(timeout=300) == 143, (tmp_path / "a.out").read_text()[-3000:]
@@ -172,14 +172,14 @@ def test_sigterm_stops_every_process_with_a_checkpoint_that_resumes_exactly(tmp_
   assert "received SIGTERM" in (tmp_path / "a_logs" / "process_1.log").read_text()
   assert "stopped by SIGTERM after step 1; checkpoint at step 1" in (tmp_path / "a.out").read_text()
 
-  proc = _two_processes(tmp_path, "a", "attention.impl=colocated")
+  proc = _two_processes(tmp_path, "a", "attention.impl=distca")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "resumed from checkpoint at step 1" in proc.stdout
   resumed = json.loads((tmp_path / "a" / "summary.json").read_text())
-  straight = json.loads((colocated_two / "two" / "summary.json").read_text())
+  straight = json.loads((distca_two / "two" / "summary.json").read_text())
   assert resumed["start_step"] == 1 and resumed["losses"] == straight["losses"][1:]
   a = _checkpoint_state(tmp_path / "a" / "checkpoints", 2)
-  b = _checkpoint_state(colocated_two / "two" / "checkpoints", 2)
+  b = _checkpoint_state(distca_two / "two" / "checkpoints", 2)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -187,7 +187,7 @@ def test_sigterm_stops_every_process_with_a_checkpoint_that_resumes_exactly(tmp_
 def test_a_dead_process_ends_the_job_within_seconds(tmp_path):
   """kill -9 of process 1 mid-run: the launcher stops process 0 (SIGTERM, then SIGKILL after
   DISTCA_KILL_GRACE_S=3 s: it waits in a collective for the dead peer) and exits non-zero."""
-  proc = _start(tmp_path, "d", "attention.impl=colocated", "train.steps=400")
+  proc = _start(tmp_path, "d", "attention.impl=distca", "train.steps=400")
   _wait_for(tmp_path / "d.out", "step 2:", proc)
   trainers = {i: _child(proc.pid, f"--process-id {i} ") for i in (0, 1)}
   t0 = time.monotonic()

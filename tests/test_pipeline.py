@@ -2,7 +2,6 @@
 loss and every parameter gradient equal to a single-device reference of the unpipelined model
 (fp32), with colocated and disaggregated attention, on several (pipe, data, tensor) meshes."""
 
-import dataclasses
 
 import jax
 import numpy as np
@@ -84,7 +83,6 @@ CASES = [
     # tokens per device
     (2, 2, 2, 3, "colocated", "sampled", 1, 128),
     (2, 2, 2, 3, "distca", "sampled", 2, 128),
-    (2, 1, 1, 2, "distca", "mixed", 2, 128),
     (4, 1, 2, 4, "colocated", "span_all", 1, 128),
     # Ping-pong per tick: Ping and Pong planned on their own, a document cut between them. At 512
     # tokens the halves hold pieces the planner can move (two 128-row granules): Ping's warm-up
@@ -165,20 +163,6 @@ def test_cad_idle_stages_serve_attention_where_their_bytes_hide():
     assert before.shape == after.shape == (4,)
 
 
-def test_pipeline_trains_end_to_end(tmp_path):
-  from distca_jax.train import loop
-
-  cfg = small_config("mesh.pipe=2", "mesh.data=2", "mesh.tensor=2", "train.microbatches=2",
-                     "attention.pingpong=false", "train.steps=3", "data.tokens_per_device=128",
-                     f"train.out_dir={tmp_path}", "optim.lr=3e-3", "optim.warmup_steps=0",
-                     "model.remat=full")
-  summary = loop.run(cfg, devices=jax.devices()[:8], log=lambda *_: None)
-  assert summary.steps == 3 and summary.compile_count == 1
-  assert summary.microbatches == 2 and summary.pipeline_bubble == pytest.approx(1 / 3)
-  assert "bubble 33%" in loop.format_summary(summary)
-  assert summary.losses[-1] < summary.losses[0]
-
-
 @pytest.mark.parametrize("overrides,match", [
     (["mesh.pipe=3", "model.layers=4"], "divide model.layers"),
     (["mesh.pipe=2", "attention.pingpong=false", "train.microbatches=0"], "microbatches"),
@@ -191,17 +175,22 @@ def test_pipeline_config_errors(overrides, match):
     load_config(None, ["model.layers=4"] + overrides)
 
 
-def test_checkpoint_moves_between_pipeline_layouts(tmp_path):
-  """A checkpoint saved with 2 pipeline stages resumes without a pipeline and back: parameters and
-  AdamW moments arrive exactly (relayout of the same numbers), and the loop says so."""
+def test_pipeline_trains_and_its_checkpoint_moves_between_layouts(tmp_path):
+  """A pipelined run trains end to end (one compile, its bubble reported). Its checkpoint, saved
+  with 2 pipeline stages, resumes without a pipeline and back: parameters and AdamW moments
+  arrive exactly (relayout of the same numbers), and the loop says so."""
   from distca_jax.train import loop
   from distca_jax.train.checkpoint import Checkpointer
 
   common = ["model.layers=2", "attention.pingpong=false", "model.remat=full",
             "data.tokens_per_device=128", "checkpoint.every=2"]
   piped = small_config(*common, "mesh.pipe=2", "mesh.data=2", "train.microbatches=2",
-                       "train.steps=2", f"train.out_dir={tmp_path / 'piped'}")
-  loop.run(piped, devices=jax.devices()[:4], log=lambda *_: None)
+                       "train.steps=2", f"train.out_dir={tmp_path / 'piped'}", "optim.lr=3e-3",
+                       "optim.warmup_steps=0")
+  trained = loop.run(piped, devices=jax.devices()[:4], log=lambda *_: None)
+  assert trained.steps == 2 and trained.compile_count == 1 and np.isfinite(trained.losses).all()
+  assert trained.microbatches == 2 and trained.pipeline_bubble == pytest.approx(1 / 3)
+  assert "bubble 33%" in loop.format_summary(trained)
   saved_dir = tmp_path / "piped" / "checkpoints"
 
   def trainer_of(cfg):  # a trainer and the state whose shardings a restore fills

@@ -32,7 +32,7 @@ from distca_jax.train import loop, rundir
 from distca_jax.train.checkpoint import (CheckpointCorruptError, Checkpointer, CheckpointMismatchError,
                                          COMMIT_MARKER, NoCheckpointError)
 from distca_jax.train.step import Trainer
-from helpers import small_config
+from helpers import child_env, small_config
 
 # A one-layer model on 4 data ranks: its step programs compile in seconds on CPU.
 TINY = ("model.layers=1", "model.hidden=64", "model.ffn=128", "model.vocab_size=256",
@@ -241,8 +241,7 @@ def test_command_line_falls_back_in_one_line(runs, tmp_path):
   # closes its event loop under them, whose tracebacks used to flood stderr.
   _truncate_arrays(run_dir / "checkpoints" / str(2 * N), keep_bytes=10)
   root = Path(__file__).resolve().parents[1]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)
+  env = child_env(PYTHONUNBUFFERED="1")
   proc = subprocess.run(
       [sys.executable, str(root / "launch" / "train.py"), *SMALL, *TINY, f"train.steps={2 * N}",
        f"checkpoint.every={N}", "checkpoint.keep=5", f"train.out_dir={run_dir}", "mesh.data=4",

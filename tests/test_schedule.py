@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distca_jax.data.doclens import LengthSampler, load_lengths
-from distca_jax.data.packing import Layout, pack
+from distca_jax.data.packing import pack
 from distca_jax.models.presets import PRESETS
 from distca_jax.schedule.cost import (AnalyticKernel, CommModel, TimeTable, causal_area, optimal_split,
                                       range_area, shipped_tables)

@@ -21,6 +21,7 @@ from distca_jax.config import ConfigError, load_config
 from distca_jax.train import checkpoint as checkpoint_lib
 from distca_jax.train import loop
 from distca_jax.train.checkpoint import CheckpointSaveError
+from helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -263,8 +264,7 @@ def test_sigterm_in_process_stops_at_the_step_boundary_with_a_checkpoint(tmp_pat
 def test_ctrl_c_on_the_command_line_saves_and_exits_130(tmp_path):
   """SIGINT to launch/train.py: no traceback; the step it was in is saved, the summary printed
   with how to resume, and the exit status is 128 + 2."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)
+  env = child_env(PYTHONUNBUFFERED="1")
   out = open(tmp_path / "out.txt", "w")
   proc = subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), *QUICK,
                            "train.steps=400", "train.cpu_devices=2", f"train.out_dir={tmp_path / 'r'}"],

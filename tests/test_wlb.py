@@ -159,7 +159,6 @@ def _trainer_loss_and_grads(cfg, batch, packing):
     (2, 2, 1, 1, 1.5),   # one document head+tail over both ranks
     (4, 2, 1, 2, 1.5),   # two CP groups
     (4, 4, 2, 1, 1.25),  # heads split over tensor as well
-    (8, 2, 1, 2, 1.5),
     (8, 8, 1, 3, 1.5),
     (4, 1, 1, 1, 1.0),   # cannot fit: re-packed (a larger group or the in-order layout)
 ])
