@@ -150,11 +150,10 @@ def test_step_lowers_each_mosaic_kernel_once(monkeypatch, impl):
                                 "attention.gate=false", "attention.min_imbalance=1.0"])
     mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:1])
     trainer = Trainer(config, mesh)
-    state = trainer.init_state(0)
     batch = synthetic_from_config(config.data, trainer.shape.vocab_size, 1).batch(0)
     ctx = attention_lib.host_context(config.attention, batch, trainer.shape)
-    arrays, dctx = trainer.put_batch(batch, ctx)
-    text = trainer.lower(state, arrays, dctx, platforms=("cuda",)).as_text()
+    arrays, dctx = trainer.abstract_batch(batch, ctx)  # lowered, never run: shapes only
+    text = trainer.lower(trainer.abstract_state(), arrays, dctx, platforms=("cuda",)).as_text()
     return mosaic.lowered_kernels(text)
 
   two, four = kernel_calls(2), kernel_calls(4)
