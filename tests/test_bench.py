@@ -145,19 +145,6 @@ def test_bench_kernels_rounds(tmp_path):
   assert table["q"] == [128] and table["fwdbwd_ms"][0][0] > 0
 
 
-def test_bench_kernels_gpu_time_trace(tmp_path):
-  """bench_kernels.py --gpu-time: its profiler trace written and read (no GPU kernels in it on a
-  CPU), run with `python -P` as `launch/gpu_session.sh` runs it."""
-  env = child_env()
-  proc = subprocess.run([sys.executable, "-P", str(ROOT / "launch" / "bench_kernels.py"),
-                         "--backends", "reference", "--contexts", "1024", "--datasets", "pretrain",
-                         "--sweep=", "--gpu-time", "--heads", "2,1", "--head-dim", "16", "--out",
-                         str(tmp_path)], capture_output=True, text=True, timeout=600, env=env,
-                        cwd=ROOT)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "no GPU kernels in the profiler trace" in proc.stdout  # --gpu-time's trace, on a CPU
-
-
 def test_bench_kernels_call_spans_and_views(capsys):
   """--gpu-time's pieces: the GPU span per call found from a trace's kernel intervals (calls
   parted at the widest gaps, overlapping kernels inside a call), and its table of views with

@@ -130,7 +130,6 @@ EQUIVALENCE_CASES = [
     (4, 1, "resend", "tiled", 256),
     (4, 2, "keep", "tiled", 128),
     (8, 2, "resend", "tiled", 128),
-    (16, 1, "keep", "tiled", 128),
 ]
 
 
