@@ -59,6 +59,11 @@ class TickCosts:
   per_byte: float
 
 
+def _tokens(layout: Layout) -> np.ndarray:
+  """Each buffer's real tokens (an idle stage's rows: 0)."""
+  return np.bincount(layout.buffer, weights=layout.length, minlength=layout.num_buffers)
+
+
 def tick_time(plans, layouts, costs: TickCosts) -> float:
   """The predicted time of one layer of a tick whose streams (Ping and Pong, or one) run
   `plans` on `layouts`: the slowest rank's compute (its own tokens' linear work and the
@@ -68,8 +73,7 @@ def tick_time(plans, layouts, costs: TickCosts) -> float:
   waits for its dispatch)."""
   compute, exchange = [], []
   for plan, lay in zip(plans, layouts):
-    tokens = np.bincount(lay.buffer, weights=lay.length, minlength=lay.num_buffers)
-    compute.append(costs.linear_per_token * tokens + costs.attention_per_area * plan.stats.load_after)
+    compute.append(costs.linear_per_token * _tokens(lay) + costs.attention_per_area * plan.stats.load_after)
     exchange.append(costs.per_byte * np.maximum(plan.traffic.send, plan.traffic.recv))
   if len(plans) == 2:
     exposed = sum(np.maximum(0.0, exchange[i] - compute[1 - i]) for i in (0, 1))
@@ -89,7 +93,7 @@ def plan_tick(layouts, comm: CommModel, costs: TickCosts, *, epsilon: float,
   idle rows (`HELPERS_PER_ACTIVE`; the same rows for all the tick's streams, so each stream's
   exchange keeps the other's compute beside it), ties to the wider spread."""
   layouts = tuple(layouts)
-  tokens = sum(np.bincount(l.buffer, weights=l.length, minlength=l.num_buffers) for l in layouts)
+  tokens = sum(_tokens(l) for l in layouts)
   idle = np.flatnonzero(tokens == 0)
   active = tokens.size - idle.size
 

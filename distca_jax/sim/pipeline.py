@@ -30,7 +30,7 @@ stragglers both show, and an idle stage adds nothing but waits. Step = Σ over t
   per tick) balances their attention: idle stages serve attention only (the paper's "dummy"
   pass), linear work stays with its stage, and a warm-up or drain tick whose even spread would
   lengthen it is spread over fewer idle ranks. Streams per
-  tick are the trainer's (`train/pipeline.py`): two plans with `pingpong` (Ping and Pong, each
+  tick are the trainer's (`train/pipeline_host.py`): two plans with `pingpong` (Ping and Pong, each
   exchange hidden under the other's compute), one without (its exchange exposed whole: the
   tick's one core attention call per block waits for it); never the unpipelined step's
   single-stream fallback (`pingpong_allow_single`), which the pipeline does not take. Exposed
