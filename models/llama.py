@@ -11,7 +11,8 @@ The model knows nothing about meshes or devices. Two seams connect it to the res
   does nothing. `distca_jax.mesh` supplies one that maps names to mesh axes.
 
 Every parameter carries `logical_axes` metadata, one name per dimension, which one table in
-`distca_jax/mesh.py` maps to mesh axes.
+`distca_jax/mesh.py` maps to mesh axes, and `init`, its initial distribution (`Init`), which the
+trainer uses to initialise each parameter straight into its sharding.
 
 Shape suffixes: B batch (one row per device buffer), T tokens, D model width, H query heads,
 K key/value heads, E head dim, F MLP width, V vocabulary.
@@ -19,6 +20,7 @@ K key/value heads, E head dim, F MLP width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -45,8 +47,23 @@ def join_streams(x_BxT):
   return jnp.concatenate(x_BxT, axis=1) if isinstance(x_BxT, tuple) else x_BxT
 
 
-def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
-  return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes)
+@dataclasses.dataclass(frozen=True)
+class Init:
+  """A parameter's initial distribution: normal with standard deviation `std`, or the constant
+  `fill` where `std` is 0. A value (hashable), so the trainer compiles one initialiser per
+  distinct (Init, shape, sharding) rather than one program drawing every parameter."""
+
+  std: float = 0.0
+  fill: float = 0.0
+
+  def __call__(self, key, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+    if self.std == 0.0:
+      return jnp.full(shape, self.fill, dtype)
+    return self.std * jax.random.normal(key, shape, dtype)
+
+
+def _param(rngs: nnx.Rngs, init: Init, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape), logical_axes=axes, init=init)
 
 
 def rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, theta: float, scaling=None) -> jax.Array:
@@ -71,7 +88,8 @@ def _rope(x_BxTxNxE, positions_BxT, theta, scaling):
 
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",))
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("norm",),
+                           init=Init(fill=1.0))
     self.eps = eps
 
   def __call__(self, x):
@@ -87,14 +105,14 @@ class Attention(nnx.Module):
   def __init__(self, shape: ModelShape, dtype, core_attention: CoreAttention, constrain: Constrain,
                rngs: nnx.Rngs):
     D, H, K, E = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-    init = nnx.initializers.normal(D ** -0.5)
+    init = Init(std=D ** -0.5)
     self.wq = _param(rngs, init, (D, H, E), ("embed", "heads", "head_dim"))
     self.wk = _param(rngs, init, (D, K, E), ("embed", "kv_heads", "head_dim"))
     self.wv = _param(rngs, init, (D, K, E), ("embed", "kv_heads", "head_dim"))
-    self.wo = _param(rngs, nnx.initializers.normal((H * E) ** -0.5), (H, E, D),
+    self.wo = _param(rngs, Init(std=(H * E) ** -0.5), (H, E, D),
                      ("heads", "head_dim", "embed"))
     if shape.qkv_bias:
-      zeros = nnx.initializers.zeros
+      zeros = Init()
       self.bq = _param(rngs, zeros, (H, E), ("heads", "head_dim"))
       self.bk = _param(rngs, zeros, (K, E), ("kv_heads", "head_dim"))
       self.bv = _param(rngs, zeros, (K, E), ("kv_heads", "head_dim"))
@@ -142,9 +160,9 @@ class MLP(nnx.Module):
 
   def __init__(self, shape: ModelShape, dtype, rngs: nnx.Rngs):
     D, F = shape.hidden, shape.ffn
-    self.w_gate = _param(rngs, nnx.initializers.normal(D ** -0.5), (D, F), ("embed", "mlp"))
-    self.w_up = _param(rngs, nnx.initializers.normal(D ** -0.5), (D, F), ("embed", "mlp"))
-    self.w_down = _param(rngs, nnx.initializers.normal(F ** -0.5), (F, D), ("mlp", "embed"))
+    self.w_gate = _param(rngs, Init(std=D ** -0.5), (D, F), ("embed", "mlp"))
+    self.w_up = _param(rngs, Init(std=D ** -0.5), (D, F), ("embed", "mlp"))
+    self.w_down = _param(rngs, Init(std=F ** -0.5), (F, D), ("mlp", "embed"))
     self.dtype = dtype
 
   def __call__(self, x_BxTxD):
@@ -198,13 +216,13 @@ class Llama(nnx.Module):
                norm_eps: float = 1e-5, rngs: nnx.Rngs):
     self.shape = shape
     self.dtype = dtype
-    self.embed = _param(rngs, nnx.initializers.normal(1.0), (shape.vocab_size, shape.hidden),
+    self.embed = _param(rngs, Init(std=1.0), (shape.vocab_size, shape.hidden),
                         ("vocab", "embed"))
     self.blocks = nnx.List([Block(shape, dtype, core_attention, constrain, rngs, norm_eps)
                             for _ in range(shape.layers)])
     self.final_norm = RMSNorm(shape.hidden, norm_eps)
     if not shape.tie_embeddings:
-      self.lm_head = _param(rngs, nnx.initializers.normal(shape.hidden ** -0.5),
+      self.lm_head = _param(rngs, Init(std=shape.hidden ** -0.5),
                             (shape.hidden, shape.vocab_size), ("embed", "vocab"))
     self.remat = remat
     self.constrain = constrain

@@ -3,6 +3,7 @@ loss and every parameter gradient, fp32, on random packed batches."""
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from distca_jax import attention as attn
@@ -18,9 +19,19 @@ def _loss_and_grads(cfg, batch):
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   trainer = Trainer(cfg, mesh)
   state = trainer.init_state(0)
+  _assert_moments_follow_params(trainer, state)
   arrays, ctx = trainer.put_batch(batch, attn.host_context(cfg.attention, batch.layout))
   (loss, _), grads = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True))(state.params, arrays, ctx)
   return float(loss), pure_params(grads), pure_params(state.params), trainer.shape
+
+
+def _assert_moments_follow_params(trainer, state):
+  """Each optimizer moment is sharded as its parameter (not replicated on every device)."""
+  def same(moment, param):
+    assert moment.sharding.is_equivalent_to(param.sharding, param.ndim), (moment.sharding, param.sharding)
+    return moment
+
+  optax.tree_map_params(trainer.tx, same, state.opt_state, state.params)
 
 
 @pytest.mark.parametrize("data,tensor,fsdp,dist", [

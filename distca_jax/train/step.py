@@ -34,6 +34,16 @@ from distca_jax.train.optimizer import make_optimizer
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
+def _is_param(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+@functools.cache
+def _initialiser(init, shape: tuple[int, ...], sharding: NamedSharding):
+  """`init`'s draw of the parameter with index i (its key folded in) into `sharding`."""
+  return jax.jit(lambda key, i: init(jax.random.fold_in(key, i), shape), out_shardings=sharding)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
@@ -111,13 +121,11 @@ class Trainer:
     self.remat_candidates: list[dict[str, Any]] = []
     self._auto_compiled = None  # (signature, compiled step) of the policy `auto` chose
 
-    def build(seed):
-      return Llama(self.shape, dtype=dtype, remat=self.remat or AUTO_ORDER[0],
-                   core_attention=self.core_attention, constrain=constrain,
-                   norm_eps=self.shape.norm_eps, rngs=nnx.Rngs(seed))
-
-    self._build = build
-    abstract_model = nnx.eval_shape(lambda: build(0))
+    # The model's structure only: parameters are drawn by `_initial_params`.
+    abstract_model = nnx.eval_shape(lambda: Llama(
+        self.shape, dtype=dtype, remat=self.remat or AUTO_ORDER[0],
+        core_attention=self.core_attention, constrain=constrain, norm_eps=self.shape.norm_eps,
+        rngs=nnx.Rngs(0)))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     self.abstract_params = abstract_params  # the unpipelined layout (checkpoint relayout)
     self.param_shardings = mesh_lib.param_shardings(abstract_params, mesh, self.rules)
@@ -135,13 +143,31 @@ class Trainer:
 
   # ------------------------------------------------------------------ state
 
-  def _init_params(self, seed_arr):
-    params = nnx.state(self._build(jax.random.key(seed_arr)), nnx.Param)
+  def _initial_params(self, seed: int):
+    """Each parameter drawn by its `Init` (model metadata) straight into its sharding. One
+    program per distinct (Init, shape, sharding), shared by every layer and every trainer of
+    the process: one program drawing all parameters compiles in time that grows with the
+    layers."""
+    key = jax.random.key(seed)
+    inits = [v.get_metadata()["init"] for v in jax.tree.leaves(self.abstract_params, is_leaf=_is_param)]
+    drawn = iter(enumerate(zip(inits, jax.tree.leaves(self.flat_param_shardings))))
+
+    def one(abstract):
+      i, (init, sharding) = next(drawn)
+      return _initialiser(init, tuple(abstract.shape), sharding)(key, i)
+
+    return self._in_layout(jax.tree.map(one, self.abstract_params))
+
+  def _in_layout(self, params, abstract: bool = False):
+    """Parameters in the unpipelined layout -> this trainer's (the pipeline's blocks stacked per
+    stage); `abstract`: shapes and shardings only."""
     if self.pipeline is None:
       return params
     from distca_jax.train import pipeline
 
-    return pipeline.split_blocks(params, self.shape.layers, self.pipeline.stages)
+    split = jax.jit(lambda p: pipeline.split_blocks(p, self.shape.layers, self.pipeline.stages),
+                    out_shardings=self.param_shardings)
+    return jax.eval_shape(split, params) if abstract else split(params)
 
   def init_state(self, seed: int) -> TrainState:
     """Parameters initialised directly in their shardings (never materialised on one device),
@@ -150,18 +176,14 @@ class Trainer:
     if self.config.model.init_from is not None:
       params = self.load_params(self.config.model.init_from)
     else:
-      seed_arr = jnp.asarray(seed, jnp.uint32)
-      params = jax.jit(self._init_params, out_shardings=self.param_shardings)(seed_arr)
-    opt_state = jax.jit(self.tx.init)(params)
-    replicated = NamedSharding(self.mesh, P())
-    # Scalars of the optimizer (counts) come out on one device: replicate them over the mesh.
-    # Every leaf is placed explicitly (committed, as the step's outputs are): an uncommitted
-    # initial state would give the jitted step a second dispatch-cache entry on step 2.
-    opt_state = jax.tree.map(
-        lambda x: jax.device_put(
-            x, x.sharding if len(x.sharding.device_set) == self.mesh.size else replicated),
-        opt_state)
-    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+      params = self._initial_params(seed)
+    # The moments take their parameters' shardings explicitly: XLA gives zeros made from a
+    # sharded input no sharding of their own (replicated), and the step keeps what it is given.
+    # Every leaf is committed, as the step's outputs are: an uncommitted initial state would give
+    # the jitted step a second dispatch-cache entry on step 2.
+    shardings = jax.tree.map(lambda x: x.sharding, self.abstract_state())
+    opt_state = jax.jit(self.tx.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     return TrainState(step=step, params=params, opt_state=opt_state)
 
   def load_params(self, path: str):
@@ -186,20 +208,16 @@ class Trainer:
           abstract.shape, sharding,
           lambda index: read(tuple((s.start, s.stop) for s in index)))
 
-    params = jax.tree_util.tree_map_with_path(one, self.abstract_params)
-    if self.pipeline is None:
-      return params
-    from distca_jax.train import pipeline
-
-    return jax.jit(lambda p: pipeline.split_blocks(p, self.shape.layers, self.pipeline.stages),
-                   out_shardings=self.param_shardings)(params)
+    return self._in_layout(jax.tree_util.tree_map_with_path(one, self.abstract_params))
 
   def abstract_state(self) -> TrainState:
     """The state `init_state` makes, as shapes with their shardings and nothing allocated: for
     compiling the step where its devices cannot run (`lower`, a mocked cluster)."""
     replicated = NamedSharding(self.mesh, P())
-    params = jax.eval_shape(jax.jit(self._init_params, out_shardings=self.param_shardings),
-                            jnp.uint32(0))
+    shardings = iter(jax.tree.leaves(self.flat_param_shardings))
+    params = self._in_layout(jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=next(shardings)),
+        self.abstract_params), abstract=True)
     like = lambda sharding: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     opt_state = optax.tree_map_params(self.tx, lambda s, p: like(p.sharding)(s),
                                       jax.eval_shape(self.tx.init, params), params,
