@@ -66,3 +66,19 @@ def test_the_trainer_and_the_simulator_gate_ticks_alike():
             == AttentionConfig().min_imbalance_for(pipelined=pipelined))
   assert AttentionConfig(min_imbalance=1.5).min_imbalance_for(pipelined=True) == 1.5
   assert SimConfig(min_imbalance=1.5).min_imbalance_for(True) == 1.5
+
+
+def test_a_backward_tick_plans_as_its_forward_tick():
+  """Backward tick t holds forward tick t's micro-batches on mirrored stages; the simulator
+  prices both with the forward tick's plan, which holds while a tick's plan ignores which rows
+  are which stage's (one node per tick)."""
+  active = pack(np.r_[T, 2048, 1024, 512, 512, 1024, 1024], 2, T)
+  other = pack(np.r_[3000, 2048, 4096, 512, 512, 4096, 2048], 2, T)
+  forward = side_by_side([active, other, None, None], 2, T)[0]
+  backward = side_by_side([None, None, other, active], 2, T)[0]
+  area = float(make_plan(forward, COMM, 0.05).stats.load_before.sum())
+  for per_byte in (0.0, 1e-3):
+    costs = TickCosts(linear_per_token=1.0, attention_per_area=4.0 * T / area, per_byte=per_byte)
+    f, b = (plan_tick([lay], COMM, costs, epsilon=0.05) for lay in (forward, backward))
+    assert f[0].stats.moves > 0
+    assert tick_time(b, [backward], costs) == pytest.approx(tick_time(f, [forward], costs))
