@@ -32,13 +32,15 @@ class FitBatch:
 
 @dataclasses.dataclass(frozen=True)
 class StepCostFit:
-  """`fit_step_costs`'s result: ms per matmul FLOP and per (effective) attention FLOP, the
-  exchange's overhead (a fraction of the matmul time, and ms per byte), and per batch the
+  """`fit_step_costs`'s result: ms per matmul FLOP and per (effective) attention FLOP, CAD's
+  machinery as given and the exchange's overhead (fractions of the matmul time, and ms per
+  byte), and per batch the
   fitted colocated step, the measured saving and the net saving predicted by a fit of the
   other batches (leave-one-out), all in ms."""
 
   ms_per_linear_flop: float
   ms_per_attention_flop: float
+  machinery: float
   exchange_fixed: float
   exchange_ms_per_byte: float
   max_residual_ms: float
@@ -48,20 +50,22 @@ class StepCostFit:
 
   @property
   def costs(self) -> dict[str, float]:
-    """The three fitted costs of a cost profile (`gate.read_profile`), in matmul-FLOP units:
-    the fit's kernel's attention cost, the exchange's fixed cost and its cost per byte."""
+    """The costs of a cost profile (`gate.read_profile`), in matmul-FLOP units: the fit's
+    kernel's attention cost, the machinery held, the exchange's fixed cost and its cost per
+    byte."""
     c_lin = self.ms_per_linear_flop
     return dict(attention_cost=self.ms_per_attention_flop / c_lin,
-                exchange_fixed=self.exchange_fixed,
+                machinery=self.machinery, exchange_fixed=self.exchange_fixed,
                 exchange_flops_per_byte=self.exchange_ms_per_byte / c_lin)
 
 
-def fit_step_costs(batches: list[FitBatch]) -> StepCostFit:
+def fit_step_costs(batches: list[FitBatch], machinery: float = 0.0) -> StepCostFit:
   """The gate's cost model fit to measured batches (least squares, in FLOP units, so batches of
   different model shapes and token counts fit together on one machine kind): colocated ms =
-  L x c_lin + A x c_att, L the slowest device's matmul FLOPs and A its attention FLOPs; then the
-  exchange's overhead, what balancing would ideally save (c_att x (A - planned)) less what was
-  measured, = fixed x the matmul ms + b x bytes."""
+  L x c_lin + A x c_att, L the slowest device's matmul FLOPs and A its attention FLOPs; then CAD's
+  overhead, what balancing would ideally save (c_att x (A - planned)) less what was measured,
+  = (machinery + fixed) x the matmul ms + b x bytes, with `machinery` held at what one GPU
+  measured (launch/bench_train.py --suite overhead) and fixed >= 0."""
   col = np.array([b.colocated_ms for b in batches])
   c_lin, c_att = np.linalg.lstsq(np.array([[b.linear_flops, b.attention_flops] for b in batches]),
                                  col, rcond=None)[0]
@@ -69,20 +73,29 @@ def fit_step_costs(batches: list[FitBatch]) -> StepCostFit:
   saved = np.array([b.colocated_ms - b.distca_ms for b in batches])
   lin_ms = np.array([c_lin * b.linear_flops for b in batches])
   X = np.stack([lin_ms, [b.exchange_bytes for b in batches]], axis=1)
-  overhead = ideal - saved
-  fixed, per_byte = np.linalg.lstsq(X, overhead, rcond=None)[0]
+  overhead = ideal - saved - machinery * lin_ms
+  fixed, per_byte = _fixed_and_per_byte(X, overhead)
   resid = overhead - X @ np.array([fixed, per_byte])
   loo = np.empty(len(batches))
   for i in range(len(batches)):
     keep = np.arange(len(batches)) != i
-    fi, bi = np.linalg.lstsq(X[keep], overhead[keep], rcond=None)[0]
-    loo[i] = ideal[i] - fi * lin_ms[i] - bi * batches[i].exchange_bytes
+    fi, bi = _fixed_and_per_byte(X[keep], overhead[keep])
+    loo[i] = ideal[i] - (machinery + fi) * lin_ms[i] - bi * batches[i].exchange_bytes
   return StepCostFit(
-      ms_per_linear_flop=float(c_lin), ms_per_attention_flop=float(c_att),
+      ms_per_linear_flop=float(c_lin), ms_per_attention_flop=float(c_att), machinery=machinery,
       exchange_fixed=float(fixed), exchange_ms_per_byte=float(per_byte),
       max_residual_ms=float(np.abs(resid).max()),
       fitted_colocated_ms=lin_ms + c_att * np.array([b.attention_flops for b in batches]),
       measured_saving_ms=saved, leave_one_out_saving_ms=loo)
+
+
+def _fixed_and_per_byte(X_Bx2, overhead_B) -> tuple[float, float]:
+  """Least squares of the overhead on (matmul ms, bytes), the fixed part kept >= 0: where the
+  machinery held covers all of it, the bytes alone carry the rest."""
+  fixed, per_byte = np.linalg.lstsq(X_Bx2, overhead_B, rcond=None)[0]
+  if fixed < 0:
+    fixed, per_byte = 0.0, np.linalg.lstsq(X_Bx2[:, 1:], overhead_B, rcond=None)[0][0]
+  return float(fixed), float(per_byte)
 
 
 def fit_kernel_cost(flops_Sx2: np.ndarray, ms_S: np.ndarray) -> tuple[float, float, float]:

@@ -135,6 +135,10 @@ def main() -> None:
                   help="config overrides for --expect (e.g. data.tokens_per_device=131072)")
   ap.add_argument("--expect-per-node", type=int, default=0, metavar="N",
                   help="--expect with N data ranks per node (attention.data_rank_nodes; 0: one node)")
+  ap.add_argument("--machinery", type=float, default=None, metavar="F",
+                  help="CAD's machinery held in the fit, a fraction of the matmul time, as one "
+                       "GPU measures it (bench_train.py --suite overhead; default: the shipped "
+                       "profile's)")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
   ap.add_argument("--sim-machinery", type=float, default=0.0, metavar="F",
@@ -163,7 +167,7 @@ def main() -> None:
       pairs = from_train_logs(col, cad, args.devices, tuple(args.set))
       print(f"{len(pairs)} CAD steps from {col} / {cad} join the fit")
       extra += pairs
-    fitted = fit(extra=extra)
+    fitted = fit(extra=extra, machinery=args.machinery)
     if args.write_profile:
       write_profile(args.write_profile, fitted)
   if args.expect:
@@ -175,7 +179,7 @@ def main() -> None:
 def write_profile(path, fitted: dict) -> dict:
   """Writes `fit`'s costs as a cost profile (`gate.read_profile`'s format) at `path`: the fit's
   kernel's attention cost, and each other kernel's scaled by its measured ratio
-  (`KERNEL_COST_RATIO`); the exchange's two costs; the shipped price of a byte between nodes (not
+  (`KERNEL_COST_RATIO`); the machinery held and the exchange's two costs; the shipped price of a byte between nodes (not
   fitted: the measurements are one node's). Returns it."""
   import json
   from pathlib import Path
@@ -188,6 +192,7 @@ def write_profile(path, fitted: dict) -> dict:
       "fit_kernel": gate.GATE_FIT_KERNEL,
       "attention_cost": {gate.GATE_FIT_KERNEL: att,
                          **{k: att * r for k, r in KERNEL_COST_RATIO.items()}},
+      "machinery": fitted["machinery"],
       "exchange_fixed": fitted["exchange_fixed"],
       "exchange_flops_per_byte": fitted["exchange_flops_per_byte"],
       "network_byte_cost": shipped["network_byte_cost"],
@@ -298,12 +303,14 @@ def logged_over(own, logged):
       if getattr(logged, f.name) is not None})
 
 
-def fit(verbose: bool = True, extra=()) -> dict:
+def fit(verbose: bool = True, extra=(), machinery: float | None = None) -> dict:
   """The fit above (`gate_fitting.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
-  distribution, step, colocated ms, CAD ms[, capacities]) tuples); prints it (and the per-batch
+  distribution, step, colocated ms, CAD ms[, capacities]) tuples), CAD's machinery held at
+  `machinery` (None: the shipped profile's, a one-GPU measurement); prints it (and the per-batch
   table) when `verbose`. Returns the cost profile's fitted costs (`attention_cost` of the fit's
-  kernel, `exchange_fixed`, `exchange_flops_per_byte`: `StepCostFit.costs`) and, per batch, the
-  measured and the shipped gate's predicted saving (fractions of the colocated step)."""
+  kernel, `machinery`, `exchange_fixed`, `exchange_flops_per_byte`: `StepCostFit.costs`) and,
+  per batch, the measured and the shipped gate's predicted saving (fractions of the colocated
+  step)."""
   from distca_jax import dispatch
   from distca_jax.config import load_config
   from distca_jax.data.sources import synthetic_from_config
@@ -333,11 +340,14 @@ def fit(verbose: bool = True, extra=()) -> dict:
         gain=gate.predicted_cad_gain(shape, batch.layout, attention_config=cfg.attention),
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
         predicted=ctx.predicted_saving, attention=cfg.attention))
-  result = gate_fitting.fit_step_costs(batches)
+  if machinery is None:
+    machinery = gate.read_profile()["machinery"]
+  result = gate_fitting.fit_step_costs(batches, machinery)
   say = print if verbose else (lambda *a, **k: None)
   say(f"colocated step = matmul FLOPs at {1e-9 / result.ms_per_linear_flop:.0f} TF/s + attention "
       f"FLOPs at {1e-9 / result.ms_per_attention_flop:.0f} TF/s (effective)")
-  say(f"exchange overhead = {result.exchange_fixed:.4f} x the matmul time + "
+  say(f"CAD's overhead = ({result.machinery:.4f} machinery, held + {result.exchange_fixed:.4f} "
+      f"exchange calls) x the matmul time + "
       f"{result.exchange_ms_per_byte * 1e9:.3f} ms per GB the busiest device moves (residuals "
       f"{result.max_residual_ms:.0f} ms at most)")
   fitted = result.costs

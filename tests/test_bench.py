@@ -59,7 +59,7 @@ def test_pipeline_suite(tmp_path):
   The exchange is priced free: at this toy size the shipped profile's bytes outweigh any balance
   gain, and the tick planner rightly keeps a warm-up tick's attention on its active stage."""
   profile = tmp_path / "free.json"
-  profile.write_text(json.dumps({**read_profile(), "exchange_fixed": 0.0,
+  profile.write_text(json.dumps({**read_profile(), "exchange_fixed": 0.0, "machinery": 0.0,
                                  "exchange_flops_per_byte": 0.0}))
   rows, _ = _bench(tmp_path, "--suite", "pp", "--batches", "skewed", "--microbatches", "2",
                    "model.layers=2", f"attention.gate_profile={profile}")

@@ -91,7 +91,12 @@ def test_the_gate_profile_is_a_file_the_run_loads(tmp_path):
   assert gate.costs(cfg.attention).exchange_fixed == 0.5
   assert gate.costs(load_config(None, []).attention).exchange_fixed == (
       gate.read_profile()["exchange_fixed"])  # unset: the shipped profile
-  for bad in ({"fit_kernel": "triton"}, {**gate.read_profile(), "exchange_fixed": -1}):
+  # A profile written before CAD's fixed cost was split: its machinery was inside exchange_fixed.
+  older = tmp_path / "older.json"
+  older.write_text(json.dumps({k: v for k, v in gate.read_profile().items() if k != "machinery"}))
+  assert gate.costs(load_config(None, [f"attention.gate_profile={older}"]).attention).machinery == 0.0
+  for bad in ({"fit_kernel": "triton"}, {**gate.read_profile(), "exchange_fixed": -1},
+              {**gate.read_profile(), "machinery": "0.01"}):
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     assert _error(f"attention.gate_profile={tmp_path / 'bad.json'}").startswith(
         "attention.gate_profile:")

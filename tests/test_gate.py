@@ -81,11 +81,11 @@ def test_gate_on_the_plan(monkeypatch, tmp_path):
   step = linear + 3.5 * gate_lib.gate_attention_cost(a) * 4.0 * shape.head_dim * shape.heads * \
       shape.layers * area
   assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, a) == pytest.approx(
-      -gate_lib.costs(a).exchange_fixed * linear / step)
+      -gate_lib.costs(a).fixed * linear / step)
   # The cost model is the config's profile: a free exchange leaves exactly the (here zero)
   # balance gain.
   profile = tmp_path / "free.json"
-  profile.write_text(json.dumps({**gate_lib.read_profile(), "exchange_fixed": 0.0,
+  profile.write_text(json.dumps({**gate_lib.read_profile(), "exchange_fixed": 0.0, "machinery": 0.0,
                                  "exchange_flops_per_byte": 0.0}))
   free = dataclasses.replace(a, gate_profile=str(profile))
   assert gate_lib.predicted_cad_saving(shape, equal.layout, plans, free) == 0.0
@@ -191,11 +191,12 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements(tmp_path):
   for kernel, ratio in fit_gate.KERNEL_COST_RATIO.items():
     assert gate_lib.GATE_ATTENTION_COST[kernel] == pytest.approx(
         gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL] * ratio, rel=2e-3), kernel
-  for name in ("exchange_fixed", "exchange_flops_per_byte"):
+  for name in ("machinery", "exchange_fixed", "exchange_flops_per_byte"):
     assert fitted[name] == pytest.approx(gate_lib.read_profile()[name], rel=0.02), name
   written = fit_gate.write_profile(tmp_path / "profile.json", fitted)  # what a run then loads
   loaded = gate_lib.costs(dataclasses.replace(shipped, gate_profile=str(tmp_path / "profile.json")))
   assert written["exchange_fixed"] == loaded.exchange_fixed == fitted["exchange_fixed"]
+  assert written["machinery"] == loaded.machinery == fitted["machinery"] > 0
   assert len(fitted["batches"]) == 14
   for name, (measured, predicted) in fitted["batches"].items():
     if abs(measured) > 0.02:

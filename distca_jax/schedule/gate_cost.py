@@ -4,7 +4,8 @@ In matmul-FLOP units (`GateCosts`, fitted by `launch/fit_gate.py`):
 
   colocated step = matmul FLOPs + attention_cost x attention FLOPs    (the slowest device)
   CAD's saving   = attention time colocated - the slowest server's after planning
-                   - exchange_fixed x matmul FLOPs - exchange_flops_per_byte x bytes
+                   - (machinery + exchange_fixed) x matmul FLOPs
+                   - exchange_flops_per_byte x bytes
 
 where the bytes are the busiest device's over one step's exchanges, as its transport carries them
 (`transport.Transport.carried_bytes`), bytes between nodes priced `network_byte_cost` NVLink
@@ -25,13 +26,21 @@ from distca_jax.data.packing import Layout
 @dataclasses.dataclass(frozen=True)
 class GateCosts:
   """The gate's fitted cost profile, in matmul-FLOP units: attention's time per FLOP relative to
-  the matmuls'; the exchange's fixed cost (a fraction of the matmul time) and its cost per byte
-  the busiest device sends and receives; and a byte between nodes in NVLink bytes."""
+  the matmuls'; CAD's fixed cost as fractions of the matmul time, its machinery (the row movers
+  and the two streams, what one GPU measures with nothing to move) and the exchange's calls
+  (what only several GPUs show); the exchange's cost per byte the busiest device sends and
+  receives; and a byte between nodes in NVLink bytes."""
 
   attention_cost: float
   exchange_fixed: float
   exchange_flops_per_byte: float
   network_byte_cost: float = 4.0
+  machinery: float = 0.0
+
+  @property
+  def fixed(self) -> float:
+    """CAD's whole fixed cost, a fraction of the matmul time."""
+    return self.machinery + self.exchange_fixed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +97,7 @@ def predicted_cad_gain(model: ModelFlops, layout: Layout, costs: GateCosts,
   step = (linear + attn).max()
   if step <= 0:
     return 0.0
-  fixed = costs.exchange_fixed * linear.max() if exchange else 0.0
+  fixed = costs.fixed * linear.max() if exchange else 0.0
   return float((attn.max() - attn.mean() - fixed) / step)
 
 
@@ -109,7 +118,7 @@ def predicted_cad_saving(model: ModelFlops, layout: Layout, plans, costs: GateCo
   if exchange_bytes is None:
     exchange_bytes = sum(p.traffic.send + p.traffic.recv for p in plans)
   moved = np.max(exchange_bytes) * model.layers
-  net = (attn.max() - planned.max() - costs.exchange_fixed * linear.max()
+  net = (attn.max() - planned.max() - costs.fixed * linear.max()
          - costs.exchange_flops_per_byte * moved)
   return float(net / step)
 
