@@ -43,6 +43,9 @@ GATE_ATTENTION_COST: dict[str, float] = dict(fit_data()["attention_cost"])
 KERNEL_COST_RATIO: dict[str, float] = dict(fit_data()["kernel_cost_ratio"])
 FIT_DEVICES: int = fit_data()["setup"]["devices"]
 FIT_SETUP: tuple[str, ...] = tuple(fit_data()["setup"]["overrides"])
+# CAD's machinery on one GPU of the code the measured batches ran, held in their fit; a run
+# charges the profile's `machinery`, the current code's.
+FIT_MACHINERY: float = fit_data()["setup"]["machinery"]
 
 
 def measured_batches() -> dict[tuple[str, int], tuple[float, float]]:

@@ -137,13 +137,14 @@ def main() -> None:
                   help="--expect with N data ranks per node (attention.data_rank_nodes; 0: one node)")
   ap.add_argument("--machinery", type=float, default=None, metavar="F",
                   help="CAD's machinery held in the fit, a fraction of the matmul time, as one "
-                       "GPU measures it (bench_train.py --suite overhead; default: the shipped "
-                       "profile's)")
+                       "GPU measures it for the code the batches ran (bench_train.py --suite "
+                       "overhead; default: the shipped batches'); the written profile charges it")
   ap.add_argument("--sim", action="store_true",
                   help="also calibrate the simulator's CAD cost terms on the same batches")
-  ap.add_argument("--sim-machinery", type=float, default=0.0, metavar="F",
+  ap.add_argument("--sim-machinery", type=float, default=gate.FIT_MACHINERY, metavar="F",
                   help="--sim: cad_machinery, as measured on one GPU (bench_train.py --suite "
-                       "overhead: CAD's step over colocated's, less one, over the linear time)")
+                       "overhead: CAD's step over colocated's, less one, over the linear time; "
+                       "default: the shipped batches' code's)")
   ap.add_argument("--logs", nargs=2, action="append", default=[], metavar=("COLOCATED", "DISTCA"),
                   help="two launch/train.py logs of the same sampled steps (gpu_session.sh "
                        "gaterun): each CAD step that neither run compiled joins the fit (their "
@@ -306,7 +307,7 @@ def logged_over(own, logged):
 def fit(verbose: bool = True, extra=(), machinery: float | None = None) -> dict:
   """The fit above (`gate_fitting.fit_step_costs`), over MEASURED and `extra` ((devices, overrides,
   distribution, step, colocated ms, CAD ms[, capacities]) tuples), CAD's machinery held at
-  `machinery` (None: the shipped profile's, a one-GPU measurement); prints it (and the per-batch
+  `machinery` (None: what one GPU measured for the code the shipped batches ran); prints it (and the per-batch
   table) when `verbose`. Returns the cost profile's fitted costs (`attention_cost` of the fit's
   kernel, `machinery`, `exchange_fixed`, `exchange_flops_per_byte`: `StepCostFit.costs`) and,
   per batch, the measured and the shipped gate's predicted saving (fractions of the colocated
@@ -341,7 +342,7 @@ def fit(verbose: bool = True, extra=(), machinery: float | None = None) -> dict:
         moved=int(sum(p.traffic.q_rows_out.sum() + p.traffic.kv_rows_out.sum() for p in ctx.plans)),
         predicted=ctx.predicted_saving, attention=cfg.attention))
   if machinery is None:
-    machinery = gate.read_profile()["machinery"]
+    machinery = gate.FIT_MACHINERY
   result = gate_fitting.fit_step_costs(batches, machinery)
   say = print if verbose else (lambda *a, **k: None)
   say(f"colocated step = matmul FLOPs at {1e-9 / result.ms_per_linear_flop:.0f} TF/s + attention "

@@ -191,12 +191,14 @@ def test_gate_constants_are_the_fit_of_the_recorded_measurements(tmp_path):
   for kernel, ratio in fit_gate.KERNEL_COST_RATIO.items():
     assert gate_lib.GATE_ATTENTION_COST[kernel] == pytest.approx(
         gate_lib.GATE_ATTENTION_COST[gate_lib.GATE_FIT_KERNEL] * ratio, rel=2e-3), kernel
-  for name in ("machinery", "exchange_fixed", "exchange_flops_per_byte"):
+  for name in ("exchange_fixed", "exchange_flops_per_byte"):
     assert fitted[name] == pytest.approx(gate_lib.read_profile()[name], rel=0.02), name
   written = fit_gate.write_profile(tmp_path / "profile.json", fitted)  # what a run then loads
   loaded = gate_lib.costs(dataclasses.replace(shipped, gate_profile=str(tmp_path / "profile.json")))
   assert written["exchange_fixed"] == loaded.exchange_fixed == fitted["exchange_fixed"]
-  assert written["machinery"] == loaded.machinery == fitted["machinery"] > 0
+  assert written["machinery"] == loaded.machinery == fitted["machinery"] == gate_lib.FIT_MACHINERY
+  # The shipped profile charges the current code's machinery, measured on one GPU, not fitted.
+  assert 0 < gate_lib.costs().machinery <= gate_lib.FIT_MACHINERY
   assert len(fitted["batches"]) == 14
   for name, (measured, predicted) in fitted["batches"].items():
     if abs(measured) > 0.02:
