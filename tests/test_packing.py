@@ -308,6 +308,30 @@ def test_synthetic_source_builds_the_rows_asked_for():
     src.batch(2, [6])
 
 
+def test_a_source_batch_builds_its_arrays_when_first_read():
+  """A source's batch builds its arrays when one is first read: ping-pong's split reads the
+  tokens it re-packs from the stream and leaves them unbuilt (a step run as two nano-batches
+  never reads them); `take` reads the same tokens from the stream as from the built arrays."""
+  from distca_jax.dispatch import split_pingpong_batch
+
+  src = SyntheticSource(LengthSampler(lengths=load_lengths("pretrain"), seed=3), 1000, 4, 4096)
+  flat = np.random.default_rng(0).integers(0, 4 * 4096, 500)
+  for rows in (None, np.array([1, 2])):
+    batch = src.batch(2, rows)
+    split_pingpong_batch(batch)
+    from_stream = batch.take(flat)
+    assert not batch.built
+    segment_ids = batch.segment_ids
+    assert batch.built and batch.segment_ids is segment_ids
+    held = np.arange(4) if rows is None else rows
+    np.testing.assert_array_equal(segment_ids[held], batch.layout.segment_ids(held))
+    from_arrays = batch.take(flat)
+    for k in from_stream:
+      np.testing.assert_array_equal(from_arrays[k], from_stream[k], err_msg=k)
+  with pytest.raises(AttributeError, match="nope"):
+    src.batch(0).nope
+
+
 def test_ranges_and_index_in_runs_match_loops():
   """`ranges`, `index_in_runs` and `run_of`, the vectorised helpers the host paths share, equal
   their Python loops on random runs, empty runs and no runs included (`run_of` on positions in

@@ -113,6 +113,21 @@ def run_of(ends: np.ndarray, p: np.ndarray) -> np.ndarray:
   return np.repeat(np.arange(ends.size + 1), counts)
 
 
+def run_values(ends: np.ndarray, p: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, ...]:
+  """`v[run_of(ends, p)]` for each of `values` (one entry per run ending at `ends`, plus one
+  past them for a `p` at or past the last end): for positions in order, each value repeated
+  over its run's positions, without the index of each position's run."""
+  ends = np.asarray(ends)
+  p = np.asarray(p)
+  if p.ndim != 1 or p.size < 2 * ends.size or (p[1:] < p[:-1]).any():
+    run = np.searchsorted(ends, p, side="right")
+    return tuple(np.asarray(v)[run] for v in values)
+  counts = np.diff(np.searchsorted(p, ends, side="left"), prepend=0, append=p.size)
+  if not counts[-1]:  # no position past the last end: values may have one entry per run only
+    counts = counts[:-1]
+  return tuple(np.repeat(np.asarray(v)[:counts.size], counts) for v in values)
+
+
 def index_in_runs(counts: np.ndarray) -> np.ndarray:
   """Each element's index within its run, for runs of `counts` elements laid end to end:
   [2, 3] -> [0, 1, 0, 1, 2]."""
