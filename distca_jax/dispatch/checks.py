@@ -256,14 +256,14 @@ def check_exchange_counts(s: Scope) -> None:
     count, valid = r.send_count, r.send_valid
     if count.shape != (s.N, s.N) or (count < 0).any():
       raise PlanMismatchError(f"plan {name}.send_count is not the [N, N] rows of one exchange")
-    # Exclusive prefix sums along each device's sends and each server's receives; each checked
-    # device's rows of the six arrays against them ([N, N] work only in these two sums).
-    send_off = np.cumsum(count, axis=1, dtype=np.int64) - count
-    land = np.cumsum(count, axis=0, dtype=np.int64) - count  # [d, s]: where d's rows land at s
-    mine = lambda a: a[s.rows]
-    cols = lambda a: a[:, s.rows].T
-    want = {"recv_count": cols(count), "send_off": mine(send_off), "recv_off": cols(land),
-            "peer_off": mine(land), "back_off": cols(send_off)}
+    # What each checked device's rows of the six arrays must be, from the counts: its sends and
+    # receives, their exclusive prefix sums, and the sums of the rows (columns) before it, each
+    # summed once over the [N, N] counts (no prefix sum of the whole matrix).
+    count64 = count.astype(np.int64)
+    sends, gets = count64[s.rows], count64[:, s.rows].T
+    want = {"recv_count": gets, "send_off": _exclusive(sends), "recv_off": _exclusive(gets),
+            "peer_off": _sums_before(count64, s.devices, axis=0),
+            "back_off": _sums_before(count64, s.devices, axis=1).T}
     if (count[s.devices, s.devices].any()
         or any(not np.array_equal(s.mine(getattr(r, k)), v) for k, v in want.items())):
       raise PlanMismatchError(f"plan {name}.send_count / {name}.recv_count and their offsets do "
@@ -281,6 +281,26 @@ def check_exchange_counts(s: Scope) -> None:
     if r.block and count.max(initial=0) > r.block:
       raise PlanMismatchError(f"plan sends {int(count.max())} {name} rows between two devices, "
                               f"more than the tiled exchange's blocks of {r.block}")
+
+
+def _exclusive(a: np.ndarray) -> np.ndarray:
+  """Exclusive prefix sums along the rows of `a` [k, N]."""
+  out = np.cumsum(a, axis=1)
+  out -= a
+  return out
+
+
+def _sums_before(count: np.ndarray, at: np.ndarray, axis: int) -> np.ndarray:
+  """The sums of `count`'s rows (axis 0: [len(at), N]) or columns (axis 1: [N, len(at)]) before
+  each of the sorted, distinct indices `at`: blocks between consecutive indices summed by
+  `reduceat`, then added up."""
+  if not at.size:
+    return np.zeros((0, count.shape[1]) if axis == 0 else (count.shape[0], 0), count.dtype)
+  blocks = np.add.reduceat(count, np.concatenate([[0], at]), axis=axis)
+  blocks = blocks[:-1] if axis == 0 else blocks[:, :-1]
+  if at[0] == 0:  # reduceat gives an empty block's first element, not zero
+    (blocks[0] if axis == 0 else blocks[:, 0])[...] = 0
+  return np.cumsum(blocks, axis=axis)
 
 
 def check_each_token_has_one_slot(s: Scope) -> None:

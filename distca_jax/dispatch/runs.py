@@ -108,44 +108,50 @@ def follow(r: Runs, table: Table, limit: int) -> tuple[Runs, np.ndarray]:
 def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   """The maximal runs of index array `idx` [N, W] (consecutive valid slots of one row holding
   consecutive values) over the slots [start, start + n) of devices `dev` (sorted by device then
-  start, disjoint): each of those slots' valid flags is read once, and the values of the valid
-  ones (most of a buffer past its rows is padding)."""
+  start, disjoint): each of those slots is read once, as the contiguous spans they form (a
+  device's whole row, a sender's blocks one after another), a few element-wise passes over each
+  span and no index per slot."""
   width = idx.shape[-1]
   dev, start, n = np.broadcast_arrays(*(np.asarray(a, np.int64).reshape(-1)
                                         for a in (dev, start, n)))
   keep = n > 0
-  dev, start, n = dev[keep], start[keep], n[keep]
-  if not width or not n.size:
+  lo = (dev * width + start)[keep]
+  hi = lo + n[keep]
+  if not width or not lo.size:
     z = np.zeros(0, np.int64)
     return Table(z, z, z, z, max(width, 1))
-  if dev[-1] - dev[0] + 1 == dev.size and (start == 0).all() and (n == width).all():
-    rows = slice(int(dev[0]), int(dev[-1]) + 1)  # whole consecutive rows: views, read as they lie
-    key = np.flatnonzero(valid[rows])
-    values = idx[rows].reshape(-1)[key]
-    key += int(dev[0]) * width
-  else:
-    flat = ranges(dev * width + start, n)
-    key = flat[valid.reshape(-1)[flat]]
-    values = idx.reshape(-1)[key]
-  # Consecutive slots holding consecutive values (int32 differences may wrap only for values a
-  # run's range check then refuses).
-  cont = np.zeros(key.size, bool)
-  np.equal(key[1:] - key[:-1], 1, out=cont[1:])
-  cont[1:] &= values[1:] - values[:-1] == 1
-  begins = np.flatnonzero(~cont)
-  length = np.diff(np.append(begins, key.size))
-  key, values = key[begins], values[begins].astype(np.int64)
-  # A run crossing the end of a row is two (rare: a row's last slot and the next row's first).
-  row_end = (key // width + 1) * width
-  over = key + length > row_end
-  if over.any():
-    head = np.where(over, row_end - key, length)
-    key = np.concatenate([key, row_end[over]])
-    values = np.concatenate([values, values[over] + head[over]])
-    length = np.concatenate([head, (length - head)[over]])
-    order = np.argsort(key, kind="stable")
-    key, values, length = key[order], values[order], length[order]
-  return Table(key, length, key // width, values, width)
+  # Regions that touch are one span of the flattened array.
+  first = np.flatnonzero(np.concatenate([[True], lo[1:] != hi[:-1]]))
+  lo, hi = lo[first], np.append(hi[first[1:] - 1], hi[-1])
+  values, ok = _spans(idx.reshape(-1), lo, hi), _spans(valid.reshape(-1), lo, hi)
+  at = np.cumsum(hi - lo) - (hi - lo)  # where each span starts in `values`
+  # A slot continues the one before it when both are valid and it holds the next value (int32
+  # differences may wrap only for values a run's range check then refuses), except where a span
+  # or a row starts.
+  cont = np.empty(values.size, bool)
+  cont[0] = False
+  np.equal(np.subtract(values[1:], values[:-1]), 1, out=cont[1:])
+  cont[1:] &= ok[1:]
+  cont[1:] &= ok[:-1]
+  cont[at] = False
+  row_starts = ranges(lo // width + 1, (hi - 1) // width - lo // width)  # rows begun inside a span
+  if row_starts.size:
+    span = np.searchsorted(lo, row_starts * width, side="right") - 1
+    cont[at[span] + row_starts * width - lo[span]] = False
+  begins = np.flatnonzero(ok > cont)  # valid and not continuing: a run's first slot
+  lasts = np.flatnonzero(ok[:-1] > cont[1:])
+  if ok[-1]:
+    lasts = np.append(lasts, values.size - 1)
+  span = np.searchsorted(at, begins, side="right") - 1
+  key = begins - at[span] + lo[span]
+  return Table(key, lasts - begins + 1, key // width, values[begins].astype(np.int64), width)
+
+
+def _spans(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+  """`a[lo:hi]` of each span, one after another (a view for one span)."""
+  if lo.size == 1:
+    return a[int(lo[0]):int(hi[0])]
+  return np.concatenate([a[i:j] for i, j in zip(lo.tolist(), hi.tolist())])
 
 
 def exchange_table(count: np.ndarray, recv_off: np.ndarray, send_off: np.ndarray, servers,
