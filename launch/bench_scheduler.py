@@ -238,7 +238,7 @@ def _host_numbers(args, dist: str, n: int) -> dict:
       ctx = step
   layouts = [b.layout for b in ctx.batches]
   plans, _, plan_ms = _cpu_ms(
-      lambda: host._plans_and_kv(config.attention, layouts, shape, False)[0], 3)
+      lambda: host._plans_and_kv(config.attention, layouts, shape)[0], 3)
   return {"wall": float(np.median(walls)), "cpu": float(np.median(cpus)), "plan": plan_ms,
           "moves": sum(p.stats.moves for p in plans),
           "imbalance": float(ctx.imbalance()[1])}
