@@ -108,9 +108,10 @@ def follow(r: Runs, table: Table, limit: int) -> tuple[Runs, np.ndarray]:
 def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   """The maximal runs of index array `idx` [N, W] (consecutive valid slots of one row holding
   consecutive values) over the slots [start, start + n) of devices `dev` (sorted by device then
-  start, disjoint): each of those slots is read once, as the contiguous spans they form (a
-  device's whole row, a sender's blocks one after another), a few element-wise passes over each
-  span and no index per slot."""
+  start, disjoint): the valid flags of those slots are read once, as the contiguous spans they
+  form (a device's whole row, a sender's blocks one after another), and the values of the valid
+  ones, which lie in a few segments (a buffer is filled from its start), a few element-wise
+  passes over each and no index per slot."""
   width = idx.shape[-1]
   dev, start, n = np.broadcast_arrays(*(np.asarray(a, np.int64).reshape(-1)
                                         for a in (dev, start, n)))
@@ -123,34 +124,52 @@ def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   # Regions that touch are one span of the flattened array.
   first = np.flatnonzero(np.concatenate([[True], lo[1:] != hi[:-1]]))
   lo, hi = lo[first], np.append(hi[first[1:] - 1], hi[-1])
-  values, ok = _spans(idx.reshape(-1), lo, hi), _spans(valid.reshape(-1), lo, hi)
-  at = np.cumsum(hi - lo) - (hi - lo)  # where each span starts in `values`
-  # A slot continues the one before it when both are valid and it holds the next value (int32
-  # differences may wrap only for values a run's range check then refuses), except where a span
-  # or a row starts.
+  ok = _spans(valid.reshape(-1), lo, hi)
+  at = np.cumsum(hi - lo) - (hi - lo)  # where each span starts in `ok`
+  # The valid slots' segments: `ok` changes, or a span starts, at their ends.
+  cuts = np.union1d(np.flatnonzero(ok[1:] != ok[:-1]) + 1, at)
+  seg = cuts[ok[cuts]]
+  seg_end = np.append(cuts, ok.size)[np.searchsorted(cuts, seg, side="right")]
+  span = np.searchsorted(at, seg, side="right") - 1
+  seg_lo = seg - at[span] + lo[span]
+  seg_hi = seg_lo + (seg_end - seg)
+  flat = idx.reshape(-1)
+  if seg.size * 64 <= ok.size:  # few segments: read as slices
+    values = _spans(flat, seg_lo, seg_hi)
+  else:
+    values = _spans(flat, lo, hi)[ok]
+  return _runs(values, seg_lo, seg_hi, width)
+
+
+def _runs(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int) -> Table:
+  """The maximal runs of consecutive values in `values`, the contents of flat slots [lo, hi)
+  of an [N, width] array, one segment after another (a run ends where a segment or a row
+  does)."""
+  if not values.size:
+    z = np.zeros(0, np.int64)
+    return Table(z, z, z, z, width)
+  at = np.cumsum(hi - lo) - (hi - lo)  # where each segment starts in `values`
+  # A slot continues the one before it when it holds the next value (int32 differences may
+  # wrap only for values a run's range check then refuses).
   cont = np.empty(values.size, bool)
   cont[0] = False
   np.equal(np.subtract(values[1:], values[:-1]), 1, out=cont[1:])
-  cont[1:] &= ok[1:]
-  cont[1:] &= ok[:-1]
   cont[at] = False
-  row_starts = ranges(lo // width + 1, (hi - 1) // width - lo // width)  # rows begun inside a span
+  row_starts = ranges(lo // width + 1, (hi - 1) // width - lo // width)  # rows begun inside
   if row_starts.size:
-    span = np.searchsorted(lo, row_starts * width, side="right") - 1
-    cont[at[span] + row_starts * width - lo[span]] = False
-  begins = np.flatnonzero(ok > cont)  # valid and not continuing: a run's first slot
-  lasts = np.flatnonzero(ok[:-1] > cont[1:])
-  if ok[-1]:
-    lasts = np.append(lasts, values.size - 1)
-  span = np.searchsorted(at, begins, side="right") - 1
-  key = begins - at[span] + lo[span]
-  return Table(key, lasts - begins + 1, key // width, values[begins].astype(np.int64), width)
+    seg = np.searchsorted(lo, row_starts * width, side="right") - 1
+    cont[at[seg] + row_starts * width - lo[seg]] = False
+  begins = np.flatnonzero(~cont)
+  seg = np.searchsorted(at, begins, side="right") - 1
+  key = begins - at[seg] + lo[seg]
+  return Table(key, np.diff(np.append(begins, values.size)), key // width,
+               values[begins].astype(np.int64), width)
 
 
 def _spans(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
   """`a[lo:hi]` of each span, one after another (a view for one span)."""
-  if lo.size == 1:
-    return a[int(lo[0]):int(hi[0])]
+  if lo.size <= 1:
+    return a[int(lo[0]):int(hi[0])] if lo.size else a[:0]
   return np.concatenate([a[i:j] for i, j in zip(lo.tolist(), hi.tolist())])
 
 
