@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .doclens import LengthSampler, load_lengths
-from .packing import PAD_SEGMENT, Layout, pack, run_of, run_values
+from .packing import PAD_SEGMENT, Layout, pack, run_values
 
 
 TOKEN_ARRAYS = ("tokens", "targets", "loss_mask", "positions")
@@ -212,8 +212,10 @@ class SyntheticSource:
     shift = (start - stride * (doc_end - doc_lens)) % self.vocab_size
 
     def tokens_at(p):
-      d = run_of(doc_end, p)
-      return ((shift[d] + stride[d] * p) % self.vocab_size).astype(np.int32)
+      shift_p, stride_p = run_values(doc_end, p, shift, stride)
+      stride_p *= p
+      stride_p += shift_p
+      return (stride_p % self.vocab_size).astype(np.int32)
 
     return doc_lens, tokens_at
 
