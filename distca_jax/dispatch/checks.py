@@ -202,16 +202,14 @@ def check_indices_in_range(s: Scope) -> None:
   p, T = s.plan, s.T
   server_rows = T + s.Rq  # a server's query rows: local, then received
   home_rows = T + p.q.send_rows  # a home's outputs: local, then returned to send slots
-  return_idx = s.mine(p.return_idx)
-  if (return_idx < 0).any() or (return_idx >= home_rows).any():
+  if _outside(s.mine(p.return_idx), home_rows):
     raise PlanMismatchError(f"plan return_idx outside the {home_rows} rows a home gets back")
   q_start, q_len, kv_start, kv_len = map(s.mine, (p.q_start, p.q_len, p.kv_start, p.kv_len))
   if (q_start + q_len > server_rows).any() or (kv_start + kv_len > p.server_kv_idx.shape[-1]).any():
     raise PlanMismatchError("plan task table indexes rows past its capacities")
   if (q_len > kv_len).any():
     raise PlanMismatchError("plan has a task with more queries than keys")
-  server_kv_idx = s.mine(p.server_kv_idx)
-  if (server_kv_idx < 0).any() or (server_kv_idx >= s.Tkv + s.Rkv + s.Rkv2).any():
+  if _outside(s.mine(p.server_kv_idx), s.Tkv + s.Rkv + s.Rkv2):
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
   # The checked devices' own buffers; the rows others send them are followed (and checked) by
   # `check_tasks_cover_one_document`.
@@ -219,8 +217,13 @@ def check_indices_in_range(s: Scope) -> None:
                          ("q.send_idx", s.mine(p.q.send_idx), T),
                          ("kv.send_idx", s.mine(p.kv.send_idx), s.Tkv),
                          ("kv2.send_idx", s.mine(p.kv2.send_idx), s.Tkv + s.Rkv)):
-    if a.size and (a.min() < 0 or a.max() >= limit):
+    if _outside(a, limit):
       raise PlanMismatchError(f"plan {name} outside the {limit} rows of a buffer")
+
+
+def _outside(a: np.ndarray, limit: int) -> bool:
+  """Whether an index of `a` is outside [0, limit) (two reductions, no temporary per slot)."""
+  return bool(a.size) and (a.min() < 0 or a.max() >= limit)
 
 
 def check_kv_inverse(s: Scope) -> None:
