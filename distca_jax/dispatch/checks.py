@@ -262,11 +262,10 @@ def check_exchange_counts(s: Scope) -> None:
     # What each checked device's rows of the six arrays must be, from the counts: its sends and
     # receives, their exclusive prefix sums, and the sums of the rows (columns) before it, each
     # summed once over the [N, N] counts (no prefix sum of the whole matrix).
-    count64 = count.astype(np.int64)
-    sends, gets = count64[s.rows], count64[:, s.rows].T
+    sends, gets = count[s.rows].astype(np.int64), count[:, s.rows].T.astype(np.int64)
     want = {"recv_count": gets, "send_off": _exclusive(sends), "recv_off": _exclusive(gets),
-            "peer_off": _sums_before(count64, s.devices, axis=0),
-            "back_off": _sums_before(count64, s.devices, axis=1).T}
+            "peer_off": _sums_before(count, s.devices, axis=0),
+            "back_off": _sums_before(count, s.devices, axis=1).T}
     if (count[s.devices, s.devices].any()
         or any(not np.array_equal(s.mine(getattr(r, k)), v) for k, v in want.items())):
       raise PlanMismatchError(f"plan {name}.send_count / {name}.recv_count and their offsets do "
@@ -295,12 +294,13 @@ def _exclusive(a: np.ndarray) -> np.ndarray:
 
 def _sums_before(count: np.ndarray, at: np.ndarray, axis: int) -> np.ndarray:
   """The sums of `count`'s rows (axis 0: [len(at), N]) or columns (axis 1: [N, len(at)]) before
-  each of the sorted, distinct indices `at`: blocks between consecutive indices summed by
-  `reduceat`, then added up."""
-  if not at.size:
-    return np.zeros((0, count.shape[1]) if axis == 0 else (count.shape[0], 0), count.dtype)
-  blocks = np.add.reduceat(count, np.concatenate([[0], at]), axis=axis)
-  blocks = blocks[:-1] if axis == 0 else blocks[:, :-1]
+  each of the sorted, distinct indices `at`, int64: the blocks between consecutive indices
+  summed by `reduceat` (none past the last index), then added up."""
+  shape = lambda k: (k, count.shape[1]) if axis == 0 else (count.shape[0], k)
+  if not at.size or not at[-1]:
+    return np.zeros(shape(at.size), np.int64)
+  part = count[:int(at[-1])] if axis == 0 else count[:, :int(at[-1])]
+  blocks = np.add.reduceat(part, np.concatenate([[0], at[:-1]]), axis=axis, dtype=np.int64)
   if at[0] == 0:  # reduceat gives an empty block's first element, not zero
     (blocks[0] if axis == 0 else blocks[:, 0])[...] = 0
   return np.cumsum(blocks, axis=axis)
