@@ -103,6 +103,29 @@ def test_targets_are_next_token_of_same_document(case):
   assert b.loss_mask.sum() == n - len(lens)
 
 
+def test_positions_read_in_chunks_match_reference(monkeypatch):
+  """Positions read a few at a time (`sources._CHUNK`), chunks ending inside documents and
+  positions out of order among them: each token's target, loss weight and position as the
+  token-by-token reference has them."""
+  from distca_jax.data import sources
+
+  monkeypatch.setattr(sources, "_CHUNK", 3)
+  rng = np.random.default_rng(5)
+  lens = rng.integers(1, 9, 12)
+  toks = _tokens(lens, seed=1)
+  n = int(lens.sum())
+  seg, pos = reference(lens, 1, n + 4)
+  ends = set((np.cumsum(lens) - 1).tolist())
+  for flat in (np.arange(n + 4), rng.permutation(n + 4), np.sort(rng.integers(0, n + 4, 40))):
+    got = sources.packed_arrays(lens, lambda p: toks[p], flat)
+    for i, g in enumerate(flat.tolist()):
+      real_next = g < n and g not in ends
+      assert got["tokens"][i] == (toks[g] if g < n else 0)
+      assert got["targets"][i] == (toks[g + 1] if real_next else 0)
+      assert got["loss_mask"][i] == float(real_next)
+      assert got["positions"][i] == pos[0, g]
+
+
 def test_one_token_documents_have_no_target():
   lens = np.ones(8, np.int64)
   b = make_batch(lens, _tokens(lens), 2, 4)

@@ -98,29 +98,41 @@ def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray) -> dict[str
   doc_end = np.cumsum(doc_lens)
   out = {"tokens": np.zeros(flat.shape, np.int32), "targets": np.zeros(flat.shape, np.int32),
          "loss_mask": np.zeros(flat.shape, np.float32), "positions": np.zeros(flat.shape, np.int32)}
+  # A chunk of positions at a time: whole-size temporaries would be fresh memory on every call
+  # (page faults cost about as much as the arithmetic); a chunk's are reused.
+  for lo in range(0, flat.size, _CHUNK):
+    _packed_chunk(doc_lens, doc_end, tokens_at, flat[lo:lo + _CHUNK],
+                  {k: v[lo:lo + _CHUNK] for k, v in out.items()})
+  return {k: v.reshape(shape) for k, v in out.items()}
+
+
+_CHUNK = 1 << 16  # positions: a chunk's int64 temporaries are 512 KiB
+
+
+def _packed_chunk(doc_lens, doc_end, tokens_at, flat, out) -> None:
+  """`packed_arrays` of positions `flat`, written into `out`'s arrays."""
   real = flat < (doc_end[-1] if doc_end.size else 0)
   p = flat if real.all() else flat[real]
-  if p.size:
-    start, end = run_values(doc_end, p, doc_end - doc_lens, doc_end)
-    got = {"tokens": np.asarray(tokens_at(p), np.int32)}
-    has_next = p + 1 < end
-    # A position's target is the token at the next position, usually read already (positions
-    # are mostly read in order): only the others are read again.
-    follows = np.zeros(p.size, bool)
-    np.equal(p[1:] - 1, p[:-1], out=follows[:-1])
-    targets = np.zeros(p.size, np.int32)
-    targets[:-1] = got["tokens"][1:]
-    targets *= follows & has_next
-    again = np.flatnonzero(has_next > follows)
-    targets[again] = tokens_at(p[again] + 1)
-    got.update(targets=targets, loss_mask=has_next.astype(np.float32),
-               positions=(p - start).astype(np.int32))
-    for k, v in got.items():
-      if p is flat:
-        out[k] = v
-      else:
-        out[k][real] = v
-  return {k: v.reshape(shape) for k, v in out.items()}
+  if not p.size:
+    return
+  start, end = run_values(doc_end, p, doc_end - doc_lens, doc_end)
+  got = {"tokens": np.asarray(tokens_at(p), np.int32)}
+  has_next = p + 1 < end
+  # A position's target is the token at the next position, usually read already (positions
+  # are mostly read in order): only the others are read again.
+  follows = np.zeros(p.size, bool)
+  np.equal(p[1:] - 1, p[:-1], out=follows[:-1])
+  targets = np.zeros(p.size, np.int32)
+  targets[:-1] = got["tokens"][1:]
+  targets *= follows & has_next
+  again = np.flatnonzero(has_next > follows)
+  targets[again] = tokens_at(p[again] + 1)
+  got.update(targets=targets, loss_mask=has_next, positions=p - start)
+  for k, v in got.items():
+    if p is flat:
+      out[k][...] = v
+    else:
+      out[k][real] = v
 
 
 def cut_documents(doc_lens: np.ndarray, max_len: int | None) -> np.ndarray:
