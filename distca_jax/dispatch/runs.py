@@ -134,11 +134,33 @@ def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   seg_lo = seg - at[span] + lo[span]
   seg_hi = seg_lo + (seg_end - seg)
   flat = idx.reshape(-1)
-  if seg.size * 64 <= ok.size:  # few segments: read as slices
-    values = _spans(flat, seg_lo, seg_hi)
-  else:
-    values = _spans(flat, lo, hi)[ok]
-  return _runs(values, seg_lo, seg_hi, width)
+  if seg.size * _FEW <= ok.size:  # few segments: read in place
+    return _segment_runs(flat, seg_lo, seg_hi, width)
+  return _runs(_spans(flat, lo, hi)[ok], seg_lo, seg_hi, width)
+
+
+def _segment_runs(flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int) -> Table:
+  """`_runs` of the slots [lo, hi) of `flat` (an [N, width] array's, all valid), each segment
+  read in place a chunk at a time: no copy of the values, and temporaries of one chunk."""
+  if not lo.size:
+    z = np.zeros(0, np.int64)
+    return Table(z, z, z, z, width)
+  begins = []
+  for a, b in zip(lo.tolist(), hi.tolist()):
+    begins.append(np.array([a], np.int64))
+    for c in range(a, b, _CHUNK):
+      v = flat[max(c - 1, a):min(c + _CHUNK, b)]
+      # (int32 differences may wrap only for values a run's range check then refuses)
+      begins.append(np.flatnonzero(np.subtract(v[1:], v[:-1]) != 1) + (max(c - 1, a) + 1))
+  row_starts = ranges(lo // width + 1, (hi - 1) // width - lo // width) * width
+  key = np.union1d(np.concatenate(begins), row_starts)  # a run ends where a row does too
+  seg = np.searchsorted(lo, key, side="right") - 1
+  end = np.minimum(np.append(key[1:], hi[-1]), hi[seg])
+  return Table(key, end - key, key // width, flat[key].astype(np.int64), width)
+
+
+_CHUNK = 1 << 16  # slots read at a time: a chunk's temporaries are reused, not fresh memory
+_FEW = 64  # segments are few when they average this many slots
 
 
 def _runs(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int) -> Table:
