@@ -127,7 +127,7 @@ def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   ok = _spans(valid.reshape(-1), lo, hi)
   at = np.cumsum(hi - lo) - (hi - lo)  # where each span starts in `ok`
   # The valid slots' segments: `ok` changes, or a span starts, at their ends.
-  cuts = np.union1d(np.flatnonzero(ok[1:] != ok[:-1]) + 1, at)
+  cuts = np.union1d(_changes(ok), at)
   seg = cuts[ok[cuts]]
   seg_end = np.append(cuts, ok.size)[np.searchsorted(cuts, seg, side="right")]
   span = np.searchsorted(at, seg, side="right") - 1
@@ -137,6 +137,14 @@ def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   if seg.size * _FEW <= ok.size:  # few segments: read in place
     return _segment_runs(flat, seg_lo, seg_hi, width)
   return _runs(_spans(flat, lo, hi)[ok], seg_lo, seg_hi, width)
+
+
+def _changes(ok: np.ndarray) -> np.ndarray:
+  """The positions i > 0 where ok[i] != ok[i - 1], a chunk at a time."""
+  last = ok.size - 1
+  out = [np.flatnonzero(ok[c + 1:min(c + _CHUNK, last) + 1] != ok[c:min(c + _CHUNK, last)])
+         + (c + 1) for c in range(0, last, _CHUNK)]
+  return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 def _segment_runs(flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int) -> Table:
