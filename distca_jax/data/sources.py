@@ -76,28 +76,37 @@ class Batch:
       return True
     return rows is not None and bool(np.isin(rows, self.rows).all())
 
-  def take(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+  def take(self, flat: np.ndarray, out: dict | None = None) -> dict[str, np.ndarray]:
     """The `TOKEN_ARRAYS` at flat positions `flat` (buffer * buffer_len + row) of the batch, from
     its arrays when it holds every row and they are built, else from its stream (a batch packed
-    in document order: flat position p is the stream's token p)."""
+    in document order: flat position p is the stream's token p). `out`: 1-D arrays of `flat`'s
+    size to write them into, by name (default: new ones)."""
     if self.rows is None and (self.stream is None or self.built):
-      return {k: getattr(self, k).reshape(-1)[flat] for k in TOKEN_ARRAYS}
+      if out is None:
+        return {k: getattr(self, k).reshape(-1)[flat] for k in TOKEN_ARRAYS}
+      for k in TOKEN_ARRAYS:
+        np.take(getattr(self, k).reshape(-1), flat, out=out[k])
+      return out
     if self.stream is None:
       raise ValueError("Batch.take: the batch holds only some rows and has no stream to read "
                        "the others from")
-    return packed_arrays(self.layout.doc_lens, self.stream, flat)
+    return packed_arrays(self.layout.doc_lens, self.stream, flat, out)
 
 
-def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray) -> dict[str, np.ndarray]:
+def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray,
+                  out: dict | None = None) -> dict[str, np.ndarray]:
   """The `TOKEN_ARRAYS` at flat positions `flat` of documents packed in order from position 0
   (flat position p is token p of their concatenated stream; past their end, padding), reading
-  only the tokens they need: `tokens_at(p)` gives the stream's tokens at positions p."""
+  only the tokens they need: `tokens_at(p)` gives the stream's tokens at positions p. `out`:
+  zero 1-D arrays of `flat`'s size to write them into, by name (default: new ones)."""
   shape = np.shape(flat)
   flat = np.asarray(flat, np.int64).reshape(-1)
   doc_lens = np.asarray(doc_lens, np.int64)
   doc_end = np.cumsum(doc_lens)
-  out = {"tokens": np.zeros(flat.shape, np.int32), "targets": np.zeros(flat.shape, np.int32),
-         "loss_mask": np.zeros(flat.shape, np.float32), "positions": np.zeros(flat.shape, np.int32)}
+  if out is None:
+    out = {"tokens": np.zeros(flat.shape, np.int32), "targets": np.zeros(flat.shape, np.int32),
+           "loss_mask": np.zeros(flat.shape, np.float32),
+           "positions": np.zeros(flat.shape, np.int32)}
   # A chunk of positions at a time: whole-size temporaries would be fresh memory on every call
   # (page faults cost about as much as the arithmetic); a chunk's are reused.
   for lo in range(0, flat.size, _CHUNK):

@@ -263,20 +263,17 @@ def _half(batch: Batch, lay: Layout, lens: np.ndarray, starts: np.ndarray, held:
   # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch, so
   # at batch position j + starts[k] - (ends[k] - lens[k]).
   shift, = run_values(ends, j, starts - (ends - lens))
-  got = batch.take(j + shift)
   rows = rows_selector(N, held)
-
-  def fill(a):
-    out = np.zeros((N, half), a.dtype)
-    if isinstance(rows, slice):  # consecutive rows: written in place
-      out[rows].reshape(-1)[:j.size] = a
-    else:
+  dtypes = {"tokens": np.int32, "targets": np.int32, "loss_mask": np.float32,
+            "positions": np.int32}
+  arrays = {k: np.zeros((N, half), t) for k, t in dtypes.items()}
+  if isinstance(rows, slice):  # consecutive rows: their tokens written in place
+    batch.take(j + shift, {k: a[rows].reshape(-1)[:j.size] for k, a in arrays.items()})
+  else:
+    for k, a in batch.take(j + shift).items():
       flat_rows = np.zeros(flat.size, a.dtype)
       flat_rows[:j.size] = a
-      out[held] = flat_rows.reshape(held.size, half)
-    return out
-
+      arrays[k][held] = flat_rows.reshape(held.size, half)
   segment_ids = np.zeros((N, half), np.int32)
   segment_ids[rows] = lay.segment_ids(held)
-  return Batch(**{name: fill(a) for name, a in got.items()}, segment_ids=segment_ids,
-               layout=lay, rows=batch.rows)
+  return Batch(**arrays, segment_ids=segment_ids, layout=lay, rows=batch.rows)
