@@ -234,14 +234,13 @@ def _host_numbers(args, dist: str, n: int) -> dict:
     step = dispatch.plan_step(config.attention, source.batch(i, devices), shape, devices)
     walls.append((time.perf_counter() - t0) * 1e3)
     cpus.append((time.process_time() - c0) * 1e3)
-    if i == 0:
-      ctx = step
-  layouts = [b.layout for b in ctx.batches]
+    if i == 0:  # what batch 0 reports, not its arrays (a trainer frees a step's when it ran)
+      layouts, imbalance = [b.layout for b in step.batches], float(step.imbalance()[1])
+    del step
   plans, _, plan_ms = _cpu_ms(
-      lambda: host._plans_and_kv(config.attention, layouts, shape, False)[0], 3)
+      lambda: host._plans_and_kv(config.attention, layouts, shape)[0], 3)
   return {"wall": float(np.median(walls)), "cpu": float(np.median(cpus)), "plan": plan_ms,
-          "moves": sum(p.stats.moves for p in plans),
-          "imbalance": float(ctx.imbalance()[1])}
+          "moves": sum(p.stats.moves for p in plans), "imbalance": imbalance}
 
 
 def _trainer_source(dist: str, n: int, t: int, extra=()):

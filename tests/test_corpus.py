@@ -189,7 +189,7 @@ def test_bad_files_raise_clear_errors(built, tmp_path):
     corpus.verify()
   with pytest.raises(CorpusError, match="id 60000 >= vocab_size .* corrupt"):
     for step in range(100):  # the stream reaches token 0 within the first epoch
-      CorpusSource(tokens, offsets, 2, 16).batch(step)
+      CorpusSource(tokens, offsets, 2, 16).batch(step).tokens  # read with the batch's arrays
   tokens.write_bytes(raw)
 
   # An offsets file from another corpus of the same size: the hash check catches it.
@@ -368,7 +368,7 @@ def test_config_load_checks_the_corpus(built, tmp_path):
   check_corpus(tokens, offsets, vocab_size=512, scan_bytes=16)
   with pytest.raises(ConfigError, match="id 60000 >= vocab_size"):
     for step in range(100):
-      CorpusSource(tokens, offsets, 2, 16).batch(step)
+      CorpusSource(tokens, offsets, 2, 16).batch(step).tokens  # read with the batch's arrays
   tokens.write_bytes(raw)
 
   with pytest.raises(CorpusError, match=f"corpus {tokens} has vocab_size .* larger than the model's 5"):

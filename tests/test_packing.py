@@ -103,6 +103,29 @@ def test_targets_are_next_token_of_same_document(case):
   assert b.loss_mask.sum() == n - len(lens)
 
 
+def test_positions_read_in_chunks_match_reference(monkeypatch):
+  """Positions read a few at a time (`sources._CHUNK`), chunks ending inside documents and
+  positions out of order among them: each token's target, loss weight and position as the
+  token-by-token reference has them."""
+  from distca_jax.data import sources
+
+  monkeypatch.setattr(sources, "_CHUNK", 3)
+  rng = np.random.default_rng(5)
+  lens = rng.integers(1, 9, 12)
+  toks = _tokens(lens, seed=1)
+  n = int(lens.sum())
+  seg, pos = reference(lens, 1, n + 4)
+  ends = set((np.cumsum(lens) - 1).tolist())
+  for flat in (np.arange(n + 4), rng.permutation(n + 4), np.sort(rng.integers(0, n + 4, 40))):
+    got = sources.packed_arrays(lens, lambda p: toks[p], flat)
+    for i, g in enumerate(flat.tolist()):
+      real_next = g < n and g not in ends
+      assert got["tokens"][i] == (toks[g] if g < n else 0)
+      assert got["targets"][i] == (toks[g + 1] if real_next else 0)
+      assert got["loss_mask"][i] == float(real_next)
+      assert got["positions"][i] == pos[0, g]
+
+
 def test_one_token_documents_have_no_target():
   lens = np.ones(8, np.int64)
   b = make_batch(lens, _tokens(lens), 2, 4)
@@ -306,6 +329,30 @@ def test_synthetic_source_builds_the_rows_asked_for():
   assert not part.tokens[[0, 2, 3, 5]].any() and whole.tokens[[0, 2, 3, 5]].any()
   with pytest.raises(ValueError, match="outside"):
     src.batch(2, [6])
+
+
+def test_a_source_batch_builds_its_arrays_when_first_read():
+  """A source's batch builds its arrays when one is first read: ping-pong's split reads the
+  tokens it re-packs from the stream and leaves them unbuilt (a step run as two nano-batches
+  never reads them); `take` reads the same tokens from the stream as from the built arrays."""
+  from distca_jax.dispatch import split_pingpong_batch
+
+  src = SyntheticSource(LengthSampler(lengths=load_lengths("pretrain"), seed=3), 1000, 4, 4096)
+  flat = np.random.default_rng(0).integers(0, 4 * 4096, 500)
+  for rows in (None, np.array([1, 2])):
+    batch = src.batch(2, rows)
+    split_pingpong_batch(batch)
+    from_stream = batch.take(flat)
+    assert not batch.built
+    segment_ids = batch.segment_ids
+    assert batch.built and batch.segment_ids is segment_ids
+    held = np.arange(4) if rows is None else rows
+    np.testing.assert_array_equal(segment_ids[held], batch.layout.segment_ids(held))
+    from_arrays = batch.take(flat)
+    for k in from_stream:
+      np.testing.assert_array_equal(from_arrays[k], from_stream[k], err_msg=k)
+  with pytest.raises(AttributeError, match="nope"):
+    src.batch(0).nope
 
 
 def test_ranges_and_index_in_runs_match_loops():

@@ -61,8 +61,7 @@ class Layout:
     (default: all, in order)."""
     rows, starts, shards = self._rows(rows)
     out = np.full((rows.size, self.buffer_len), PAD_SEGMENT, np.int32)
-    out.reshape(-1)[ranges(starts, self.length[shards])] = np.repeat(self.doc[shards],
-                                                                     self.length[shards])
+    self._fill(out, starts, shards, lambda length: np.repeat(self.doc[shards], length))
     return out
 
   def positions(self, rows=None) -> np.ndarray:
@@ -70,9 +69,7 @@ class Layout:
     (default: all, in order)."""
     rows, starts, shards = self._rows(rows)
     out = np.zeros((rows.size, self.buffer_len), np.int32)
-    length = self.length[shards]
-    idx = ranges(starts, length)
-    out.reshape(-1)[idx] = idx - np.repeat(starts - self.doc_offset[shards], length)
+    self._fill(out, starts, shards, lambda length: ranges(self.doc_offset[shards], length))
     return out
 
   def _rows(self, rows):
@@ -82,6 +79,19 @@ class Layout:
     where[rows] = np.arange(rows.size)
     shards = np.flatnonzero(where[self.buffer] >= 0)
     return rows, where[self.buffer[shards]] * self.buffer_len + self.buffer_offset[shards], shards
+
+  def _fill(self, out: np.ndarray, starts: np.ndarray, shards: np.ndarray, values) -> None:
+    """Writes `values(lengths)` (one value per row of `shards`, in order) at their rows of `out`
+    (`starts`: where each shard starts in it). Shards that follow one another without a gap,
+    as a batch's rows hold them but for padding at its end, are one slice."""
+    length = self.length[shards]
+    flat = out.reshape(-1)
+    if not length.size:
+      return
+    if starts[0] == 0 and np.array_equal(starts[1:], np.cumsum(length[:-1])):
+      flat[:int(starts[-1] + length[-1])] = values(length)
+    else:
+      flat[ranges(starts, length)] = values(length)
 
   def locate(self, buffer, offset) -> tuple[np.ndarray, np.ndarray]:
     """(document id, in-document position) of row `offset` of buffer `buffer` (int arrays of one
@@ -111,6 +121,21 @@ def run_of(ends: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.searchsorted(ends, p, side="right")
   counts = np.diff(np.searchsorted(p, ends, side="left"), prepend=0, append=p.size)
   return np.repeat(np.arange(ends.size + 1), counts)
+
+
+def run_values(ends: np.ndarray, p: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, ...]:
+  """`v[run_of(ends, p)]` for each of `values` (one entry per run ending at `ends`, plus one
+  past them for a `p` at or past the last end): for positions in order, each value repeated
+  over its run's positions, without the index of each position's run."""
+  ends = np.asarray(ends)
+  p = np.asarray(p)
+  if p.ndim != 1 or p.size < 2 * ends.size or (p[1:] < p[:-1]).any():
+    run = np.searchsorted(ends, p, side="right")
+    return tuple(np.asarray(v)[run] for v in values)
+  counts = np.diff(np.searchsorted(p, ends, side="left"), prepend=0, append=p.size)
+  if not counts[-1]:  # no position past the last end: values may have one entry per run only
+    counts = counts[:-1]
+  return tuple(np.repeat(np.asarray(v)[:counts.size], counts) for v in values)
 
 
 def index_in_runs(counts: np.ndarray) -> np.ndarray:

@@ -14,10 +14,11 @@ from typing import Callable
 import numpy as np
 
 from .doclens import LengthSampler, load_lengths
-from .packing import PAD_SEGMENT, Layout, pack, run_of
+from .packing import PAD_SEGMENT, Layout, pack, run_values
 
 
 TOKEN_ARRAYS = ("tokens", "targets", "loss_mask", "positions")
+_ARRAYS = (*TOKEN_ARRAYS, "segment_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,11 @@ class Batch:
   A process of a multi-process job builds only the buffers its devices hold (`rows`): the other
   rows of its arrays are zero, never written (numpy's zeros are not committed until written, so
   it pays for its own rows) and not to be read; `stream` reads any token of the batch instead
-  (`take`), which re-packing the batch (the ping-pong split) needs."""
+  (`take`), which re-packing the batch (the ping-pong split) needs.
+
+  A source's batch (`packed_batch`) builds its arrays when one is first read (`deferred`): a
+  step run as ping-pong's halves trains on arrays re-read from the stream, and never reads the
+  batch's own."""
 
   tokens: np.ndarray       # int32
   targets: np.ndarray      # int32, next token of the same document (0 where there is none)
@@ -37,8 +42,33 @@ class Batch:
   positions: np.ndarray    # int32 in-document position (RoPE)
   layout: Layout
   rows: np.ndarray | None = None  # the buffers the arrays hold, sorted (None: all)
-  # Tokens at positions of the documents' concatenated stream (a batch of some rows only).
+  # Tokens at positions of the documents' concatenated stream (None: read the arrays).
   stream: Callable[[np.ndarray], np.ndarray] | None = None
+
+  @classmethod
+  def deferred(cls, layout: Layout, rows, stream, arrays: Callable[[], dict]) -> "Batch":
+    """A batch of `layout` whose per-token arrays (`TOKEN_ARRAYS` and `segment_ids`, by name)
+    `arrays()` builds when one of them is first read."""
+    batch = object.__new__(cls)
+    for name, value in (("layout", layout), ("rows", rows), ("stream", stream),
+                        ("_build", arrays)):
+      object.__setattr__(batch, name, value)
+    return batch
+
+  def __getattr__(self, name):
+    # Reached only for an attribute the instance lacks: a deferred batch's arrays, not built yet.
+    build = self.__dict__.get("_build")
+    if build is None or name not in _ARRAYS:
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    for key, value in build().items():
+      object.__setattr__(self, key, value)
+    object.__setattr__(self, "_build", None)
+    return self.__dict__[name]
+
+  @property
+  def built(self) -> bool:
+    """Whether its arrays exist (a deferred batch's are built on first read)."""
+    return self.__dict__.get("_build") is None
 
   def holds(self, rows) -> bool:
     """Whether the arrays hold buffers `rows` (None: all of them)."""
@@ -46,46 +76,72 @@ class Batch:
       return True
     return rows is not None and bool(np.isin(rows, self.rows).all())
 
-  def take(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+  def take(self, flat: np.ndarray, out: dict | None = None) -> dict[str, np.ndarray]:
     """The `TOKEN_ARRAYS` at flat positions `flat` (buffer * buffer_len + row) of the batch, from
-    its arrays when it holds every row, else from its stream (a batch packed in document order:
-    flat position p is the stream's token p)."""
-    if self.rows is None:
-      return {k: getattr(self, k).reshape(-1)[flat] for k in TOKEN_ARRAYS}
+    its arrays when it holds every row and they are built, else from its stream (a batch packed
+    in document order: flat position p is the stream's token p). `out`: 1-D arrays of `flat`'s
+    size to write them into, by name (default: new ones)."""
+    if self.rows is None and (self.stream is None or self.built):
+      if out is None:
+        return {k: getattr(self, k).reshape(-1)[flat] for k in TOKEN_ARRAYS}
+      for k in TOKEN_ARRAYS:
+        np.take(getattr(self, k).reshape(-1), flat, out=out[k])
+      return out
     if self.stream is None:
       raise ValueError("Batch.take: the batch holds only some rows and has no stream to read "
                        "the others from")
-    return packed_arrays(self.layout.doc_lens, self.stream, flat)
+    return packed_arrays(self.layout.doc_lens, self.stream, flat, out)
 
 
-def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray) -> dict[str, np.ndarray]:
+def packed_arrays(doc_lens: np.ndarray, tokens_at, flat: np.ndarray,
+                  out: dict | None = None) -> dict[str, np.ndarray]:
   """The `TOKEN_ARRAYS` at flat positions `flat` of documents packed in order from position 0
   (flat position p is token p of their concatenated stream; past their end, padding), reading
-  only the tokens they need: `tokens_at(p)` gives the stream's tokens at positions p."""
+  only the tokens they need: `tokens_at(p)` gives the stream's tokens at positions p. `out`:
+  zero 1-D arrays of `flat`'s size to write them into, by name (default: new ones)."""
   shape = np.shape(flat)
   flat = np.asarray(flat, np.int64).reshape(-1)
   doc_lens = np.asarray(doc_lens, np.int64)
   doc_end = np.cumsum(doc_lens)
-  tokens, targets = np.zeros(flat.shape, np.int32), np.zeros(flat.shape, np.int32)
-  if not doc_end.size:
-    return {"tokens": tokens.reshape(shape), "targets": targets.reshape(shape),
-            "loss_mask": np.zeros(shape, np.float32), "positions": np.zeros(shape, np.int32)}
-  real = flat < doc_end[-1]
-  doc = np.minimum(run_of(doc_end, flat), doc_end.size - 1)
-  end = doc_end[doc]
-  has_next = real & (flat + 1 < end)
-  tokens[real] = tokens_at(flat[real])
-  # A position's target is the token at the next position, usually read already (positions are
-  # mostly read in order): only the others are read again.
-  read = np.zeros(flat.shape, bool)
-  read[:-1] = has_next[:-1] & (flat[1:] == flat[:-1] + 1)
-  targets[:-1][read[:-1]] = tokens[1:][read[:-1]]
-  again = has_next & ~read
-  targets[again] = tokens_at(flat[again] + 1)
-  position = np.where(real, flat - end + doc_lens[doc], 0).astype(np.int32)
-  return {"tokens": tokens.reshape(shape), "targets": targets.reshape(shape),
-          "loss_mask": has_next.astype(np.float32).reshape(shape),
-          "positions": position.reshape(shape)}
+  if out is None:
+    out = {"tokens": np.zeros(flat.shape, np.int32), "targets": np.zeros(flat.shape, np.int32),
+           "loss_mask": np.zeros(flat.shape, np.float32),
+           "positions": np.zeros(flat.shape, np.int32)}
+  # A chunk of positions at a time: whole-size temporaries would be fresh memory on every call
+  # (page faults cost about as much as the arithmetic); a chunk's are reused.
+  for lo in range(0, flat.size, _CHUNK):
+    _packed_chunk(doc_lens, doc_end, tokens_at, flat[lo:lo + _CHUNK],
+                  {k: v[lo:lo + _CHUNK] for k, v in out.items()})
+  return {k: v.reshape(shape) for k, v in out.items()}
+
+
+_CHUNK = 1 << 16  # positions: a chunk's int64 temporaries are 512 KiB
+
+
+def _packed_chunk(doc_lens, doc_end, tokens_at, flat, out) -> None:
+  """`packed_arrays` of positions `flat`, written into `out`'s arrays."""
+  real = flat < (doc_end[-1] if doc_end.size else 0)
+  p = flat if real.all() else flat[real]
+  if not p.size:
+    return
+  start, end = run_values(doc_end, p, doc_end - doc_lens, doc_end)
+  got = {"tokens": np.asarray(tokens_at(p), np.int32)}
+  has_next = p + 1 < end
+  # A position's target is the token at the next position, usually read already (positions
+  # are mostly read in order): only the others are read again.
+  follows = np.zeros(p.size, bool)
+  np.equal(p[1:] - 1, p[:-1], out=follows[:-1])
+  targets = np.zeros(p.size, np.int32)
+  targets[:-1] = got["tokens"][1:]
+  targets *= follows & has_next
+  again = np.flatnonzero(has_next > follows)
+  targets[again] = tokens_at(p[again] + 1)
+  got.update(targets=targets, loss_mask=has_next, positions=p - start)
+  for k, v in got.items():
+    if p is flat:
+      out[k][...] = v
+    else:
+      out[k][real] = v
 
 
 def cut_documents(doc_lens: np.ndarray, max_len: int | None) -> np.ndarray:
@@ -112,7 +168,8 @@ def make_batch(doc_lens: np.ndarray, tokens_flat: np.ndarray, num_buffers: int, 
 def packed_batch(doc_lens: np.ndarray, tokens_at, num_buffers: int, buffer_len: int,
                  rows=None) -> Batch:
   """Packs documents into buffers with targets, filling buffers `rows` only (default: all), from
-  `tokens_at(p)`: the tokens at positions p of the documents' concatenated stream."""
+  `tokens_at(p)`: the tokens at positions p of the documents' concatenated stream. The arrays
+  are built when first read (`Batch.deferred`); the stream is kept for `Batch.take`."""
   layout = pack(doc_lens, num_buffers, buffer_len)
   held = np.arange(num_buffers) if rows is None else np.unique(np.asarray(rows, np.int64))
   if held.size and (held[0] < 0 or held[-1] >= num_buffers):
@@ -125,9 +182,11 @@ def packed_batch(doc_lens: np.ndarray, tokens_at, num_buffers: int, buffer_len: 
     out[held] = a.reshape(held.size, buffer_len)
     return out
 
-  arrays = {k: full(v) for k, v in packed_arrays(layout.doc_lens, tokens_at, flat).items()}
-  return Batch(**arrays, segment_ids=full(layout.segment_ids(held)), layout=layout,
-               rows=None if rows is None else held, stream=None if rows is None else tokens_at)
+  def arrays():
+    out = {k: full(v) for k, v in packed_arrays(layout.doc_lens, tokens_at, flat).items()}
+    return {**out, "segment_ids": full(layout.segment_ids(held))}
+
+  return Batch.deferred(layout, None if rows is None else held, tokens_at, arrays)
 
 
 @dataclasses.dataclass
@@ -174,8 +233,10 @@ class SyntheticSource:
     shift = (start - stride * (doc_end - doc_lens)) % self.vocab_size
 
     def tokens_at(p):
-      d = run_of(doc_end, p)
-      return ((shift[d] + stride[d] * p) % self.vocab_size).astype(np.int32)
+      shift_p, stride_p = run_values(doc_end, p, shift, stride)
+      stride_p *= p
+      stride_p += shift_p
+      return (stride_p % self.vocab_size).astype(np.int32)
 
     return doc_lens, tokens_at
 

@@ -202,16 +202,14 @@ def check_indices_in_range(s: Scope) -> None:
   p, T = s.plan, s.T
   server_rows = T + s.Rq  # a server's query rows: local, then received
   home_rows = T + p.q.send_rows  # a home's outputs: local, then returned to send slots
-  return_idx = s.mine(p.return_idx)
-  if (return_idx < 0).any() or (return_idx >= home_rows).any():
+  if _outside(s.mine(p.return_idx), home_rows):
     raise PlanMismatchError(f"plan return_idx outside the {home_rows} rows a home gets back")
   q_start, q_len, kv_start, kv_len = map(s.mine, (p.q_start, p.q_len, p.kv_start, p.kv_len))
   if (q_start + q_len > server_rows).any() or (kv_start + kv_len > p.server_kv_idx.shape[-1]).any():
     raise PlanMismatchError("plan task table indexes rows past its capacities")
   if (q_len > kv_len).any():
     raise PlanMismatchError("plan has a task with more queries than keys")
-  server_kv_idx = s.mine(p.server_kv_idx)
-  if (server_kv_idx < 0).any() or (server_kv_idx >= s.Tkv + s.Rkv + s.Rkv2).any():
+  if _outside(s.mine(p.server_kv_idx), s.Tkv + s.Rkv + s.Rkv2):
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
   # The checked devices' own buffers; the rows others send them are followed (and checked) by
   # `check_tasks_cover_one_document`.
@@ -219,8 +217,13 @@ def check_indices_in_range(s: Scope) -> None:
                          ("q.send_idx", s.mine(p.q.send_idx), T),
                          ("kv.send_idx", s.mine(p.kv.send_idx), s.Tkv),
                          ("kv2.send_idx", s.mine(p.kv2.send_idx), s.Tkv + s.Rkv)):
-    if a.size and (a.min() < 0 or a.max() >= limit):
+    if _outside(a, limit):
       raise PlanMismatchError(f"plan {name} outside the {limit} rows of a buffer")
+
+
+def _outside(a: np.ndarray, limit: int) -> bool:
+  """Whether an index of `a` is outside [0, limit) (two reductions, no temporary per slot)."""
+  return bool(a.size) and (a.min() < 0 or a.max() >= limit)
 
 
 def check_kv_inverse(s: Scope) -> None:
@@ -256,14 +259,13 @@ def check_exchange_counts(s: Scope) -> None:
     count, valid = r.send_count, r.send_valid
     if count.shape != (s.N, s.N) or (count < 0).any():
       raise PlanMismatchError(f"plan {name}.send_count is not the [N, N] rows of one exchange")
-    # Exclusive prefix sums along each device's sends and each server's receives; each checked
-    # device's rows of the six arrays against them ([N, N] work only in these two sums).
-    send_off = np.cumsum(count, axis=1, dtype=np.int64) - count
-    land = np.cumsum(count, axis=0, dtype=np.int64) - count  # [d, s]: where d's rows land at s
-    mine = lambda a: a[s.rows]
-    cols = lambda a: a[:, s.rows].T
-    want = {"recv_count": cols(count), "send_off": mine(send_off), "recv_off": cols(land),
-            "peer_off": mine(land), "back_off": cols(send_off)}
+    # What each checked device's rows of the six arrays must be, from the counts: its sends and
+    # receives, their exclusive prefix sums, and the sums of the rows (columns) before it, each
+    # summed once over the [N, N] counts (no prefix sum of the whole matrix).
+    sends, gets = count[s.rows].astype(np.int64), count[:, s.rows].T.astype(np.int64)
+    want = {"recv_count": gets, "send_off": _exclusive(sends), "recv_off": _exclusive(gets),
+            "peer_off": _sums_before(count, s.devices, axis=0),
+            "back_off": _sums_before(count, s.devices, axis=1).T}
     if (count[s.devices, s.devices].any()
         or any(not np.array_equal(s.mine(getattr(r, k)), v) for k, v in want.items())):
       raise PlanMismatchError(f"plan {name}.send_count / {name}.recv_count and their offsets do "
@@ -281,6 +283,27 @@ def check_exchange_counts(s: Scope) -> None:
     if r.block and count.max(initial=0) > r.block:
       raise PlanMismatchError(f"plan sends {int(count.max())} {name} rows between two devices, "
                               f"more than the tiled exchange's blocks of {r.block}")
+
+
+def _exclusive(a: np.ndarray) -> np.ndarray:
+  """Exclusive prefix sums along the rows of `a` [k, N]."""
+  out = np.cumsum(a, axis=1)
+  out -= a
+  return out
+
+
+def _sums_before(count: np.ndarray, at: np.ndarray, axis: int) -> np.ndarray:
+  """The sums of `count`'s rows (axis 0: [len(at), N]) or columns (axis 1: [N, len(at)]) before
+  each of the sorted, distinct indices `at`, int64: the blocks between consecutive indices
+  summed by `reduceat` (none past the last index), then added up."""
+  shape = lambda k: (k, count.shape[1]) if axis == 0 else (count.shape[0], k)
+  if not at.size or not at[-1]:
+    return np.zeros(shape(at.size), np.int64)
+  part = count[:int(at[-1])] if axis == 0 else count[:, :int(at[-1])]
+  blocks = np.add.reduceat(part, np.concatenate([[0], at[:-1]]), axis=axis, dtype=np.int64)
+  if at[0] == 0:  # reduceat gives an empty block's first element, not zero
+    (blocks[0] if axis == 0 else blocks[:, 0])[...] = 0
+  return np.cumsum(blocks, axis=axis)
 
 
 def check_each_token_has_one_slot(s: Scope) -> None:

@@ -20,7 +20,7 @@ from distca_jax.data.packing import Layout
 from distca_jax.schedule.capacities import Capacities, bucketed, requirements
 from distca_jax.schedule.items import Tasks
 from distca_jax.schedule.plan import cumsum_in_groups, fill_ranges
-from distca_jax.schedule.traffic import kv_requests, pair_rows
+from distca_jax.schedule.traffic import PairRows, exchange_pairs, kv_requests
 
 # The exchange's rounds, in the order the forward runs them, each with the names of its send,
 # receive and tiled-block sizes in `Capacities`.
@@ -173,22 +173,23 @@ def exchange_offsets(count_NxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return np.cumsum(count, axis=1) - count, (np.cumsum(count, axis=0) - count).T
 
 
-def _exchange_arrays(count_NxN: np.ndarray) -> dict[str, np.ndarray]:
-  """The six per-device count and offset arrays of one packed exchange (a `Round`'s), int32:
-  the counts and their transpose, each one's exclusive prefix sum along its rows, and those
+def _exchange_arrays(pairs: PairRows, n: int) -> dict[str, np.ndarray]:
+  """The six per-device count and offset arrays of one packed exchange (a `Round`'s), int32,
+  from the rows each (sender, server) pair moves: the counts and their transpose (each
+  scattered from the pairs), each one's exclusive prefix sum along its rows, and those
   transposed (numpy's prefix sum down the columns of an [N, N] array is about 10x slower than
-  along its rows, and than a transposing copy)."""
-  count = np.ascontiguousarray(count_NxN, np.int32)
-  turned = np.ascontiguousarray(count.T)
-
-  def prefix(a):
-    out = np.cumsum(a, axis=1, dtype=np.int32)
+  along its rows, and than a transposing copy). The six share one allocation: six fresh ones
+  cost more in page faults than the arithmetic."""
+  count, turned, send_off, recv_off, peer_off, back_off = np.zeros((6, n, n), np.int32)
+  count[pairs.sender, pairs.server] = pairs.rows
+  turned[pairs.server, pairs.sender] = pairs.rows
+  for a, out in ((count, send_off), (turned, recv_off)):
+    np.cumsum(a, axis=1, dtype=np.int32, out=out)
     out -= a
-    return out
-
-  send_off, recv_off = prefix(count), prefix(turned)
+  peer_off[...] = recv_off.T
+  back_off[...] = send_off.T
   return dict(send_count=count, recv_count=turned, send_off=send_off, recv_off=recv_off,
-              peer_off=np.ascontiguousarray(recv_off.T), back_off=np.ascontiguousarray(send_off.T))
+              peer_off=peer_off, back_off=back_off)
 
 
 def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices=None,
@@ -209,10 +210,10 @@ def build_dispatch(tasks: Tasks, layout: Layout, capacities: Capacities, devices
   mine = np.ones(n, bool) if devices is None else np.isin(np.arange(n), devices)
   kv = kv_requests(tasks, layout) if kv is None else kv
   # Rows per (device, server) pair of each round, of the whole plan (every process agrees).
-  counts = pair_rows(tasks, layout, kv)
+  pairs = exchange_pairs(tasks, layout, kv)
   caps = _open_capacities(capacities, tasks, layout, kv)
-  _check_fits(*counts, caps)
-  exchanges = dict(zip(ROUNDS, (_exchange_arrays(c) for c in counts)))
+  _check_fits(*pairs, caps, n)
+  exchanges = dict(zip(ROUNDS, (_exchange_arrays(p, n) for p in pairs)))
   q = _query_arrays(tasks, t, caps, exchanges["q"], mine)
   k = _kv_arrays(kv, layout, caps, exchanges["kv"], exchanges["kv2"], mine)
   tables = _task_tables(q.tasks, kv, k.pair_base, caps.ctask, mine,
@@ -421,20 +422,20 @@ def _relay_sources(kv, korder: np.ndarray, rel: np.ndarray, num_docs: int) -> np
   return np.where(rel, hit, np.arange(rel.size))
 
 
-def _check_fits(q_pairs: np.ndarray, kv_pairs: np.ndarray, kv2_pairs: np.ndarray,
-                caps: Capacities) -> None:
+def _check_fits(q_pairs: PairRows, kv_pairs: PairRows, kv2_pairs: PairRows, caps: Capacities,
+                n: int) -> None:
   """Raises PlanMismatchError when the plan's moving rows do not fit the buffers (or, for the
   tiled exchange, its blocks)."""
   for name, pairs, send, recv, block in (
       ("query", q_pairs, caps.send_q, caps.recv_q, caps.c),
       ("K/V", kv_pairs, caps.send_kv, caps.recv_kv, caps.ckv),
       ("relayed K/V", kv2_pairs, caps.send_kv2, caps.recv_kv2, caps.ckv2)):
-    sent, got = int(pairs.sum(1).max(initial=0)), int(pairs.sum(0).max(initial=0))
+    sent, got = int(pairs.sent(n).max(initial=0)), int(pairs.received(n).max(initial=0))
     if sent > send or got > recv:
       raise PlanMismatchError(f"plan sends {sent} / receives {got} {name} rows on one device, "
                               f"more than the buffers' capacities {send} / {recv}")
-    if block and int(pairs.max(initial=0)) > block:
-      raise PlanMismatchError(f"plan moves {int(pairs.max())} {name} rows between two devices, "
+    if block and pairs.largest() > block:
+      raise PlanMismatchError(f"plan moves {pairs.largest()} {name} rows between two devices, "
                               f"more than the tiled exchange's block capacity {block}")
 
 

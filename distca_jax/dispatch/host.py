@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 from distca_jax import gate
 from distca_jax.colocated import colocated_contexts, stream_arrays
-from distca_jax.data.packing import Layout, run_of
+from distca_jax.data.packing import Layout, run_values
 from distca_jax.data.sources import Batch
 from distca_jax.dispatch.checks import validate_plan
-from distca_jax.dispatch.format import DispatchPlan, build_dispatch
+from distca_jax.dispatch.format import DispatchPlan, build_dispatch, rows_selector
 from distca_jax.schedule.capacities import Capacities, StepShapes, largest
 from distca_jax.schedule.pingpong import pingpong_layouts
 from distca_jax.schedule.plan import Plan, make_plan
@@ -246,27 +246,34 @@ def split_pingpong_batch(batch: Batch) -> tuple[Batch, Batch]:
                         doc_start[layout.doc] + layout.doc_offset):
     raise ValueError("ping-pong: the batch's layout is not packed in document order")
   held = np.arange(N) if batch.rows is None else batch.rows
-  half = T // 2
-  flat = (held[:, None] * half + np.arange(half)).reshape(-1)  # the held rows of a half
-  halves = []
-  for lay, lens, source in zip((ping, pong), split.lens, split.source):
-    # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch, so
-    # at batch position j + shift[k].
-    ends = np.cumsum(lens)
-    j = flat[flat < (ends[-1] if ends.size else 0)]
-    starts = doc_start[source[:, 0]] + source[:, 1] if lens.size else np.zeros(0, np.int64)
-    shift = starts - (ends - lens)
-    got = batch.take(j + shift[run_of(ends, j)])
+  return tuple(_half(batch, lay, lens, doc_start[source[:, 0]] + source[:, 1], held, T // 2)
+               for lay, lens, source in zip((ping, pong), split.lens, split.source))
 
-    def fill(a):  # the held rows' positions are in order, those with a token first
-      rows = np.zeros(flat.size, a.dtype)
-      rows[:j.size] = a
-      out = np.zeros((N, half), a.dtype)
-      out[held] = rows.reshape(held.size, half)
-      return out
 
-    segment_ids = np.zeros((N, half), np.int32)
-    segment_ids[held] = lay.segment_ids(held)
-    halves.append(Batch(**{name: fill(a) for name, a in got.items()}, segment_ids=segment_ids,
-                        layout=lay, rows=batch.rows))
-  return tuple(halves)
+def _half(batch: Batch, lay: Layout, lens: np.ndarray, starts: np.ndarray, held: np.ndarray,
+          half: int) -> Batch:
+  """One half of the ping-pong split as a batch of `held`'s rows: its document pieces
+  (`lens`, each starting at flat position `starts` of the batch) packed in order from the first
+  row, their tokens read from `batch`."""
+  N = lay.num_buffers
+  # The held rows' positions in the half, in order, those holding a token first.
+  flat = (held[:, None] * half + np.arange(half)).reshape(-1)
+  ends = np.cumsum(lens)
+  j = flat[:np.searchsorted(flat, ends[-1] if ends.size else 0)]
+  # Half position j lies in piece k of the half, which starts at `starts[k]` in the batch, so
+  # at batch position j + starts[k] - (ends[k] - lens[k]).
+  shift, = run_values(ends, j, starts - (ends - lens))
+  rows = rows_selector(N, held)
+  dtypes = {"tokens": np.int32, "targets": np.int32, "loss_mask": np.float32,
+            "positions": np.int32}
+  arrays = {k: np.zeros((N, half), t) for k, t in dtypes.items()}
+  if isinstance(rows, slice):  # consecutive rows: their tokens written in place
+    batch.take(j + shift, {k: a[rows].reshape(-1)[:j.size] for k, a in arrays.items()})
+  else:
+    for k, a in batch.take(j + shift).items():
+      flat_rows = np.zeros(flat.size, a.dtype)
+      flat_rows[:j.size] = a
+      arrays[k][held] = flat_rows.reshape(held.size, half)
+  segment_ids = np.zeros((N, half), np.int32)
+  segment_ids[rows] = lay.segment_ids(held)
+  return Batch(**arrays, segment_ids=segment_ids, layout=lay, rows=batch.rows)

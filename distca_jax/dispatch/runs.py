@@ -108,44 +108,99 @@ def follow(r: Runs, table: Table, limit: int) -> tuple[Runs, np.ndarray]:
 def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   """The maximal runs of index array `idx` [N, W] (consecutive valid slots of one row holding
   consecutive values) over the slots [start, start + n) of devices `dev` (sorted by device then
-  start, disjoint): each of those slots' valid flags is read once, and the values of the valid
-  ones (most of a buffer past its rows is padding)."""
+  start, disjoint): the valid flags of those slots are read once, as the contiguous spans they
+  form (a device's whole row, a sender's blocks one after another), and the values of the valid
+  ones, which lie in a few segments (a buffer is filled from its start), a few element-wise
+  passes over each and no index per slot."""
   width = idx.shape[-1]
   dev, start, n = np.broadcast_arrays(*(np.asarray(a, np.int64).reshape(-1)
                                         for a in (dev, start, n)))
   keep = n > 0
-  dev, start, n = dev[keep], start[keep], n[keep]
-  if not width or not n.size:
+  lo = (dev * width + start)[keep]
+  hi = lo + n[keep]
+  if not width or not lo.size:
     z = np.zeros(0, np.int64)
     return Table(z, z, z, z, max(width, 1))
-  if dev[-1] - dev[0] + 1 == dev.size and (start == 0).all() and (n == width).all():
-    rows = slice(int(dev[0]), int(dev[-1]) + 1)  # whole consecutive rows: views, read as they lie
-    key = np.flatnonzero(valid[rows])
-    values = idx[rows].reshape(-1)[key]
-    key += int(dev[0]) * width
-  else:
-    flat = ranges(dev * width + start, n)
-    key = flat[valid.reshape(-1)[flat]]
-    values = idx.reshape(-1)[key]
-  # Consecutive slots holding consecutive values (int32 differences may wrap only for values a
-  # run's range check then refuses).
-  cont = np.zeros(key.size, bool)
-  np.equal(key[1:] - key[:-1], 1, out=cont[1:])
-  cont[1:] &= values[1:] - values[:-1] == 1
+  # Regions that touch are one span of the flattened array.
+  first = np.flatnonzero(np.concatenate([[True], lo[1:] != hi[:-1]]))
+  lo, hi = lo[first], np.append(hi[first[1:] - 1], hi[-1])
+  ok = _spans(valid.reshape(-1), lo, hi)
+  at = np.cumsum(hi - lo) - (hi - lo)  # where each span starts in `ok`
+  # The valid slots' segments: `ok` changes, or a span starts, at their ends.
+  cuts = np.union1d(_changes(ok), at)
+  seg = cuts[ok[cuts]]
+  seg_end = np.append(cuts, ok.size)[np.searchsorted(cuts, seg, side="right")]
+  span = np.searchsorted(at, seg, side="right") - 1
+  seg_lo = seg - at[span] + lo[span]
+  seg_hi = seg_lo + (seg_end - seg)
+  flat = idx.reshape(-1)
+  if seg.size * _FEW <= ok.size:  # few segments: read in place
+    return _segment_runs(flat, seg_lo, seg_hi, width)
+  return _runs(_spans(flat, lo, hi)[ok], seg_lo, seg_hi, width)
+
+
+def _changes(ok: np.ndarray) -> np.ndarray:
+  """The positions i > 0 where ok[i] != ok[i - 1], a chunk at a time."""
+  last = ok.size - 1
+  out = [np.flatnonzero(ok[c + 1:min(c + _CHUNK, last) + 1] != ok[c:min(c + _CHUNK, last)])
+         + (c + 1) for c in range(0, last, _CHUNK)]
+  return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _segment_runs(flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int) -> Table:
+  """`_runs` of the slots [lo, hi) of `flat` (an [N, width] array's, all valid), each segment
+  read in place a chunk at a time: no copy of the values, and temporaries of one chunk."""
+  if not lo.size:
+    z = np.zeros(0, np.int64)
+    return Table(z, z, z, z, width)
+  begins = []
+  for a, b in zip(lo.tolist(), hi.tolist()):
+    begins.append(np.array([a], np.int64))
+    for c in range(a, b, _CHUNK):
+      v = flat[max(c - 1, a):min(c + _CHUNK, b)]
+      # (int32 differences may wrap only for values a run's range check then refuses)
+      begins.append(np.flatnonzero(np.subtract(v[1:], v[:-1]) != 1) + (max(c - 1, a) + 1))
+  row_starts = ranges(lo // width + 1, (hi - 1) // width - lo // width) * width
+  key = np.union1d(np.concatenate(begins), row_starts)  # a run ends where a row does too
+  seg = np.searchsorted(lo, key, side="right") - 1
+  end = np.minimum(np.append(key[1:], hi[-1]), hi[seg])
+  return Table(key, end - key, key // width, flat[key].astype(np.int64), width)
+
+
+_CHUNK = 1 << 16  # slots read at a time: a chunk's temporaries are reused, not fresh memory
+_FEW = 64  # segments are few when they average this many slots
+
+
+def _runs(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, width: int) -> Table:
+  """The maximal runs of consecutive values in `values`, the contents of flat slots [lo, hi)
+  of an [N, width] array, one segment after another (a run ends where a segment or a row
+  does)."""
+  if not values.size:
+    z = np.zeros(0, np.int64)
+    return Table(z, z, z, z, width)
+  at = np.cumsum(hi - lo) - (hi - lo)  # where each segment starts in `values`
+  # A slot continues the one before it when it holds the next value (int32 differences may
+  # wrap only for values a run's range check then refuses).
+  cont = np.empty(values.size, bool)
+  cont[0] = False
+  np.equal(np.subtract(values[1:], values[:-1]), 1, out=cont[1:])
+  cont[at] = False
+  row_starts = ranges(lo // width + 1, (hi - 1) // width - lo // width)  # rows begun inside
+  if row_starts.size:
+    seg = np.searchsorted(lo, row_starts * width, side="right") - 1
+    cont[at[seg] + row_starts * width - lo[seg]] = False
   begins = np.flatnonzero(~cont)
-  length = np.diff(np.append(begins, key.size))
-  key, values = key[begins], values[begins].astype(np.int64)
-  # A run crossing the end of a row is two (rare: a row's last slot and the next row's first).
-  row_end = (key // width + 1) * width
-  over = key + length > row_end
-  if over.any():
-    head = np.where(over, row_end - key, length)
-    key = np.concatenate([key, row_end[over]])
-    values = np.concatenate([values, values[over] + head[over]])
-    length = np.concatenate([head, (length - head)[over]])
-    order = np.argsort(key, kind="stable")
-    key, values, length = key[order], values[order], length[order]
-  return Table(key, length, key // width, values, width)
+  seg = np.searchsorted(at, begins, side="right") - 1
+  key = begins - at[seg] + lo[seg]
+  return Table(key, np.diff(np.append(begins, values.size)), key // width,
+               values[begins].astype(np.int64), width)
+
+
+def _spans(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+  """`a[lo:hi]` of each span, one after another (a view for one span)."""
+  if lo.size <= 1:
+    return a[int(lo[0]):int(hi[0])] if lo.size else a[:0]
+  return np.concatenate([a[i:j] for i, j in zip(lo.tolist(), hi.tolist())])
 
 
 def exchange_table(count: np.ndarray, recv_off: np.ndarray, send_off: np.ndarray, servers,

@@ -109,6 +109,10 @@ def _plan(job, batch, rows, report: bool = True):
   batch."""
   c, shape = job.config, job.trainer.shape
   ctx = attention_lib.host_context(c.attention, batch, shape, rows, shapes=job.shapes)
+  # A source's batch builds its arrays when first read (`sources.Batch.deferred`): those the
+  # step reads (not the batch's own when it runs as ping-pong's halves) are built here, on this
+  # thread, not on the training thread's way to the devices.
+  ctx.device_inputs(batch)
   loads = profile_lib.attention_loads(ctx, batch.layout, shape, c.attention,
                                       tensor_parallel=job.mesh.shape["tensor"],
                                       plan_after=c.train.imbalance_after) if report else None
