@@ -129,7 +129,7 @@ def test_bench_kernels_rounds(tmp_path):
   baseline): every backend's row of the batch, timed `--rounds` times, and the (q, kv) table."""
   env = child_env()
   proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_kernels.py"), "--backends",
-                         "reference,pallas", "--contexts", "1024", "--datasets", "prolong",
+                         "reference,pallas", "--contexts", "512", "--datasets", "prolong",
                          "--sweep", "128", "--sweep-area", "4e4", "--table-backend", "reference",
                          "--rounds", "2", "--heads", "2,1", "--head-dim", "16",
                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
