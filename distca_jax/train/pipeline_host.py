@@ -159,13 +159,15 @@ class StepContext:
     return (device_arrays(self), ARRAY_SPECS), (ctx, CTX_SPEC)
 
   def as_batch(self) -> Batch:
-    """The step's micro-batches as one batch of M x data buffers (for token and FLOP counts)."""
+    """The step's micro-batches as one batch of M x data buffers (for token and FLOP counts).
+    Its arrays are joined only when read: with ping-pong per tick the step trains on the halves,
+    and the micro-batches' own arrays need never be built."""
     mbs = self.microbatches
     N, T = mbs[0].layout.num_buffers, mbs[0].layout.buffer_len
-    cat = lambda name: np.concatenate([getattr(b, name) for b in mbs])
-    return Batch(tokens=cat("tokens"), targets=cat("targets"), loss_mask=cat("loss_mask"),
-                 segment_ids=cat("segment_ids"), positions=cat("positions"),
-                 layout=tick_layout([b.layout for b in mbs], N, T))
+    names = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+    return Batch.deferred(tick_layout([b.layout for b in mbs], N, T), rows=None, stream=None,
+                          arrays=lambda: {k: np.concatenate([getattr(b, k) for b in mbs])
+                                          for k in names})
 
   def _tick_loads_after(self) -> list[np.ndarray]:
     """Per forward tick, the per-device attention area its plans leave (its streams summed)."""
