@@ -88,7 +88,9 @@ def host_work(job, step: int, report: bool = True):
     data_rows = None if rows is None else np.unique(rows % job.mesh.shape["data"])
     mbs = [job.source.batch(step * m + i, data_rows) for i in range(m)]
     ctx = pipeline_host.host_context(c.attention, mbs, job.mesh.shape["pipe"], shape, rows, shapes)
-    return ctx.as_batch(), ctx, ctx.attention_loads(), dict(shapes.sizes)
+    batch = ctx.as_batch()
+    ctx.device_inputs(batch)  # what the step reads is built here, as `_plan` does
+    return batch, ctx, ctx.attention_loads(), dict(shapes.sizes)
   if c.data.packing == "wlb":  # the WLB-LLM baseline: the step's documents re-packed
     from distca_jax import wlb_attention
 
