@@ -156,7 +156,12 @@ class StepContext:
     """(per-micro-batch and per-tick arrays, their specs by key), (the forward and backward
     ticks' contexts and the schedule, their spec) for the step; `batch` (`as_batch`) is not read."""
     ctx = {"forward": self.forward_ctx, "backward": self.backward_ctx, "schedule": self.schedule}
-    return (device_arrays(self), ARRAY_SPECS), (ctx, CTX_SPEC)
+    return (self._device_arrays, ARRAY_SPECS), (ctx, CTX_SPEC)
+
+  @functools.cached_property
+  def _device_arrays(self) -> dict[str, np.ndarray]:
+    # Built once: the prefetch thread asks first, so the training thread finds them ready.
+    return device_arrays(self)
 
   def as_batch(self) -> Batch:
     """The step's micro-batches as one batch of M x data buffers (for token and FLOP counts).
