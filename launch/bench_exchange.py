@@ -125,7 +125,7 @@ def _carried(d, name: str) -> dict[str, float]:
   buffers = r.send_rows + r.recv_rows
   busiest = int(count.sum(1).max() + count.sum(0).max())
   return {"moved": moved, RAGGED.name: moved,
-          TILED.name: n * (n - 1) * exchange_capacity(int(count.max()), d.return_idx.shape[-1]),
+          TILED.name: n * (n - 1) * exchange_capacity(int(count.max()), d.local_q_valid.shape[-1]),
           "buffers": buffers, "busiest": busiest}
 
 
@@ -145,7 +145,7 @@ def _compiled_buffers(plans: dict, n: int, row_heads: int = 8,
 
   from distca_jax.dispatch import exchange as ex
 
-  t = next(iter(plans.values())).return_idx.shape[-1]
+  t = next(iter(plans.values())).local_q_valid.shape[-1]
   row = row_heads * head_dim * 2
   mesh = Mesh(np.array(jax.devices()[:n]).reshape(n, 1, 1), ("data", "pipe", "tensor"))
   rows_spec = P(("pipe", "data"))

@@ -219,10 +219,11 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
   packed send buffer gathered (padding zeroed); the exchange (server s receives d's rows for it,
   in order of d, `simulate_exchange`); with relays a second K/V round, each relay's rows gathered
   from its [local T | round-1 Rkv] rows; the server's K/V gather over [local T | Rkv | Rkv2];
-  reference attention per task of its table; the reverse exchange back into the send slots; the
-  `return_idx` gather. The reference is per-document causal attention computed from the layout
-  alone (each document's rows concatenated in position order). A plan whose outputs for padding
-  are not marked so returns inf."""
+  reference attention per task of its table; the reverse exchange back into the send slots; each
+  returned row written to its home row, over the local rows' outputs in place. The reference is
+  per-document causal attention computed from the layout alone (each document's rows
+  concatenated in position order). A plan that writes a padding row, misses a real one or writes
+  one twice returns inf."""
   if layout.prior is not None:
     raise ValueError("simulate_dispatch: a layout with prior shards reads another stream's K/V")
   n, t = layout.num_buffers, layout.buffer_len
@@ -233,7 +234,7 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
   home = np.arange(n)[:, None]
   keep = lambda valid, x: np.where(valid.reshape(valid.shape + (1, 1)), x, 0.0)
   server_q = np.concatenate(
-      [keep(plan.local_q_valid, q[home, plan.local_q_idx]),
+      [keep(plan.local_q_valid, q),
        simulate_exchange(keep(plan.q.send_valid, q[home, plan.q.send_idx]), plan.q.send_count,
                          plan.q.recv_rows)], axis=1)
 
@@ -252,7 +253,12 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
         out[s, qs:qs + ql] = _attention_np(server_q[s, qs:qs + ql], server_kv[0][s, ks:ks + kl],
                                            server_kv[1][s, ks:ks + kl])
   back = simulate_exchange(out[:, t:], plan.q.recv_count, plan.q.send_rows)
-  got = np.concatenate([out[:, :t], back], axis=1)[home, plan.return_idx]
+  got = keep(plan.local_q_valid, out[:, :t])
+  written = plan.local_q_valid.astype(np.int64)
+  for d in range(n):
+    slots = np.flatnonzero(plan.q.send_valid[d])
+    got[d, plan.q.send_idx[d, slots]] = back[d, slots]
+    np.add.at(written[d], plan.q.send_idx[d, slots], 1)
   seg, pos = layout.segment_ids(), layout.positions()
   want = np.zeros_like(got)
   for g in range(np.asarray(layout.doc_lens).size):
@@ -260,9 +266,9 @@ def simulate_dispatch(plan, layout, heads: int = 2, kv_heads: int = 1, head_dim:
     o = np.argsort(pos[dd, rr], kind="stable")
     dd, rr = dd[o], rr[o]
     want[dd, rr] = _attention_np(q[dd, rr], k[dd, rr], v[dd, rr])
-  if (plan.return_valid != (seg >= 0)).any():
+  if (written != (seg >= 0)).any():
     return float("inf")
-  return float(np.abs(keep(plan.return_valid, got - want)).max(initial=0.0))
+  return float(np.abs(got - want).max(initial=0.0))
 
 
 def dispatch_of(plan, layout):

@@ -133,10 +133,10 @@ def test_plan_for_another_batch_is_refused():
   bad = dataclasses.replace(plan_a, q_start=plan_a.q_start + 10 * T)
   with pytest.raises(dispatch.PlanMismatchError, match="past its capacities"):
     dispatch.validate_plan(bad, a.layout)
-  swapped = plan_a.local_q_idx.copy()
-  swapped[0, [0, 1]] = swapped[0, [1, 0]]
-  with pytest.raises(dispatch.PlanMismatchError, match="another token"):
-    dispatch.validate_plan(dataclasses.replace(plan_a, local_q_idx=swapped), a.layout)
+  dropped = plan_a.local_q_valid.copy()  # a real token in no query slot
+  dropped[tuple(np.argwhere(dropped)[0])] = False
+  with pytest.raises(dispatch.PlanMismatchError, match="in 0 query slots"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, local_q_valid=dropped), a.layout)
   # The backward's transposes: a wrong K/V inverse, or a query row placed on two servers.
   inv = plan_a.server_kv_inv.copy()
   slot = np.argwhere(plan_a.server_kv_inv_valid)[0]
@@ -157,15 +157,12 @@ def test_plan_for_another_batch_is_refused():
   kv_idx[0, used[1]] = kv_idx[0, used[0]]
   with pytest.raises(dispatch.PlanMismatchError, match="two server slots"):
     dispatch.validate_plan(dataclasses.replace(plan_a, server_kv_idx=kv_idx), a.layout)
-  free = np.argwhere(~plan_a.local_q_valid)
-  assert free.size, "want a batch where some rows move (free local slots)"
-  twice_valid = plan_a.local_q_valid.copy()
-  twice_valid[tuple(free[0])] = True
-  twice_idx = plan_a.local_q_idx.copy()
-  twice_idx[tuple(free[0])] = plan_a.local_q_idx[free[0][0], 0]
-  with pytest.raises(dispatch.PlanMismatchError, match="query rows on servers"):
-    dispatch.validate_plan(dataclasses.replace(plan_a, local_q_valid=twice_valid,
-                                               local_q_idx=twice_idx), a.layout)
+  sent = np.argwhere(~plan_a.local_q_valid & (a.layout.segment_ids() >= 0))
+  assert sent.size, "want a batch where some rows move"
+  twice = plan_a.local_q_valid.copy()  # a row sent away and read in place too
+  twice[tuple(sent[0])] = True
+  with pytest.raises(dispatch.PlanMismatchError, match="in 2 query slots"):
+    dispatch.validate_plan(dataclasses.replace(plan_a, local_q_valid=twice), a.layout)
 
 
 def test_build_dispatch_refuses_a_kv_row_gathered_twice():
@@ -205,13 +202,12 @@ def _a_run(idx, valid, rows=1):
 def test_validate_plan_refuses_a_mutated_range():
   """The checks follow rows as ranges: a whole run of an index array moved by one row (still
   consecutive, so only the run's first row gives it away), or two runs swapped, is refused, in
-  the query, K/V, round-2 and return arrays."""
+  the query, K/V and round-2 arrays, and a run of the rows read in place moved by one."""
   layout, tasks, kv, _ = _relay_case()
   plan = dispatch.build_dispatch(tasks, layout, Capacities(), kv=kv)
   dispatch.validate_plan(plan, layout)
   arrays = plan.arrays()
-  for name in ("local_q_idx", "q.send_idx", "kv.send_idx", "kv2.send_idx", "server_kv_idx",
-               "return_idx"):
+  for name in ("q.send_idx", "kv.send_idx", "kv2.send_idx", "server_kv_idx"):
     idx = arrays[name]
     d, start, size = _a_run(idx, arrays[name.replace("idx", "valid")])
     moved = idx.copy()
@@ -227,6 +223,13 @@ def test_validate_plan_refuses_a_mutated_range():
       d = int(np.flatnonzero((off <= start) & (count > 0))[-1])
     with pytest.raises(dispatch.PlanMismatchError):
       dispatch.validate_plan(bad, layout, [d])
+  local = plan.local_q_valid
+  d = int(np.flatnonzero(local.any(1) & ~local.all(1))[0])
+  moved = local.copy()
+  moved[d] = np.roll(local[d], 1)
+  for devices in (None, [d]):
+    with pytest.raises(dispatch.PlanMismatchError, match="query slots"):
+      dispatch.validate_plan(dataclasses.replace(plan, local_q_valid=moved), layout, devices)
   # Two equal runs of a server's K/V gather swapped (the inverse swapped with it): each slot still
   # holds a row, the wrong one.
   idx, inv = plan.server_kv_idx.copy(), plan.server_kv_inv.copy()
@@ -239,8 +242,8 @@ def test_validate_plan_refuses_a_mutated_range():
 
 
 def test_validate_plan_checks_the_given_devices_rows():
-  """A process checks the outputs and tasks of the rows it feeds: a wrong output row of device 0
-  is refused when device 0 is among them, and is left to device 0's process otherwise."""
+  """A process checks the query slots and tasks of the rows it feeds: a real token of device 0 in
+  no slot is refused when device 0 is among them, and is left to device 0's process otherwise."""
   cfg = small_config("mesh.data=4", f"data.tokens_per_device={T}", "attention.impl=distca",
                      "attention.pingpong=false")
   a = synthetic_from_config(cfg.data, 512, 4).batch(0)
@@ -250,11 +253,11 @@ def test_validate_plan_checks_the_given_devices_rows():
   with pytest.raises(dispatch.PlanMismatchError, match="does not match the batch"):
     dispatch.validate_plan(mine, a.layout)  # built for devices 0 and 2 only
   _, plan = plan_for_layout(cfg.attention, a.layout, resolve(cfg.model))
-  swapped = plan.local_q_idx.copy()
-  swapped[0, [0, 1]] = swapped[0, [1, 0]]
-  bad = dataclasses.replace(plan, local_q_idx=swapped)
+  dropped = plan.local_q_valid.copy()
+  dropped[0, np.flatnonzero(dropped[0])[0]] = False
+  bad = dataclasses.replace(plan, local_q_valid=dropped)
   for devices in (None, [0], [0, 3]):
-    with pytest.raises(dispatch.PlanMismatchError, match="another token"):
+    with pytest.raises(dispatch.PlanMismatchError, match="query slots"):
       dispatch.validate_plan(bad, a.layout, devices)
   dispatch.validate_plan(bad, a.layout, [1, 2, 3])
   assert mesh_lib.local_rows(mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4])) is None  # one process

@@ -75,14 +75,14 @@ def _received_from(count, s, r):
 
 def _query_rows(a, s, rows, t):
   """(home device, home rows, valid) of server s's query rows `rows` of the DispatchPlan `a`:
-  rows < T are its local rows, row T + r is row r of its receive buffer."""
+  rows < T are its own home rows in place, row T + r is row r of its receive buffer."""
   local = rows < t
   lr = np.minimum(rows, t - 1)
   if a.q.recv_rows == 0:
-    return np.full_like(rows, s), a.local_q_idx[s, lr], a.local_q_valid[s, lr]
+    return np.full_like(rows, s), lr, a.local_q_valid[s, lr]
   src, slot = (np.asarray(x) for x in zip(*(_received_from(a.q.send_count, s, int(r) - t)
                                             if r >= t else (s, 0) for r in rows)))
-  return (np.where(local, s, src), np.where(local, a.local_q_idx[s, lr], a.q.send_idx[src, slot]),
+  return (np.where(local, s, src), np.where(local, lr, a.q.send_idx[src, slot]),
           np.where(local, a.local_q_valid[s, lr], a.q.send_valid[src, slot]))
 
 
@@ -127,7 +127,7 @@ def check_plan(plan, layout, epsilon=None):
   assert r.c <= c.c and r.ckv <= c.ckv and r.skv <= c.skv and r.ctask <= c.ctask
   assert r.send_q <= c.send_q and r.recv_q <= c.recv_q
   assert r.send_kv <= c.send_kv and r.recv_kv <= c.recv_kv
-  for arr in (a.q.send_idx, a.kv.send_idx, a.server_kv_idx, a.q_start, a.return_idx):
+  for arr in (a.q.send_idx, a.kv.send_idx, a.server_kv_idx, a.q_start):
     assert arr.dtype == np.int32
   # 4. Server task tables: query rows trace to one document's positions [q_hi - q_len, q_hi),
   # key rows to the same document's positions [0, kv_len): the KV is exactly the prefix.
@@ -149,7 +149,8 @@ def check_plan(plan, layout, epsilon=None):
       assert kvalid.all()
       assert (seg[ksrc, local] == g[0]).all()
       assert (pos[ksrc, local] == np.arange(kl)).all()
-  # 5. Every valid query slot is used by exactly one task (no stray rows), return covers tokens.
+  # 5. Every valid query slot is used by exactly one task (no stray rows); every real token sits
+  # in one slot, in place or sent.
   used = np.zeros((n, t_rows + c.recv_q), np.int64)
   for s in range(n):
     for j in range(c.ctask):
@@ -157,7 +158,10 @@ def check_plan(plan, layout, epsilon=None):
   received = np.arange(c.recv_q)[None, :] < a.q.send_count.sum(0)[:, None]
   held = np.concatenate([a.local_q_valid, received], 1)
   assert (used == held.astype(np.int64)).all()
-  assert (a.return_valid == (seg >= 0)).all()
+  slots = a.local_q_valid.astype(np.int64)
+  for d in range(n):
+    np.add.at(slots[d], a.q.send_idx[d, a.q.send_valid[d]], 1)
+  assert (slots == (seg >= 0)).all()
   # 6. Within ε where feasible: a move is cut at 128-token granularity, so allow two granules
   # of the longest document's rows beyond the tolerance.
   if epsilon is not None and plan.stats.moves >= 0:
@@ -198,9 +202,14 @@ def test_dispatch_check_can_fail():
   plan = make_plan(layout, COMM, 0.05)
   a = dispatch_of(plan, layout)
   assert plan.stats.moves > 0 and simulate_dispatch(a, layout) < 1e-9
-  ri = a.return_idx.copy()
-  ri[0, [5, 6]] = ri[0, [6, 5]]
-  assert simulate_dispatch(dataclasses.replace(a, return_idx=ri), layout) > 1e-3
+  si = a.q.send_idx.copy()  # two sent rows' outputs returned to each other's home rows
+  d = int(np.flatnonzero(a.q.send_valid.sum(1) >= 2)[0])
+  si[d, [0, 1]] = si[d, [1, 0]]
+  assert simulate_dispatch(dataclasses.replace(a, q=dataclasses.replace(a.q, send_idx=si)),
+                           layout) > 1e-3
+  lv = a.local_q_valid.copy()  # a row read in place whose output is dropped
+  lv[tuple(np.argwhere(lv)[0])] = False
+  assert simulate_dispatch(dataclasses.replace(a, local_q_valid=lv), layout) == float("inf")
   kl = a.kv_len.copy()
   s, j = np.unravel_index(np.argmax(kl), kl.shape)
   kl[s, j] -= 1

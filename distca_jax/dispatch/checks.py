@@ -32,7 +32,7 @@ class _Tables(dict):
     s, p = self.scope, self.scope.plan
     whole = lambda a, valid: runs.table_of(a, valid, s.devices, 0, a.shape[-1])
     if name == "local_q":
-      table = whole(p.local_q_idx, p.local_q_valid)
+      table = runs.mask_table(s.mine(p.local_q_valid), s.devices)
     elif name == "server_kv":
       table = whole(p.server_kv_idx, p.server_kv_valid)
     elif name in ("send_q", "send_kv2"):
@@ -113,11 +113,11 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
                   prior_batch: Batch | None = None) -> None:
   """Refuses a plan that does not belong to `layout` or breaks its own capacities.
 
-  Follows every row through the plan, vectorised: each real token's output must come from a
-  query row holding that same token; each task's query rows must be consecutive positions of one
+  Follows every row through the plan, vectorised: each real token must sit in exactly one query
+  slot (its output returns along the same path, reversed); each task's query rows must be consecutive positions of one
   document ending at position kv_len - 1, and its key rows exactly that document's positions
   0 .. kv_len - 1. `devices` (default: all) limits the checks to what those devices hold,
-  send and receive: the outputs of those homes, the tasks of those servers, the blocks they send
+  send and receive: the slots of those homes, the tasks of those servers, the blocks they send
   and receive (each process checks the devices it feeds, `build_dispatch(devices=...)` fills only
   those). `batch`: the Batch packed by `layout`, whose checked rows must hold the documents and
   positions the layout says (each row is then followed through the layout). `prior_batch` (ping-pong's Pong): Ping's Batch, whose rows the layout's prior
@@ -128,20 +128,18 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   scope = _scope(plan, layout, devices, batch)
   check_batch_rows_are_the_layout_s(scope, batch)
   check_prior_rows_hold_their_positions(scope, prior_batch)
-  check_padding_is_the_batch_s(scope)
   check_indices_in_range(scope)
   check_kv_inverse(scope)
   check_exchange_counts(scope)
   check_each_token_has_one_slot(scope)
-  check_outputs_come_from_their_tokens(scope)
   check_tasks_cover_one_document(scope)
 
 
 def check_shapes(plan: DispatchPlan, layout: Layout) -> None:
   """The plan is for the batch's N buffers of T rows."""
   N, T = layout.num_buffers, layout.buffer_len
-  if plan.return_idx.shape != (N, T) or plan.local_q_idx.shape != (N, T):
-    raise PlanMismatchError(f"plan is for buffers {plan.return_idx.shape}, the batch has ({N}, {T})")
+  if plan.local_q_valid.shape != (N, T):
+    raise PlanMismatchError(f"plan is for buffers {plan.local_q_valid.shape}, the batch has ({N}, {T})")
   if plan.q.send_idx.shape[0] != N or plan.q.send_count.shape != (N, N) or plan.q_start.shape[0] != N:
     raise PlanMismatchError(f"plan is for {plan.q.send_idx.shape[0]} devices, the batch has {N}")
 
@@ -188,22 +186,10 @@ def check_prior_rows_hold_their_positions(s: Scope, prior_batch: Batch | None) -
                             "its prior shards name hold other positions")
 
 
-def check_padding_is_the_batch_s(s: Scope) -> None:
-  """The plan returns an output exactly for the batch's real tokens."""
-  got, want = s.mine(s.plan.return_valid), s.real
-  if not np.array_equal(got, want):
-    i, r = np.argwhere(got != want)[0]
-    raise PlanMismatchError(f"plan does not match the batch: device {s.devices[i]} row {r} is "
-                            f"{'padding' if not want[i, r] else 'a real token'} in the batch")
-
-
 def check_indices_in_range(s: Scope) -> None:
   """Every index points inside the array it indexes."""
   p, T = s.plan, s.T
-  server_rows = T + s.Rq  # a server's query rows: local, then received
-  home_rows = T + p.q.send_rows  # a home's outputs: local, then returned to send slots
-  if _outside(s.mine(p.return_idx), home_rows):
-    raise PlanMismatchError(f"plan return_idx outside the {home_rows} rows a home gets back")
+  server_rows = T + s.Rq  # a server's query rows: its home rows in place, then received
   q_start, q_len, kv_start, kv_len = map(s.mine, (p.q_start, p.q_len, p.kv_start, p.kv_len))
   if (q_start + q_len > server_rows).any() or (kv_start + kv_len > p.server_kv_idx.shape[-1]).any():
     raise PlanMismatchError("plan task table indexes rows past its capacities")
@@ -213,8 +199,7 @@ def check_indices_in_range(s: Scope) -> None:
     raise PlanMismatchError("plan server_kv_idx outside the rows a server receives")
   # The checked devices' own buffers; the rows others send them are followed (and checked) by
   # `check_tasks_cover_one_document`.
-  for name, a, limit in (("local_q_idx", s.mine(p.local_q_idx), T),
-                         ("q.send_idx", s.mine(p.q.send_idx), T),
+  for name, a, limit in (("q.send_idx", s.mine(p.q.send_idx), T),
                          ("kv.send_idx", s.mine(p.kv.send_idx), s.Tkv),
                          ("kv2.send_idx", s.mine(p.kv2.send_idx), s.Tkv + s.Rkv)):
     if _outside(a, limit):
@@ -307,47 +292,23 @@ def _sums_before(count: np.ndarray, at: np.ndarray, axis: int) -> np.ndarray:
 
 
 def check_each_token_has_one_slot(s: Scope) -> None:
-  """As many query slots as real tokens: a local row or a row it sends, per checked home (with
-  the next check, every real token sits in exactly one slot, so the O return is the exact
-  transpose of the Q dispatch)."""
-  slots = int(s.mine(s.plan.local_q_valid).sum()) + int(s.mine(s.plan.q.send_valid).sum())
-  tokens = int(s.real.sum())
-  if slots != tokens:
-    raise PlanMismatchError(f"plan places {slots} query rows on servers for {tokens} real tokens")
-
-
-def check_outputs_come_from_their_tokens(s: Scope) -> None:
-  """Each real token's output row is the server row that received that same token. Home d's row
-  r < T is its local row r; row T + j came back to slot j of its send buffer, from the server
-  the query row in that slot went to (the reverse exchange mirrors the forward one). Followed as
-  the runs of `return_idx` over real rows."""
-  p, T = s.plan, s.T
-  out = runs.table_of(p.return_idx, s.plan.return_valid, s.devices, 0, T)
-  item = np.arange(out.key.size)
-  back = runs.Runs.of(item, out.to_dev, out.to_row, out.n)
-  got, bad = _home_query_rows(s, back)
-  wrong = np.zeros(item.size, bool)
-  wrong[bad] = True
-  wrong[got.item[(got.dev != out.to_dev[got.item])
-                 | (got.row != out.key[got.item] % T + got.off)]] = True
+  """Each real token of a checked home sits in exactly one query slot, a row read in place or a
+  slot of its send buffer, and no padding row in any: so the O return, which writes each
+  returned row to its home row, is the exact transpose of the Q dispatch, no row is written
+  twice, and padding gets zero. Counted over the sent rows' runs, not row by row."""
+  T, sent = s.T, s.tables["send_q"]
+  own = np.isin(sent.to_dev, s.devices)  # (the table holds the blocks others send them too)
+  at = np.searchsorted(s.devices, sent.to_dev[own])
+  starts = np.zeros((s.devices.size, T + 1), np.int32)
+  np.add.at(starts, (at, sent.to_row[own]), 1)
+  np.add.at(starts, (at, sent.to_row[own] + sent.n[own]), -1)
+  slots = np.cumsum(starts[:, :T], axis=1) + s.mine(s.plan.local_q_valid)
+  wrong = slots != s.real
   if wrong.any():
-    k = int(np.argmax(wrong))
-    d, row = divmod(int(out.key[k]), T)
-    raise PlanMismatchError(f"plan does not match the batch: the output for device {d} row "
-                            f"{row} would come from another token")
-
-
-def _home_query_rows(s: Scope, r: runs.Runs):
-  """Runs of a checked device's [local T | its send slots] rows (the rows its outputs return
-  to) followed to the home rows they hold: (runs on home rows, bad items)."""
-  T = s.T
-  r = runs.cut(r, T)
-  local = r.row < T
-  own, bad1 = runs.follow(r.take(local), s.tables["local_q"], T)
-  sent = r.take(~local)
-  sent = sent._replace(row=sent.row - T)
-  away, bad2 = runs.follow(sent, s.tables["send_q"], T)
-  return own.concat(away), np.concatenate([bad1, bad2])
+    i, r = np.argwhere(wrong)[0]
+    what = "a real token" if s.real[i, r] else "padding"
+    raise PlanMismatchError(f"plan does not match the batch: device {s.devices[i]} row {r}, "
+                            f"{what} in the batch, sits in {int(slots[i, r])} query slots")
 
 
 def _server_query_rows(s: Scope, r: runs.Runs):

@@ -8,9 +8,10 @@ leading N, `format.DispatchPlan` and its `format.Round`s):
   2. exchanges them over the pool (`transport`: the one place that moves rows between devices)
      into ONE packed receive buffer each, grouped by home,
   3. as a server, gathers its K/V rows so every document prefix is contiguous and runs the
-     kernel over its fused task batch (`kernels.attention`),
-  4. returns O by the reverse exchange into the send buffer's slots, and each home row picks
-     its output (`_rows_to_home`).
+     kernel over its fused task batch (`kernels.attention`), whose query rows are its home rows
+     in place followed by the received ones: a row that stays home is never copied,
+  4. returns O by the reverse exchange into the send buffer's slots, and writes each returned
+     row to its home row (`_rows_to_home`).
 
 With relays (`attention.kv_relay_fanout`, `schedule/relay.py`) the K/V exchange of step 2 runs in
 two rounds: the holders send their pieces to a few servers, which forward them, gathered from
@@ -157,8 +158,9 @@ def _with_transpose(linear, transpose):
 
 
 def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode: Transport = TILED):
-  """Home rows -> server-side rows [local T | received Rq] (Q forward, dO backward)."""
-  local = _masked(p.local_q_valid, jnp.take(x_TxHxD, p.local_q_idx, axis=0))
+  """Home rows -> server-side rows [home T, in place | received Rq] (Q forward, dO backward):
+  the rows local tasks read stay where they are (the others zero), the sent ones travel."""
+  local = _masked(p.local_q_valid, x_TxHxD)
   if p.q.recv_rows == 0:
     return local
   send = _masked(p.q.send_valid, jnp.take(x_TxHxD, p.q.send_idx, axis=0))
@@ -168,15 +170,17 @@ def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode: Transport = TILED):
 
 
 def _rows_to_home(y_RxHxD, p: DispatchPlan, mode: Transport = TILED):
-  """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`
-  (every real token sits in exactly one server slot; `validate_plan` checks it). The reverse
-  exchange brings each output back to the send slot its query row left from."""
-  T = p.return_idx.shape[0]
-  if p.q.recv_rows:
-    with jax.named_scope("return"):
-      back = transport(y_RxHxD[T:], p.q.send_rows, Exchange.of(p.q).reversed(), mode)
-    y_RxHxD = jnp.concatenate([y_RxHxD[:T], back])
-  return _masked(p.return_valid, jnp.take(y_RxHxD, p.return_idx, axis=0))
+  """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`.
+  A local row's output is its own server row; the reverse exchange brings the others back to the
+  send slots their query rows left from, and each is written to its home row (every real token
+  sits in exactly one server slot, `validate_plan` checks it, so no row is written twice)."""
+  T = p.local_q_valid.shape[0]
+  home = _masked(p.local_q_valid, y_RxHxD[:T])
+  if p.q.recv_rows == 0:
+    return home
+  with jax.named_scope("return"):
+    back = transport(y_RxHxD[T:], p.q.send_rows, Exchange.of(p.q).reversed(), mode)
+  return _place_rows(home, back, p.q.send_idx, p.q.send_valid)
 
 
 def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode: Transport = TILED):
@@ -288,7 +292,7 @@ def make_distca_attention(attention_config, mesh: Mesh):
       return colocated(q, k, v, ctx)
     # Ping-pong's Pong reads K/V rows of Ping too (the prefix of the document the split cut):
     # its plan's local K/V rows are [its own T | Ping's T] (`Layout.prior`), static per plan.
-    T = ctx.return_idx.shape[-1]
+    T = ctx.local_q_valid.shape[-1]
     kv_rows = ctx.kv_rows
     if kv_rows != T:
       if prior_kv is None or kv_rows != 2 * T:

@@ -19,7 +19,7 @@ import numpy as np
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.capacities import Capacities, bucketed, requirements
 from distca_jax.schedule.items import Tasks
-from distca_jax.schedule.plan import cumsum_in_groups, fill_ranges
+from distca_jax.schedule.plan import cumsum_in_groups, fill_mask, fill_ranges
 from distca_jax.schedule.traffic import PairRows, exchange_pairs, kv_requests
 
 # The exchange's rounds, in the order the forward runs them, each with the names of its send,
@@ -75,8 +75,7 @@ class Round:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["local_q_idx", "local_q_valid", "return_idx", "return_valid", "q",
-                                "kv", "kv2", "server_kv_idx", "server_kv_valid", "server_kv_inv",
+                   data_fields=["local_q_valid", "q", "kv", "kv2", "server_kv_idx", "server_kv_valid", "server_kv_inv",
                                 "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +85,17 @@ class DispatchPlan:
   The exchange is packed: a device keeps every row it sends in ONE send buffer, grouped by
   server, and receives into ONE buffer, grouped by home; both are sized by the busiest device's
   moving rows (`Capacities.send_q` ...), never by N times a per-pair capacity. A server's query
-  rows are [local T | received Rq]; its K/V rows [local Tkv | received Rkv], where Tkv is the
+  rows are [its home rows T, in place | received Rq]: its local tasks read their rows where they
+  sit, and each home row's output is its own server row r < T or comes back to the send slot
+  its query row left from; its K/V rows [local Tkv | received Rkv], where Tkv is the
   device's T rows, or for ping-pong's Pong 2T: its own, then Ping's (`Layout.prior`: the prefix
   of the document the split cut is in Ping's buffers), then with relays (`schedule/relay.py`)
   the second K/V round's Rkv2: [local Tkv | round-1 Rkv | round-2 Rkv2]. Round 1 carries the
   pieces their holders send; in round 2 each relay forwards, from its [local Tkv | round-1
   Rkv] rows, pieces it received in round 1 to the servers that need them too:
 
-  local_q_idx   [N, T]       home rows kept for local tasks, in the order the tasks expect
-  local_q_valid [N, T]       bool (unused local rows: 0 and False; no task reads them)
-  return_idx    [N, T]       where home row r's output is in [local T | returned Sq] rows (an
-                             output comes back to the send slot its query row left from)
-  return_valid  [N, T]       False for padding tokens (output zero)
+  local_q_valid [N, T]       bool: home rows a local task reads in place (False for the rows
+                             sent away and for padding, whose output is zero)
   q             `Round`      the query rows: home rows out, outputs back (Sq send, Rq receive)
   kv            `Round`      K/V round 1: local K/V rows a holder sends (Skvs, Rkv)
   kv2           `Round`      K/V round 2: a relay's rows forwarded, over its [local Tkv | round-1
@@ -110,10 +108,7 @@ class DispatchPlan:
                              its [local T | received Rq] query rows and gathered K/V rows
   """
 
-  local_q_idx: Any
   local_q_valid: Any
-  return_idx: Any
-  return_valid: Any
   q: Round
   kv: Round
   kv2: Round
@@ -277,9 +272,10 @@ class _Queries(NamedTuple):
 
 
 def _query_arrays(tasks: Tasks, t: int, caps: Capacities, exchange: dict, mine) -> _Queries:
-  """Queries, grouped by (home, server) in home-row order: local rows first at the server, the
-  others at their pair's place in the home's send buffer and the server's receive buffer; the
-  output of each home row returns to where its query row left from."""
+  """Queries: a local task reads its home rows in place (server row r < T is home row r), the
+  others are grouped by (home, server) in home-row order at their pair's place in the home's
+  send buffer and the server's receive buffer; the output of each row sent away returns to the
+  send slot its query row left from."""
   n, sq = mine.size, caps.send_q
   send_off, recv_off = exchange["send_off"], exchange["recv_off"]
   block = tasks.home * n + tasks.server
@@ -288,25 +284,16 @@ def _query_arrays(tasks: Tasks, t: int, caps: Capacities, exchange: dict, mine) 
   hoff, ql = tasks.home_off[order], tasks.q_len[order]
   pos = cumsum_in_groups(ql, block[order])
   local = home == server
-  if np.bincount(home[local], weights=ql[local], minlength=n).max(initial=0) > t:
-    raise PlanMismatchError("plan keeps more than T rows at home")
-  local_q_idx, local_q_valid = _zeros(t, mine)
+  local_q_valid = sparse_zeros(mine, t, bool)
   w = local & mine[home]
-  fill_ranges(local_q_idx, local_q_valid, home[w] * t + pos[w], hoff[w], ql[w])
+  fill_mask(local_q_valid, home[w] * t + hoff[w], ql[w])
   send_slot = send_off[home, server] + pos  # the row's place in its home's send buffer
   send_q_idx, send_q_valid = _zeros(sq, mine)
   w = ~local & (mine[home] | mine[server])
   fill_ranges(send_q_idx, send_q_valid, (home * sq + send_slot)[w], hoff[w], ql[w])
-  q_start = np.where(local, pos, t + recv_off[server, home] + pos)
-  return_idx, return_valid = _zeros(t, mine)
-  w = mine[home]
-  fill_ranges(return_idx, return_valid, home[w] * t + hoff[w],
-              np.where(local, pos, t + send_slot)[w], ql[w])
-  return _Queries(
-      arrays=dict(local_q_idx=local_q_idx, local_q_valid=local_q_valid, return_idx=return_idx,
-                  return_valid=return_valid),
-      send=(send_q_idx, send_q_valid),
-      tasks=(server, tasks.doc[order], q_start, ql, tasks.q_hi[order]))
+  q_start = np.where(local, hoff, t + recv_off[server, home] + pos)
+  return _Queries(arrays=dict(local_q_valid=local_q_valid), send=(send_q_idx, send_q_valid),
+                  tasks=(server, tasks.doc[order], q_start, ql, tasks.q_hi[order]))
 
 
 class _KV(NamedTuple):

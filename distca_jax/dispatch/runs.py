@@ -139,6 +139,17 @@ def table_of(idx: np.ndarray, valid: np.ndarray, dev, start, n) -> Table:
   return _runs(_spans(flat, lo, hi)[ok], seg_lo, seg_hi, width)
 
 
+def mask_table(valid: np.ndarray, dev: np.ndarray) -> Table:
+  """The rows of devices `dev` (sorted) that `valid` [len(dev), W] marks, as runs each mapped to
+  itself: rows a device reads in place."""
+  width = valid.shape[-1]
+  edge = np.diff(valid.astype(np.int8), axis=1, prepend=0, append=0)
+  d, start = np.nonzero(edge == 1)
+  end = np.nonzero(edge == -1)[1]  # (row-major: each run's end follows its start)
+  dev = np.asarray(dev, np.int64)[d]
+  return Table(dev * width + start, end - start, dev, start.astype(np.int64), max(width, 1))
+
+
 def _changes(ok: np.ndarray) -> np.ndarray:
   """The positions i > 0 where ok[i] != ok[i - 1], a chunk at a time."""
   last = ok.size - 1

@@ -81,6 +81,17 @@ def fill_ranges(idx_flat: np.ndarray, valid_flat: np.ndarray, dst_start, src_sta
       valid_flat[d:d + l] = True
 
 
+def fill_mask(valid_flat: np.ndarray, dst_start, length) -> None:
+  """valid_flat[d : d+l] = True for each (d, l), as `fill_ranges` writes its valid flags."""
+  length = np.asarray(length, np.int64).reshape(-1)
+  dst = np.asarray(dst_start, np.int64).reshape(-1)
+  short = length < _LONG_RANGE
+  if short.any():
+    valid_flat[ranges(dst[short], length[short])] = True
+  for d, l in zip(dst[~short].tolist(), length[~short].tolist()):
+    valid_flat[d:d + l] = True
+
+
 # Ranges of at least this many rows are written one slice at a time (a Python step each, ~1 µs,
 # against ~4 ns a row scattered).
 _LONG_RANGE = 512
