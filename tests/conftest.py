@@ -39,3 +39,13 @@ def _outside_the_checkout(tmp_path_factory):
   os.chdir(tmp_path_factory.mktemp("cwd"))
   yield
   os.chdir(before)
+
+
+# The longest tests, started first: with two workers a long test left for the end runs alone
+# while the other worker idles.
+_LONG_FIRST = ("tests/test_multihost.py", "tests/test_pipeline.py::test_pipeline_matches_reference",
+               "tests/test_bench.py")
+
+
+def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))

@@ -61,7 +61,7 @@ def test_pipeline_suite(tmp_path):
   profile = tmp_path / "free.json"
   profile.write_text(json.dumps({**read_profile(), "exchange_fixed": 0.0, "machinery": 0.0,
                                  "exchange_flops_per_byte": 0.0}))
-  rows, _ = _bench(tmp_path, "--suite", "pp", "--batches", "skewed", "--microbatches", "2",
+  rows, _ = _bench(tmp_path, "--suite", "pp", "--batches", "skewed", "--microbatches", "1",
                    "model.layers=2", f"attention.gate_profile={profile}")
   assert [r["variant"] for r in rows] == ["pp2-colocated", "pp2-distca", "pp2-distca-single"]
   for r in rows[1:]:

@@ -159,14 +159,15 @@ def _with_transpose(linear, transpose):
 
 def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode: Transport = TILED):
   """Home rows -> server-side rows [home T, in place | received Rq] (Q forward, dO backward):
-  the rows local tasks read stay where they are (the others zero), the sent ones travel."""
-  local = _masked(p.local_q_valid, x_TxHxD)
+  the rows local tasks read stay where they are, the sent ones travel. The home rows no task
+  reads are not zeroed (a pass over every row): the kernels read only their tasks' rows, and
+  give the rows no task covers zero O and dQ, which `_rows_to_home` masks all the same."""
   if p.q.recv_rows == 0:
-    return local
+    return x_TxHxD
   send = _masked(p.q.send_valid, jnp.take(x_TxHxD, p.q.send_idx, axis=0))
   with jax.named_scope("dispatch"):
     recv = transport(send, p.q.recv_rows, Exchange.of(p.q), mode)
-  return jnp.concatenate([local, recv])
+  return jnp.concatenate([x_TxHxD, recv])
 
 
 def _rows_to_home(y_RxHxD, p: DispatchPlan, mode: Transport = TILED):
