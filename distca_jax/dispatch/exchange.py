@@ -159,9 +159,7 @@ def _with_transpose(linear, transpose):
 
 def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode: Transport = TILED):
   """Home rows -> server-side rows [home T, in place | received Rq] (Q forward, dO backward):
-  the rows local tasks read stay where they are, the sent ones travel. The home rows no task
-  reads are not zeroed (a pass over every row): the kernels read only their tasks' rows, and
-  give the rows no task covers zero O and dQ, which `_rows_to_home` masks all the same."""
+  the rows local tasks read stay where they are, the sent ones travel."""
   if p.q.recv_rows == 0:
     return x_TxHxD
   send = _masked(p.q.send_valid, jnp.take(x_TxHxD, p.q.send_idx, axis=0))
@@ -173,15 +171,18 @@ def _rows_to_servers(x_TxHxD, p: DispatchPlan, mode: Transport = TILED):
 def _rows_to_home(y_RxHxD, p: DispatchPlan, mode: Transport = TILED):
   """Server-side rows -> home rows (O forward, dQ backward): the transpose of `_rows_to_servers`.
   A local row's output is its own server row; the reverse exchange brings the others back to the
-  send slots their query rows left from, and each is written to its home row (every real token
-  sits in exactly one server slot, `validate_plan` checks it, so no row is written twice)."""
+  send slots their query rows left from, and each is written over its home row (every real token
+  sits in exactly one server slot, `validate_plan` checks it, so no row is written twice).
+
+  Nothing is masked: the kernels give every row no task covers (a row sent away, padding) an
+  O and a dQ of exactly zero (tests/test_kernels.py checks each backend), and read only their
+  tasks' rows, so the home rows no task reads need no zeroing on the way in either."""
   T = p.local_q_valid.shape[0]
-  home = _masked(p.local_q_valid, y_RxHxD[:T])
   if p.q.recv_rows == 0:
-    return home
+    return y_RxHxD[:T]
   with jax.named_scope("return"):
     back = transport(y_RxHxD[T:], p.q.send_rows, Exchange.of(p.q).reversed(), mode)
-  return _place_rows(home, back, p.q.send_idx, p.q.send_valid)
+  return _place_rows(y_RxHxD[:T], back, p.q.send_idx, p.q.send_valid)
 
 
 def _kv_to_servers(x_TxKxD, p: DispatchPlan, mode: Transport = TILED):

@@ -95,7 +95,8 @@ class DispatchPlan:
   Rkv] rows, pieces it received in round 1 to the servers that need them too:
 
   local_q_valid [N, T]       bool: home rows a local task reads in place (False for the rows
-                             sent away and for padding, whose output is zero)
+                             sent away and for padding, whose output is zero); what the checks
+                             follow: the device side moves no local row and reads none of it
   q             `Round`      the query rows: home rows out, outputs back (Sq send, Rq receive)
   kv            `Round`      K/V round 1: local K/V rows a holder sends (Skvs, Rkv)
   kv2           `Round`      K/V round 2: a relay's rows forwarded, over its [local Tkv | round-1
