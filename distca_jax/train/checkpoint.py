@@ -358,6 +358,7 @@ class Checkpointer:
           why = e.why
         except CheckpointCorruptError as e:
           why = f"unreadable: {_brief(e.__cause__ or e, 160)}"
+          _drop_orphaned_read_errors()
         else:
           why = problem(state)
           if why is None:
@@ -464,6 +465,21 @@ class _ClosedLoopNoiseDropped:
 
   def __getattr__(self, name):  # flush, fileno, encoding, ...: the real stream's
     return getattr(self._stderr, name)
+
+
+def _drop_orphaned_read_errors() -> None:
+  """After a failed read of a damaged checkpoint, the restore's other reads end as asyncio tasks
+  whose errors nobody awaits; asyncio logs each with its traceback when the task is collected,
+  possibly long after the restore (at exit). The failure is reported already: those records
+  are dropped from the `asyncio` logger for the rest of the process."""
+  logger = logging.getLogger("asyncio")
+  if _orphaned_read_error not in logger.filters:
+    logger.addFilter(_orphaned_read_error)
+
+
+def _orphaned_read_error(record: logging.LogRecord) -> bool:
+  """False (drop) for asyncio's report of a task's error nobody retrieved."""
+  return not record.getMessage().startswith("Task exception was never retrieved")
 
 
 def _diff(expect: Any, stored: Any, path: str) -> list[str]:
