@@ -83,7 +83,6 @@ CASES = [
     # tokens per device
     (2, 2, 2, 3, "colocated", "sampled", 1, 128),
     (2, 2, 2, 3, "distca", "sampled", 2, 128),
-    (4, 1, 2, 4, "colocated", "span_all", 1, 128),
     # Ping-pong per tick: Ping and Pong planned on their own, a document cut between them. At 512
     # tokens the halves hold pieces the planner can move (two 128-row granules): Ping's warm-up
     # plan of the first case spreads over one idle row of four (`schedule.tick.plan_tick`), the
