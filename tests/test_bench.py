@@ -35,7 +35,7 @@ def test_cad_suite(tmp_path):
   streams it ran, the baseline re-packs without CAD, and every variant computes the same loss.
   (`--pingpong-ablation` adds a single-stream row, the same variant the pipeline suite's test
   runs as `pp2-distca-single`.)"""
-  rows, _ = _bench(tmp_path, "--suite", "cad", "--batches", "skewed", "mesh.data=2", "model.layers=1",
+  rows, _ = _bench(tmp_path, "--suite", "cad", "--batches=skewed", "mesh.data=2", "model.layers=1",
                    "attention.gate=false")  # skewed at 512 tokens: [512] + 4 x [128]
   assert {r["batch"] for r in rows} == {"skewed"}, rows
   for batch in ("skewed",):
