@@ -114,9 +114,10 @@ def validate_plan(plan: DispatchPlan, layout: Layout, devices=None, batch: Batch
   """Refuses a plan that does not belong to `layout` or breaks its own capacities.
 
   Follows every row through the plan, vectorised: each real token must sit in exactly one query
-  slot (its output returns along the same path, reversed); each task's query rows must be consecutive positions of one
-  document ending at position kv_len - 1, and its key rows exactly that document's positions
-  0 .. kv_len - 1. `devices` (default: all) limits the checks to what those devices hold,
+  slot (its output returns along the same path, reversed); each task's query rows must be
+  consecutive positions of one document ending at position kv_len - 1, and its key rows exactly
+  that document's positions 0 .. kv_len - 1. `devices` (default: all) limits the checks to what
+  those devices hold,
   send and receive: the slots of those homes, the tasks of those servers, the blocks they send
   and receive (each process checks the devices it feeds, `build_dispatch(devices=...)` fills only
   those). `batch`: the Batch packed by `layout`, whose checked rows must hold the documents and

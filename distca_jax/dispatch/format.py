@@ -19,7 +19,7 @@ import numpy as np
 from distca_jax.data.packing import Layout
 from distca_jax.schedule.capacities import Capacities, bucketed, requirements
 from distca_jax.schedule.items import Tasks
-from distca_jax.schedule.plan import cumsum_in_groups, fill_mask, fill_ranges
+from distca_jax.schedule.plan import cumsum_in_groups, fill_ranges
 from distca_jax.schedule.traffic import PairRows, exchange_pairs, kv_requests
 
 # The exchange's rounds, in the order the forward runs them, each with the names of its send,
@@ -75,8 +75,9 @@ class Round:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["local_q_valid", "q", "kv", "kv2", "server_kv_idx", "server_kv_valid", "server_kv_inv",
-                                "server_kv_inv_valid", "q_start", "q_len", "kv_start", "kv_len"],
+                   data_fields=["local_q_valid", "q", "kv", "kv2", "server_kv_idx",
+                                "server_kv_valid", "server_kv_inv", "server_kv_inv_valid",
+                                "q_start", "q_len", "kv_start", "kv_len"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
@@ -287,7 +288,7 @@ def _query_arrays(tasks: Tasks, t: int, caps: Capacities, exchange: dict, mine) 
   local = home == server
   local_q_valid = sparse_zeros(mine, t, bool)
   w = local & mine[home]
-  fill_mask(local_q_valid, home[w] * t + hoff[w], ql[w])
+  fill_ranges(None, local_q_valid, home[w] * t + hoff[w], 0, ql[w])
   send_slot = send_off[home, server] + pos  # the row's place in its home's send buffer
   send_q_idx, send_q_valid = _zeros(sq, mine)
   w = ~local & (mine[home] | mine[server])

@@ -56,8 +56,10 @@ def cumsum_in_groups(values: np.ndarray, group: np.ndarray) -> np.ndarray:
   return c - base
 
 
-def fill_ranges(idx_flat: np.ndarray, valid_flat: np.ndarray, dst_start, src_start, length) -> None:
-  """idx_flat[d : d+l] = s + arange(l), valid_flat[...] = True, for each (d, s, l).
+def fill_ranges(idx_flat: np.ndarray | None, valid_flat: np.ndarray, dst_start, src_start,
+                length) -> None:
+  """idx_flat[d : d+l] = s + arange(l), valid_flat[...] = True, for each (d, s, l); with
+  `idx_flat` None only the valid flags (`src_start` unread).
 
   Long ranges are contiguous slice writes, one each; the many short ones (a batch of short
   documents has tens of thousands) one scatter of their rows together. Never a loop over
@@ -67,29 +69,20 @@ def fill_ranges(idx_flat: np.ndarray, valid_flat: np.ndarray, dst_start, src_sta
   if not length.size:
     return
   dst = np.asarray(dst_start, np.int64).reshape(-1)
-  src = np.asarray(src_start, np.int64).reshape(-1)
+  src = np.broadcast_to(np.asarray(src_start, np.int64).reshape(-1), dst.shape)
   short = length < _LONG_RANGE
   if short.any():
     at = ranges(dst[short], length[short])
-    idx_flat[at] = ranges(src[short], length[short])
+    if idx_flat is not None:
+      idx_flat[at] = ranges(src[short], length[short])
     valid_flat[at] = True
   long_ = ~short
   if long_.any():
-    ramp = np.arange(int(length[long_].max()), dtype=idx_flat.dtype)
+    ramp = None if idx_flat is None else np.arange(int(length[long_].max()), dtype=idx_flat.dtype)
     for d, s_, l in zip(dst[long_].tolist(), src[long_].tolist(), length[long_].tolist()):
-      np.add(ramp[:l], s_, out=idx_flat[d:d + l])
+      if ramp is not None:
+        np.add(ramp[:l], s_, out=idx_flat[d:d + l])
       valid_flat[d:d + l] = True
-
-
-def fill_mask(valid_flat: np.ndarray, dst_start, length) -> None:
-  """valid_flat[d : d+l] = True for each (d, l), as `fill_ranges` writes its valid flags."""
-  length = np.asarray(length, np.int64).reshape(-1)
-  dst = np.asarray(dst_start, np.int64).reshape(-1)
-  short = length < _LONG_RANGE
-  if short.any():
-    valid_flat[ranges(dst[short], length[short])] = True
-  for d, l in zip(dst[~short].tolist(), length[~short].tolist()):
-    valid_flat[d:d + l] = True
 
 
 # Ranges of at least this many rows are written one slice at a time (a Python step each, ~1 µs,
